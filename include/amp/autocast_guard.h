@@ -1,0 +1,58 @@
+#pragma once
+// RAII guards for amp's per-op casts (O1).
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+
+namespace amp {
+
+/// A RAII, thread local (!) guard that runs the ops of its scope under amp's O1 per-op casts on
+/// `device`: LibTorch's native autocast lists plus amp's additions that follow Apex's lists
+/// (opt_levels/o1_cast_lists.cpp). On destruction it restores the previous state and, when the
+/// outermost guard ends, drops the weight-cast cache, so a cast made before an optimizer step is
+/// never served after it. amp::Model uses it around the forward at O1; use it directly for code
+/// outside the model.
+///
+/// Example:
+///   { amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16); auto y = torch::mm(a, b); }  // y is bf16
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+  AutocastGuard(AutocastGuard&&) = delete;
+  AutocastGuard& operator=(AutocastGuard&&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool prev_enabled_;
+  c10::ScalarType prev_dtype_;
+  bool prev_amp_casts_;
+};
+
+/// A RAII, thread local (!) guard that turns every per-op cast off in its scope (Apex's
+/// `disable_casts`). scale_loss runs backward under it.
+class DisableCastsGuard {
+ public:
+  DisableCastsGuard();
+  ~DisableCastsGuard();
+  DisableCastsGuard(const DisableCastsGuard&) = delete;
+  DisableCastsGuard& operator=(const DisableCastsGuard&) = delete;
+  DisableCastsGuard(DisableCastsGuard&&) = delete;
+  DisableCastsGuard& operator=(DisableCastsGuard&&) = delete;
+
+ private:
+  bool prev_cpu_;
+  bool prev_cuda_;
+  bool prev_amp_casts_;
+};
+
+namespace detail {
+/// Returns whether amp's own cast rules apply on this thread (inside an AutocastGuard).
+bool amp_casts_active() noexcept;
+/// Registers amp's cast kernels on the autocast dispatch keys (once per process).
+void register_cast_kernels();
+}  // namespace detail
+
+}  // namespace amp

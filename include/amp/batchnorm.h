@@ -1,0 +1,27 @@
+#pragma once
+// BatchNorm under mixed precision: recognising BN layers and freezing them for fine-tuning.
+
+#include <torch/nn/module.h>
+
+namespace amp {
+
+/// Puts every BatchNorm layer under `module` (itself included) in eval mode, stops its parameters'
+/// gradients and marks it frozen, so amp::Model::train() keeps it so. Running statistics then
+/// never change. Call it before amp::initialize or after, at any opt level.
+///
+/// Example:
+///   amp::freeze_batchnorm(*backbone);   // fine-tune the head, keep pretrained BN statistics
+void freeze_batchnorm(torch::nn::Module& module);
+
+/// Returns whether `module` is a BatchNorm1d/2d/3d layer (or derives from one).
+bool is_batchnorm(const torch::nn::Module& module);
+
+/// Returns whether freeze_batchnorm marked `module` frozen.
+bool is_frozen(const torch::nn::Module& module);
+
+namespace detail {
+/// Puts every frozen layer under `module` back in eval mode (after a recursive train()).
+void keep_frozen_layers_frozen(torch::nn::Module& module);
+}  // namespace detail
+
+}  // namespace amp

@@ -1,0 +1,31 @@
+#pragma once
+// O1's per-op cast policies: Apex's FP16_FUNCS / FP32_FUNCS / CASTS / SEQUENCE_CASTS / BANNED lists.
+
+#include <string>
+#include <vector>
+
+namespace amp {
+
+/// What an op does with its floating tensor arguments under O1.
+enum class CastPolicy {
+  LowerPrecision,  // Cast fp32 inputs to the low-precision dtype (GEMM/conv family: fast and safe).
+  Fp32,            // Cast inputs to fp32 (reductions, softmax, norms, pointwise ops that overflow, losses).
+  Promote,         // Cast all inputs to the widest floating dtype among them (mixed-dtype ops, cat, stack).
+  Banned,          // Refuse: the op is unsafe in low precision; the message says what to use instead.
+};
+
+/// One row of the table: an ATen operator ("aten::softmax.int": name and overload) and its policy.
+struct CastRule {
+  std::string op;
+  CastPolicy policy;
+  std::string banned_message = {};  // for CastPolicy::Banned
+};
+
+/// Returns Apex's O1 table as amp applies it (opt_levels/o1_cast_lists.cpp). Where LibTorch's native
+/// autocast already has a kernel for an op on a device, the native policy stays in effect for it.
+const std::vector<CastRule>& o1_cast_rules();
+
+/// Returns "LowerPrecision", "Fp32", "Promote" or "Banned".
+const char* to_string(CastPolicy policy);
+
+}  // namespace amp

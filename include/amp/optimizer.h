@@ -1,0 +1,121 @@
+#pragma once
+// The patched optimizer: skips steps after an overflow and keeps fp32 master weights (O2).
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <optional>
+#include <vector>
+
+#include "amp/loss_scaler.h"
+#include "amp/properties.h"
+
+namespace amp {
+
+class ScaledLoss;
+
+/// What every amp::Optimizer<Opt> is, whatever Opt: the loss scalers, the fp32 master weights and
+/// the skip decision. scale_loss, loss_scale and master_params take it.
+class OptimizerBase {
+ public:
+  virtual ~OptimizerBase() = default;
+
+  /// Returns the resolved properties this optimizer was initialized with.
+  const Properties& properties() const noexcept { return properties_; }
+  /// Returns the scaler of loss `loss_id`; throws if loss_id is outside [0, num_losses).
+  const LossScaler& loss_scaler(int loss_id = 0) const;
+  /// Returns the parameters the optimizer updates: fp32 masters where the model is low precision.
+  std::vector<at::Tensor> master_params();
+  /// Returns whether the next step() will be skipped because a backward overflowed.
+  bool step_will_be_skipped() const noexcept { return skip_next_step_; }
+  /// Returns how many steps were skipped after overflows.
+  int64_t skipped_steps() const noexcept { return skipped_steps_; }
+
+ protected:
+  OptimizerBase() = default;
+  OptimizerBase(OptimizerBase&&) = default;
+  OptimizerBase& operator=(OptimizerBase&&) = default;
+
+  /// Returns the torch optimizer this object is.
+  virtual torch::optim::Optimizer& torch_optimizer() = 0;
+  virtual const torch::optim::Optimizer& torch_optimizer() const = 0;
+
+  /// Checks the optimizer against `module`, builds fp32 masters and re-keys optimizer state.
+  /// Runs before the model is cast, so masters copy the original fp32 values.
+  void attach(torch::nn::Module& module, const Properties& properties);
+  /// Decides the step: false after an overflow (grads are then dropped and nothing changes).
+  bool begin_step();
+  /// Copies the updated masters into the model's low-precision parameters (one fused pass).
+  void end_step();
+  /// Clears model and master gradients and any pending backward state.
+  void zero_all_grads(bool set_to_none);
+  void save_amp_state(torch::serialize::OutputArchive& archive) const;
+  void load_amp_state(torch::serialize::InputArchive& archive);
+
+ private:
+  friend class ScaledLoss;
+
+  // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward).
+  void prepare_backward(int loss_id);
+  bool post_backward(int loss_id, bool delay_unscale);  // returns overflow
+  void abort_backward() noexcept;
+  bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
+  void check_loss_id(int loss_id) const;
+
+  Properties properties_;
+  bool attached_ = false;
+  // Apex skips all scaling bookkeeping for a fixed scale of 1 without master weights (O0, O3).
+  bool unscaled_fast_path_ = false;
+  std::vector<LossScaler> scalers_;
+  std::vector<at::Tensor> model_lp_params_;  // low-precision model params that have masters
+  std::vector<at::Tensor> masters_;          // their fp32 masters, parallel to model_lp_params_
+  std::vector<at::Tensor> direct_params_;    // params the optimizer updates in place
+  std::vector<at::Tensor> stash_;            // grads of direct_params_ before the current backward
+  bool backward_prepared_ = false;
+  std::optional<int> scaled_grads_loss_id_;  // grads still scaled after delay_unscale
+  bool skip_next_step_ = false;
+  int skip_loss_id_ = 0;
+  int64_t skipped_steps_ = 0;
+};
+
+/// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with
+/// master weights, copies the updated fp32 masters back into the model. Built by amp::initialize.
+/// torch::save / torch::load round-trip its state, masters and loss scalers.
+template <class Opt>
+class Optimizer : public Opt, public OptimizerBase {
+ public:
+  Optimizer(Opt&& optimizer, torch::nn::Module& module, const Properties& properties) : Opt(std::move(optimizer)) {
+    attach(module, properties);
+  }
+
+  /// Steps, unless a backward since the last step overflowed. Closures are not supported (as in Apex).
+  torch::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
+    TORCH_CHECK(closure == nullptr,
+                "amp::Optimizer::step: Currently, amp does not support closure use with optimizers. Compute the "
+                "loss, run amp::scale_loss(loss, optimizer).backward(), then call step() without a closure.");
+    if (!begin_step()) return {};
+    torch::Tensor loss = Opt::step(nullptr);
+    end_step();
+    return loss;
+  }
+
+  /// Clears the gradients of the model's parameters and of the fp32 masters.
+  void zero_grad(bool set_to_none = true) { zero_all_grads(set_to_none); }
+
+  void save(torch::serialize::OutputArchive& archive) const override {
+    Opt::save(archive);
+    save_amp_state(archive);
+  }
+
+  void load(torch::serialize::InputArchive& archive) override {
+    Opt::load(archive);
+    load_amp_state(archive);
+  }
+
+ protected:
+  torch::optim::Optimizer& torch_optimizer() override { return *this; }
+  const torch::optim::Optimizer& torch_optimizer() const override { return *this; }
+};
+
+}  // namespace amp

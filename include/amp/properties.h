@@ -1,0 +1,49 @@
+#pragma once
+// What an opt level means: Apex's `Properties`, fully resolved.
+
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+#include <string>
+
+#include "amp/loss_scale.h"
+#include "amp/opt_level.h"
+
+namespace amp {
+
+/// The resolved settings `initialize` acts on. `properties(level)` gives a level's defaults;
+/// `Options::resolve()` gives them with user overrides applied and validated.
+struct Properties {
+  OptLevel opt_level = OptLevel::O1;
+  bool enabled = true;
+  /// The dtype parameters are cast to; nullopt leaves them as they are (O1).
+  std::optional<c10::ScalarType> cast_model_type;
+  /// Runs the forward under per-op casts (O1).
+  bool patch_torch_functions = false;
+  /// Keeps BatchNorm parameters and buffers fp32 when the model is cast; nullopt at O1.
+  std::optional<bool> keep_batchnorm_fp32;
+  /// Gives the optimizer fp32 master copies of low-precision parameters.
+  bool master_weights = false;
+  LossScale loss_scale = LossScale::fixed(1.0);
+  /// kHalf or kBFloat16: what "low precision" means for this run.
+  c10::ScalarType low_precision_dtype = c10::ScalarType::Half;
+  /// The dtype floating outputs of the model are cast to.
+  c10::ScalarType cast_model_outputs = c10::ScalarType::Float;
+  /// How many losses (and loss scalers) scale_loss addresses through loss_id.
+  int num_losses = 1;
+  std::optional<double> min_loss_scale;
+  double max_loss_scale = 16777216.0;  // 2^24
+  /// 0 is silent; 1 prints the initialize banner and overflow messages, like Apex.
+  int verbosity = 1;
+};
+
+/// Returns the defaults of `level`: exactly Apex's table, with kHalf as the low-precision dtype.
+Properties properties(OptLevel level);
+
+/// Returns the properties as Apex's verbosity=1 banner prints them ("enabled : True" ...).
+std::string to_string(const Properties& properties);
+
+/// Returns "torch.float16" style names, as Apex prints dtypes.
+std::string dtype_name(c10::ScalarType dtype);
+
+}  // namespace amp

@@ -1,0 +1,79 @@
+#pragma once
+// The scaled-loss handle (Apex's `with amp.scale_loss(loss, optimizer) as scaled_loss:`).
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "amp/optimizer.h"
+
+namespace amp {
+
+/// Options of one scale_loss call.
+///
+/// Example:
+///   amp::scale_loss(loss_d, optimizer, amp::ScaleLossOptions().loss_id(1).delay_unscale(true));
+struct ScaleLossOptions {
+  /// Selects which of the num_losses loss scalers scales this loss (default 0).
+  ScaleLossOptions& loss_id(int value) { loss_id_ = value; return *this; }
+  /// Leaves the gradients scaled after backward (Apex's delay_unscale): the next scale_loss without
+  /// it unscales everything at once. An optimization for gradient accumulation; never needed for correctness.
+  ScaleLossOptions& delay_unscale(bool value) { delay_unscale_ = value; return *this; }
+  int loss_id() const noexcept { return loss_id_; }
+  bool delay_unscale() const noexcept { return delay_unscale_; }
+
+ private:
+  int loss_id_ = 0;
+  bool delay_unscale_ = false;
+};
+
+/// A RAII handle on a scaled loss. It models a control-flow construct, not a value (like
+/// absl::Cleanup): scale_loss prepares the optimizer's gradients, backward() runs backward on
+/// loss * scale (never under per-op casts), unscales the new gradients into fp32 (master) gradients,
+/// checks them for inf/NaN in one fused pass and updates the loss scale; after an overflow the next
+/// optimizer.step() is skipped. If backward() is never reached (an exception, an early return) the
+/// destructor puts the gradients back as they were. Not copyable, not movable.
+class [[nodiscard]] ScaledLoss {
+ public:
+  ScaledLoss(const ScaledLoss&) = delete;
+  ScaledLoss& operator=(const ScaledLoss&) = delete;
+  ScaledLoss(ScaledLoss&&) = delete;
+  ScaledLoss& operator=(ScaledLoss&&) = delete;
+  ~ScaledLoss();
+
+  /// Returns the scaled loss (fp32).
+  const at::Tensor& tensor() const noexcept { return scaled_; }
+  /// Runs backward and the unscale / overflow check / scale update; call it once.
+  void backward();
+  /// Returns whether this backward overflowed; valid after backward().
+  bool overflow() const;
+
+ private:
+  friend ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options);
+  ScaledLoss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options);
+
+  OptimizerBase& optimizer_;
+  ScaleLossOptions options_;
+  at::Tensor scaled_;
+  bool prepared_ = false;
+  bool done_ = false;
+  bool overflow_ = false;
+};
+
+/// Scales `loss` for backward with the optimizer's loss scaler `options.loss_id()`.
+///
+/// Example:
+///   { auto scaled_loss = amp::scale_loss(loss, optimizer); scaled_loss.backward(); }
+///   optimizer.step();
+[[nodiscard]] ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options = {});
+
+/// Returns the current loss scale of scaler `loss_id` (Apex's _amp_state.loss_scalers[id].loss_scale()).
+double loss_scale(const OptimizerBase& optimizer, int loss_id = 0);
+
+/// Returns the parameters the optimizer steps (fp32 masters at O2): clip these, after backward().
+///
+/// Example:
+///   torch::nn::utils::clip_grad_norm_(amp::master_params(optimizer), 1.0);
+std::vector<at::Tensor> master_params(OptimizerBase& optimizer);
+
+}  // namespace amp

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs everything amp's build, tests, examples and benchmarks need. Idempotent: a second run
+# installs nothing. Two LibTorch versions are installed side by side:
+#   - LibTorch 2.13 (CPU), bundled in the pip wheel torch==2.13.0 (the primary build);
+#   - LibTorch 1.13.1 (CPU), Debian's libtorch-dev (the second supported version).
+set -euo pipefail
+
+apt_packages=(libtorch-dev libgtest-dev libgmock-dev libbenchmark-dev libboost-program-options-dev
+              ccache cmake g++ make python3-sklearn gnuplot-nox)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The wheel's version is pinned: an unpinned `torch` would pull a multi-GB CUDA build.
+if ! python3 -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (CPU wheel; its bundled LibTorch is what amp builds against)"
+  python3 -m pip install --quiet torch==2.13.0
+fi
+echo "setup: done"

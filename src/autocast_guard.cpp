@@ -1,0 +1,51 @@
+#include "amp/autocast_guard.h"
+
+#include "autocast_adapter.h"
+
+namespace amp {
+namespace {
+thread_local bool amp_casts = false;
+}  // namespace
+
+bool detail::amp_casts_active() noexcept { return amp_casts; }
+
+AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype)
+    : device_(device),
+      prev_enabled_(detail::autocast::is_enabled(device)),
+      prev_dtype_(detail::autocast::get_dtype(device)),
+      prev_amp_casts_(amp_casts) {
+  detail::register_cast_kernels();
+  detail::autocast::set_dtype(device, dtype);  // throws before any state changed
+  detail::autocast::set_enabled(device, true);
+  detail::autocast::increment_nesting();
+  amp_casts = true;
+}
+
+AutocastGuard::~AutocastGuard() {
+  // Mirrors Python's autocast.__exit__: the outermost region drops the cast cache.
+  if (detail::autocast::decrement_nesting() == 0) detail::autocast::clear_cache();
+  detail::autocast::set_enabled(device_, prev_enabled_);
+  try {
+    detail::autocast::set_dtype(device_, prev_dtype_);
+  } catch (...) {
+    // prev_dtype_ was valid when read; a failure here can't leave a worse state than keeping ours.
+  }
+  amp_casts = prev_amp_casts_;
+}
+
+DisableCastsGuard::DisableCastsGuard()
+    : prev_cpu_(detail::autocast::is_enabled(c10::DeviceType::CPU)),
+      prev_cuda_(detail::autocast::is_enabled(c10::DeviceType::CUDA)),
+      prev_amp_casts_(amp_casts) {
+  detail::autocast::set_enabled(c10::DeviceType::CPU, false);
+  detail::autocast::set_enabled(c10::DeviceType::CUDA, false);
+  amp_casts = false;
+}
+
+DisableCastsGuard::~DisableCastsGuard() {
+  detail::autocast::set_enabled(c10::DeviceType::CPU, prev_cpu_);
+  detail::autocast::set_enabled(c10::DeviceType::CUDA, prev_cuda_);
+  amp_casts = prev_amp_casts_;
+}
+
+}  // namespace amp

@@ -1,0 +1,58 @@
+#include "amp/batchnorm.h"
+
+#include <torch/nn/modules/batchnorm.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace amp {
+namespace {
+
+// Frozen layers, held weakly: a module that dies leaves the registry at the next sweep.
+// NOTE: a registry rather than a flag on the module, because anything stored in the module
+// (a buffer, a parameter) would change its state_dict and break loading pretrained checkpoints.
+std::mutex registry_mutex;
+std::vector<std::weak_ptr<torch::nn::Module>> frozen_layers;
+
+bool is_frozen_locked(const torch::nn::Module& module) {
+  return std::any_of(frozen_layers.begin(), frozen_layers.end(),
+                     [&](const auto& weak) { auto m = weak.lock(); return m.get() == &module; });
+}
+
+}  // namespace
+
+bool is_batchnorm(const torch::nn::Module& module) {
+  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) ||
+         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) ||
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module);
+}
+
+bool is_frozen(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return is_frozen_locked(module);
+}
+
+void freeze_batchnorm(torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  frozen_layers.erase(std::remove_if(frozen_layers.begin(), frozen_layers.end(),
+                                     [](const auto& weak) { return weak.expired(); }),
+                      frozen_layers.end());
+  auto freeze = [&](const std::shared_ptr<torch::nn::Module>& m) {
+    if (!is_batchnorm(*m)) return;
+    m->eval();
+    for (auto& p : m->parameters(/*recurse=*/false)) p.set_requires_grad(false);
+    if (!is_frozen_locked(*m)) frozen_layers.push_back(m);
+  };
+  // modules() includes `module` itself, as a shared_ptr (Module derives enable_shared_from_this).
+  for (const auto& m : module.modules(/*include_self=*/true)) freeze(m);
+}
+
+void detail::keep_frozen_layers_frozen(torch::nn::Module& module) {
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (is_frozen(*m)) m->eval();
+  }
+}
+
+}  // namespace amp

@@ -1,0 +1,124 @@
+// amp's O1 cast kernels: one boxed kernel per (policy, device), registered on the autocast dispatch
+// keys for the rows of o1_cast_rules() that the running LibTorch has no native autocast kernel for.
+//
+// NOTE [Why no forward hooks]
+// torch::nn::Module has no forward or forward-pre hooks (pytorch #25888), so amp can't patch a
+// module's forward the way Apex patched Python functions. Casting therefore lives in two places:
+//  - amp::Model casts inputs and outputs around the module's forward (O0/O2/O3 and outputs at O1);
+//  - per-op casts (O1) ride on the dispatcher: amp::AutocastGuard turns on ATen's Autocast keys, whose
+//    native kernels cast the ops LibTorch lists, and the kernels below add Apex's rows LibTorch lacks.
+// The kernels act only while amp_casts_active() (inside an AutocastGuard), so processes that use
+// plain at::autocast keep native behaviour.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+
+#include "amp/autocast_guard.h"
+#include "amp/cast_policy.h"
+#include "autocast_adapter.h"
+
+namespace amp::detail {
+namespace {
+
+const c10::DispatchKeySet kAutocastKeys{c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA};
+
+class CastKernel final : public c10::OperatorKernel {
+ public:
+  CastKernel(CastPolicy policy, c10::DeviceType device, std::string banned_message)
+      : policy_(policy), device_(device), banned_message_(std::move(banned_message)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
+    if (amp_casts_active()) cast_arguments(op, *stack);
+    op.callBoxed(stack);
+  }
+
+ private:
+  bool eligible(const at::Tensor& t) const {
+    return t.defined() && t.is_floating_point() && t.scalar_type() != at::kDouble && t.device().type() == device_;
+  }
+
+  template <class F>
+  void for_each_tensor(c10::IValue* args, size_t n, F&& f) const {
+    for (size_t i = 0; i < n; ++i) {
+      c10::IValue& v = args[i];
+      if (v.isTensor()) {
+        f(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorVector()) f(t);
+      }
+    }
+  }
+
+  void cast_arguments(const c10::OperatorHandle& op, torch::jit::Stack& stack) const {
+    TORCH_CHECK(policy_ != CastPolicy::Banned, banned_message_);
+    const size_t n = op.schema().arguments().size();
+    c10::IValue* args = stack.data() + (stack.size() - n);
+
+    c10::ScalarType target;
+    if (policy_ == CastPolicy::LowerPrecision) {
+      target = autocast::get_dtype(device_);
+    } else if (policy_ == CastPolicy::Fp32) {
+      target = at::kFloat;
+    } else {  // Promote: the widest floating dtype among the eligible arguments.
+      std::optional<c10::ScalarType> widest;
+      for_each_tensor(args, n, [&](const at::Tensor& t) {
+        if (!eligible(t)) return;
+        if (!widest) widest = t.scalar_type();
+        else if (*widest != t.scalar_type()) widest = at::kFloat;  // fp32 wins; fp16 + bf16 meet in fp32
+      });
+      if (!widest) return;
+      target = *widest;
+    }
+    auto cast = [&](const at::Tensor& t) { return eligible(t) ? autocast::cached_cast(target, t, device_) : t; };
+    for (size_t i = 0; i < n; ++i) {
+      c10::IValue& v = args[i];
+      if (v.isTensor()) {
+        v = cast(v.toTensor());
+      } else if (v.isTensorList()) {
+        std::vector<at::Tensor> list = v.toTensorVector();
+        for (auto& t : list) t = cast(t);
+        v = c10::IValue(std::move(list));
+      }
+    }
+  }
+
+  CastPolicy policy_;
+  c10::DeviceType device_;
+  std::string banned_message_;
+};
+
+}  // namespace
+
+void register_cast_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // The libraries must outlive every call through them: they live for the process.
+    static std::vector<std::unique_ptr<torch::Library>> libraries;
+    const std::pair<c10::DispatchKey, c10::DeviceType> keys[] = {
+        {c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU},
+        {c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA}};
+    for (const auto& [key, device] : keys) {
+      auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
+      for (const CastRule& rule : o1_cast_rules()) {
+        const auto dot = rule.op.find('.');
+        const std::string name = rule.op.substr(0, dot);
+        const std::string overload = dot == std::string::npos ? "" : rule.op.substr(dot + 1);
+        const auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
+        if (!handle || handle->hasKernelForDispatchKey(key)) continue;  // absent here, or native policy holds
+        const std::string op_name = rule.op.substr(6);  // drop "aten::"
+        library->impl(op_name.c_str(),
+                      torch::CppFunction::makeFromBoxedFunctor(
+                          std::make_unique<CastKernel>(rule.policy, device, rule.banned_message)));
+      }
+      libraries.push_back(std::move(library));
+    }
+  });
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,330 @@
+#include "amp/config.h"
+
+#include <boost/program_options.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace po = boost::program_options;
+
+namespace amp {
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto begin = s.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return "";
+  const auto end = s.find_last_not_of(" \t\r\n");
+  return s.substr(begin, end - begin + 1);
+}
+
+std::string dashes(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return name;
+}
+
+bool parse_bool(const std::string& v) {
+  if (v == "true" || v == "True" || v == "1") return true;
+  if (v == "false" || v == "False" || v == "0") return false;
+  throw std::invalid_argument("expected true or false (also True/False, 1/0)");
+}
+
+int64_t parse_int(const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || end != v.c_str() + v.size() || errno == ERANGE) throw std::invalid_argument("expected an integer");
+  return value;
+}
+
+double parse_double(const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || errno == ERANGE || !std::isfinite(value)) {
+    throw std::invalid_argument("expected a finite number");
+  }
+  return value;
+}
+
+c10::ScalarType parse_dtype(const std::string& v) {
+  if (v == "float32" || v == "float" || v == "fp32" || v == "torch.float32") return c10::ScalarType::Float;
+  if (v == "float16" || v == "half" || v == "fp16" || v == "torch.float16") return c10::ScalarType::Half;
+  if (v == "bfloat16" || v == "bf16" || v == "torch.bfloat16") return c10::ScalarType::BFloat16;
+  throw std::invalid_argument("expected float32, float16 or bfloat16");
+}
+
+int parse_small_int(const std::string& v) {
+  const int64_t value = parse_int(v);
+  if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max()) {
+    throw std::invalid_argument("out of range");
+  }
+  return static_cast<int>(value);
+}
+
+struct Key {
+  std::string name;
+  std::string help;
+  std::function<void(Options&, const std::string&)> apply;
+};
+
+const std::vector<Key>& amp_keys() {
+  static const std::vector<Key> keys = {
+      {"opt_level", "O0 | O1 | O2 | O3 (the letter O)", [](Options& o, const std::string& v) { o.opt_level(parse_opt_level(v)); }},
+      {"enabled", "true | false", [](Options& o, const std::string& v) { o.enabled(parse_bool(v)); }},
+      {"cast_model_type", "float32 | float16 | bfloat16", [](Options& o, const std::string& v) { o.cast_model_type(parse_dtype(v)); }},
+      {"patch_torch_functions", "true | false (O1 only)", [](Options& o, const std::string& v) { o.patch_torch_functions(parse_bool(v)); }},
+      {"keep_batchnorm_fp32", "true | false (not with O1)", [](Options& o, const std::string& v) { o.keep_batchnorm_fp32(parse_bool(v)); }},
+      {"master_weights", "true | false", [](Options& o, const std::string& v) { o.master_weights(parse_bool(v)); }},
+      {"loss_scale", "dynamic | a positive number", [](Options& o, const std::string& v) { o.loss_scale(parse_loss_scale(v)); }},
+      {"low_precision_dtype", "float16 | bfloat16", [](Options& o, const std::string& v) { o.low_precision_dtype(parse_dtype(v)); }},
+      {"cast_model_outputs", "float32 | float16 | bfloat16", [](Options& o, const std::string& v) { o.cast_model_outputs(parse_dtype(v)); }},
+      {"num_losses", "number of losses with their own loss scaler", [](Options& o, const std::string& v) { o.num_losses(parse_small_int(v)); }},
+      {"min_loss_scale", "floor of the dynamic loss scale", [](Options& o, const std::string& v) { o.min_loss_scale(parse_double(v)); }},
+      {"max_loss_scale", "ceiling of the dynamic loss scale (default 16777216)", [](Options& o, const std::string& v) { o.max_loss_scale(parse_double(v)); }},
+      {"verbosity", "0 silent, 1 banner and overflow messages", [](Options& o, const std::string& v) { o.verbosity(parse_small_int(v)); }},
+  };
+  return keys;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// All the keys one command line or file may set: amp's and the program's.
+class KeySet {
+ public:
+  KeySet(Options& options, const ProgramFlags* program) : options_(options), program_(program) {}
+
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& k : amp_keys()) out.push_back(k.name);
+    if (program_) for (const auto& f : program_->flags()) out.push_back(f.name);
+    return out;
+  }
+
+  bool knows(const std::string& name) const {
+    const auto all = names();
+    return std::find(all.begin(), all.end(), name) != all.end();
+  }
+
+  // Throws std::invalid_argument with the reason only; callers add where the value came from.
+  void apply(const std::string& name, const std::string& value) {
+    for (const auto& k : amp_keys()) {
+      if (k.name == name) return k.apply(options_, value);
+    }
+    for (const auto& f : program_->flags()) {
+      if (f.name == name) return f.assign(value);
+    }
+  }
+
+  std::string suggestion(const std::string& unknown, bool as_flag) const {
+    std::string normalized = unknown;
+    std::replace(normalized.begin(), normalized.end(), '-', '_');
+    std::string best;
+    size_t best_distance = 4;  // suggest only close names
+    for (const auto& name : names()) {
+      const size_t d = edit_distance(normalized, name);
+      if (d < best_distance) best_distance = d, best = name;
+    }
+    std::string valid;
+    for (const auto& name : names()) valid += (valid.empty() ? "" : ", ") + (as_flag ? "--" + dashes(name) : name);
+    return (best.empty() ? "" : " (did you mean '" + (as_flag ? "--" + dashes(best) : best) + "'?)") +
+           ". Valid " + (as_flag ? "flags: --config, --help, " : "keys: ") + valid;
+  }
+
+ private:
+  Options& options_;
+  const ProgramFlags* program_;
+};
+
+void load_file(const std::string& path, KeySet& keys) {
+  std::ifstream in(path);
+  if (!in) {
+    throw std::invalid_argument("amp config: cannot open config file '" + path +
+                                "'. Check the path (relative paths start from the working directory).");
+  }
+  std::map<std::string, int> seen;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    const std::string where = "amp config: " + path + ":" + std::to_string(number) + ": ";
+    const std::string text = trim(line.substr(0, line.find('#')));
+    if (text.empty()) continue;
+    const auto eq = text.find('=');
+    if (eq == std::string::npos) {
+      throw std::invalid_argument(where + "expected 'key = value', got '" + text + "'");
+    }
+    const std::string key = trim(text.substr(0, eq));
+    const std::string value = trim(text.substr(eq + 1));
+    if (!keys.knows(key)) {
+      throw std::invalid_argument(where + "unknown key '" + key + "'" + keys.suggestion(key, /*as_flag=*/false));
+    }
+    if (const auto it = seen.find(key); it != seen.end()) {
+      throw std::invalid_argument(where + "duplicate key '" + key + "' (value '" + value + "'), already set on line " +
+                                  std::to_string(it->second) + ". Keep one of the two lines.");
+    }
+    seen.emplace(key, number);
+    if (value.empty()) throw std::invalid_argument(where + "key '" + key + "' has no value");
+    try {
+      keys.apply(key, value);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(where + "bad value '" + value + "' for key '" + key + "': " + e.what());
+    }
+  }
+}
+
+po::options_description describe(const ProgramFlags* program) {
+  po::options_description all(program && !program->description().empty() ? program->description() : "Options");
+  if (program && !program->flags().empty()) {
+    po::options_description own("Program options");
+    for (const auto& f : program->flags()) {
+      own.add_options()(dashes(f.name).c_str(), po::value<std::string>()->value_name("VALUE"),
+                        (f.help + " (default: " + f.default_value + ")").c_str());
+    }
+    all.add(own);
+  }
+  po::options_description amp_flags("amp options (Apex's amp.initialize keywords; they override --config)");
+  amp_flags.add_options()("config", po::value<std::string>()->value_name("FILE"),
+                          "INI file of `key = value` lines setting any option below");
+  for (const auto& k : amp_keys()) {
+    amp_flags.add_options()(dashes(k.name).c_str(), po::value<std::string>()->value_name("VALUE"), k.help.c_str());
+  }
+  amp_flags.add_options()("help", "print this help");
+  all.add(amp_flags);
+  return all;
+}
+
+// Returns false when --help was asked for (help text in `help`).
+bool parse(int argc, const char* const argv[], KeySet& keys, const ProgramFlags* program, std::string& help) {
+  const po::options_description description = describe(program);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(description).run(), vm);
+  } catch (const po::unknown_option& e) {
+    const std::string flag = e.get_option_name();
+    throw std::invalid_argument("amp: unknown command-line flag '" + flag + "'" +
+                                keys.suggestion(flag.substr(flag.find_first_not_of('-')), /*as_flag=*/true));
+  } catch (const po::multiple_occurrences& e) {
+    throw std::invalid_argument("amp: the flag '" + e.get_option_name() + "' is given twice; give it once.");
+  } catch (const po::error& e) {
+    throw std::invalid_argument(std::string("amp: bad command line: ") + e.what() +
+                                ". Flags take a value: --opt-level O2 --keep-batchnorm-fp32 false.");
+  }
+  if (vm.count("help")) {
+    std::ostringstream os;
+    os << description;
+    help = os.str();
+    return false;
+  }
+  if (vm.count("config")) load_file(vm["config"].as<std::string>(), keys);
+  // Flags override the file: applied after it, in command-line order.
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0) continue;
+    arg = arg.substr(2, arg.find('=') == std::string::npos ? std::string::npos : arg.find('=') - 2);
+    std::string name = arg;
+    std::replace(name.begin(), name.end(), '-', '_');
+    if (name == "config" || !keys.knows(name)) continue;
+    const std::string value = vm[arg].as<std::string>();
+    try {
+      keys.apply(name, value);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("amp: bad value '" + value + "' for --" + arg + ": " + e.what());
+    }
+  }
+  return true;
+}
+
+template <class T>
+std::string to_text(const T& value) {
+  std::ostringstream os;
+  if constexpr (std::is_same_v<T, bool>) os << (value ? "true" : "false");
+  else os << value;
+  return os.str();
+}
+
+}  // namespace
+
+Options load_options(const std::string& config_file) {
+  Options options;
+  KeySet keys(options, nullptr);
+  load_file(config_file, keys);
+  return options;
+}
+
+Options parse_options(int argc, const char* const argv[]) {
+  Options options;
+  KeySet keys(options, nullptr);
+  std::string help;
+  if (!parse(argc, argv, keys, nullptr, help)) throw HelpRequested(help);
+  return options;
+}
+
+std::optional<Options> parse_command_line(int argc, const char* const argv[], ProgramFlags& program_flags,
+                                          std::ostream& help_out) {
+  Options options;
+  KeySet keys(options, &program_flags);
+  std::string help;
+  if (!parse(argc, argv, keys, &program_flags, help)) {
+    help_out << help;
+    return std::nullopt;
+  }
+  return options;
+}
+
+std::optional<Options> parse_command_line(int argc, const char* const argv[], ProgramFlags& program_flags) {
+  return parse_command_line(argc, argv, program_flags, std::cout);
+}
+
+ProgramFlags::ProgramFlags(std::string description) : description_(std::move(description)) {}
+
+ProgramFlags& ProgramFlags::add_flag(Flag flag) {
+  for (const auto& k : amp_keys()) {
+    if (k.name == flag.name) throw std::invalid_argument("amp::ProgramFlags: '" + flag.name + "' is one of amp's own keys");
+  }
+  for (const auto& f : flags_) {
+    if (f.name == flag.name) throw std::invalid_argument("amp::ProgramFlags: flag '" + flag.name + "' added twice");
+  }
+  if (flag.name.empty() || flag.name == "config" || flag.name == "help" ||
+      flag.name.find_first_of(" =-#") != std::string::npos) {
+    throw std::invalid_argument("amp::ProgramFlags: invalid flag name '" + flag.name +
+                                "'; use lower_case_with_underscores (it becomes --lower-case-with-underscores)");
+  }
+  flags_.push_back(std::move(flag));
+  return *this;
+}
+
+ProgramFlags& ProgramFlags::add(const std::string& name, int* target, const std::string& help) {
+  return add_flag({name, help, to_text(*target), [target](const std::string& v) { *target = parse_small_int(v); }});
+}
+ProgramFlags& ProgramFlags::add(const std::string& name, int64_t* target, const std::string& help) {
+  return add_flag({name, help, to_text(*target), [target](const std::string& v) { *target = parse_int(v); }});
+}
+ProgramFlags& ProgramFlags::add(const std::string& name, double* target, const std::string& help) {
+  return add_flag({name, help, to_text(*target), [target](const std::string& v) { *target = parse_double(v); }});
+}
+ProgramFlags& ProgramFlags::add(const std::string& name, bool* target, const std::string& help) {
+  return add_flag({name, help, to_text(*target), [target](const std::string& v) { *target = parse_bool(v); }});
+}
+ProgramFlags& ProgramFlags::add(const std::string& name, std::string* target, const std::string& help) {
+  return add_flag({name, help, *target, [target](const std::string& v) { *target = v; }});
+}
+
+}  // namespace amp

@@ -1,0 +1,141 @@
+#include "amp/initialize.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <iostream>
+#include <mutex>
+
+#include "amp/batchnorm.h"
+#include "model_casting.h"
+#include "opt_levels/spec.h"
+
+namespace amp::detail {
+namespace {
+
+// Modules already through initialize, held weakly (Apex guards only optimizers; a model cast twice
+// would lose its fp32 values silently).
+std::mutex initialized_mutex;
+std::vector<std::weak_ptr<torch::nn::Module>> initialized_modules;
+
+bool already_initialized(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(initialized_mutex);
+  for (const auto& weak : initialized_modules) {
+    if (auto m = weak.lock(); m.get() == &module) return true;
+  }
+  return false;
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+bool uses_low_precision(const Properties& p) {
+  return p.enabled && (p.patch_torch_functions || casts_model_to_low_precision(p));
+}
+
+// Runs a GEMM and a convolution the way the level will, so that a build without kernels for the
+// dtype fails here, with advice, instead of deep inside the first forward.
+void probe_dtype(c10::DeviceType device, const Properties& p) {
+  if (!uses_low_precision(p)) return;
+  const c10::ScalarType lp = p.low_precision_dtype;
+  try {
+    c10::NoGradGuard no_grad;
+    const auto options = at::TensorOptions().device(device).dtype(at::kFloat);
+    at::Tensor a = at::ones({4, 4}, options), image = at::ones({1, 2, 5, 5}, options);
+    at::Tensor kernel = at::ones({2, 2, 3, 3}, options);
+    if (p.patch_torch_functions) {
+      AutocastGuard casts(device, lp);
+      (void)at::mm(a, a);
+      (void)at::conv2d(image, kernel);
+    } else {
+      (void)at::mm(a.to(lp), a.to(lp));
+      (void)at::conv2d(image.to(lp), kernel.to(lp));
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "amp::initialize: opt_level ", to_string(p.opt_level), " computes in ", dtype_name(lp),
+                " on ", c10::DeviceTypeName(device, /*lower_case=*/true), ", but this LibTorch build (",
+                TORCH_VERSION, ") can't: ", message_of(e),
+                "\nUse low_precision_dtype(torch::kBFloat16) (config: low_precision_dtype = bfloat16), run on a "
+                "CUDA device, or use LibTorch >= 2.3 for float16 on the CPU.");
+  }
+}
+
+void print_banner(const Options& options, const Properties& properties) {
+  std::cout << "Selected optimization level " << brief(options.opt_level()) << "\n\n"
+            << "Defaults for this optimization level are:\n"
+            << to_string(opt_levels::spec(options.opt_level()).defaults)
+            << "Processing user overrides (additional kwargs that are not None)...\n"
+            << options.describe_overrides()
+            << "After processing overrides, optimization options are:\n"
+            << to_string(properties) << std::flush;
+}
+
+}  // namespace
+
+bool casts_model_to_low_precision(const Properties& p) {
+  return p.enabled && p.cast_model_type && *p.cast_model_type != c10::ScalarType::Float;
+}
+
+std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& p) {
+  std::unordered_set<const c10::TensorImpl*> out;
+  if (!p.enabled || !p.cast_model_type) return out;
+  const bool keep_bn = p.keep_batchnorm_fp32.value_or(false);
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (keep_bn && is_batchnorm(*m)) continue;
+    for (const auto& t : m->parameters(/*recurse=*/false)) out.insert(t.unsafeGetTensorImpl());
+    for (const auto& t : m->buffers(/*recurse=*/false)) {
+      if (t.is_floating_point()) out.insert(t.unsafeGetTensorImpl());
+    }
+  }
+  return out;
+}
+
+c10::DeviceType check_model(torch::nn::Module& module, const Options& options, const Properties& properties) {
+  TORCH_CHECK(!already_initialized(module),
+              "amp::initialize: this model (", module.name(), ") has already been passed through amp::initialize. "
+              "Call amp::initialize once per model and keep using the Model it returned.");
+  std::optional<c10::Device> device;
+  auto check_fp32 = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
+    if (!device) device = t.device();
+    if (!t.is_floating_point()) return;
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "amp::initialize: found ", kind, " '", name, "' with dtype ",
+                dtype_name(t.scalar_type()), ", expected torch.float32. amp casts the model itself: pass an fp32 "
+                "model (you do not need to call .to(torch::kHalf) or .to(torch::kDouble) on the model before "
+                "amp::initialize).");
+  };
+  for (const auto& item : module.named_parameters()) check_fp32("parameter", item.key(), item.value());
+  for (const auto& item : module.named_buffers()) check_fp32("buffer", item.key(), item.value());
+  const c10::DeviceType device_type = device ? device->type() : c10::DeviceType::CPU;
+  if (properties.enabled && properties.verbosity >= 1) print_banner(options, properties);
+  probe_dtype(device_type, properties);
+  return device_type;
+}
+
+void cast_model(torch::nn::Module& module, const Properties& properties) {
+  const auto to_cast = tensors_to_cast(module, properties);
+  if (!to_cast.empty()) {
+    c10::NoGradGuard no_grad;
+    const c10::ScalarType dtype = *properties.cast_model_type;
+    // set_data keeps each tensor's identity (its TensorImpl), so holders of the parameter, such as
+    // the optimizer, see the cast. Apex's convert_network does the same with `param.data =`.
+    for (auto& t : module.parameters()) {
+      if (!to_cast.count(t.unsafeGetTensorImpl())) continue;
+      t.set_data(t.to(dtype));
+      t.mutable_grad() = at::Tensor();  // a stale fp32 gradient would not match the new dtype
+    }
+    for (auto& t : module.buffers()) {
+      if (to_cast.count(t.unsafeGetTensorImpl())) t.set_data(t.to(dtype));
+    }
+  }
+  std::lock_guard<std::mutex> lock(initialized_mutex);
+  initialized_modules.erase(std::remove_if(initialized_modules.begin(), initialized_modules.end(),
+                                           [](const auto& weak) { return weak.expired(); }),
+                            initialized_modules.end());
+  initialized_modules.push_back(module.shared_from_this());
+}
+
+}  // namespace amp::detail

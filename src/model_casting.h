@@ -1,0 +1,20 @@
+#pragma once
+// Which of a model's tensors an opt level casts (shared by initialize and the optimizer's masters).
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <unordered_set>
+
+#include "amp/properties.h"
+
+namespace amp::detail {
+
+/// Returns the TensorImpls of the parameters and floating buffers that cast_model will cast to
+/// cast_model_type: all of them, except BatchNorm layers' when keep_batchnorm_fp32.
+std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& properties);
+
+/// Returns whether `properties` cast the model to a low-precision dtype.
+bool casts_model_to_low_precision(const Properties& properties);
+
+}  // namespace amp::detail

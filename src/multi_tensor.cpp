@@ -1,0 +1,178 @@
+#include "multi_tensor.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/version.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <map>
+
+namespace amp::detail {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;
+
+using GroupKey = std::pair<std::string, c10::ScalarType>;  // (device string, dtype)
+
+bool cpu_fast_path(const at::Tensor& t) { return t.device().is_cpu() && t.is_contiguous() && !t.is_sparse(); }
+
+void check_dense(const at::Tensor& t) {
+  TORCH_CHECK(!t.is_sparse(),
+              "amp: sparse gradients are not supported by amp's loss scaling (got a sparse gradient of shape ",
+              t.sizes(), "). Use dense gradients, e.g. torch::nn::EmbeddingOptions(...).sparse(false).");
+}
+
+// out = in * inv (+ out), in one read of `in`; returns true if `in` held a non-finite value.
+template <class In, class Out>
+bool scale_loop(const In* in, Out* out, int64_t n, float inv, bool accumulate) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    bool local = false;
+    constexpr float kMax = std::numeric_limits<float>::max();
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = static_cast<float>(in[i]);
+      local |= !(std::fabs(v) <= kMax);  // false for inf and NaN
+      const float r = v * inv;
+      out[i] = accumulate ? static_cast<Out>(static_cast<float>(out[i]) + r) : static_cast<Out>(r);
+    }
+    if (local) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load();
+}
+
+template <class F>
+void dispatch_reduced(c10::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case c10::ScalarType::Float: f(float{}); break;
+    case c10::ScalarType::Half: f(c10::Half{}); break;
+    case c10::ScalarType::BFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "amp: ", name, " supports float32, float16 and bfloat16 gradients, got ", t);
+  }
+}
+
+void mark(at::Tensor& flag) { flag.fill_(1.0); }
+
+}  // namespace
+
+at::Tensor& FoundInf::on(const c10::Device& device) {
+  for (auto& [d, t] : flags_) if (d == device) return t;
+  flags_.emplace_back(device, at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device)));
+  return flags_.back().second;
+}
+
+bool FoundInf::any() const {
+  if (flags_.empty()) return false;
+  at::Tensor total = flags_.front().second;
+  for (size_t i = 1; i < flags_.size(); ++i) total = total.add(flags_[i].second.to(total.device()));
+  return total.item<float>() > 0.0f;
+}
+
+bool has_aten_unscale_kernel(c10::DeviceType device) {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchema({"aten::_amp_foreach_non_finite_check_and_unscale_", ""});
+  if (!handle) return false;
+  return handle->hasKernelForDispatchKey(device == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA
+                                                                         : c10::DispatchKey::CPU);
+}
+
+void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf& found_inf) {
+  std::map<GroupKey, std::vector<at::Tensor>> groups;
+  for (const auto& t : tensors) {
+    check_dense(t);
+    groups[{t.device().str(), t.scalar_type()}].push_back(t);
+  }
+  const float inv = static_cast<float>(inv_scale);
+  for (auto& [key, group] : groups) {
+    const c10::Device device = group.front().device();
+    at::Tensor& flag = found_inf.on(device);
+    if (has_aten_unscale_kernel(device.type())) {
+      at::_amp_foreach_non_finite_check_and_unscale_(group, flag, at::full({1}, inv, flag.options()));
+      continue;
+    }
+    bool bad = false;
+    for (const auto& t : group) {
+      if (cpu_fast_path(t)) {
+        dispatch_reduced(t.scalar_type(), "unscale", [&](auto tag) {
+          using T = decltype(tag);
+          T* p = t.data_ptr<T>();
+          bad |= scale_loop<T, T>(p, p, t.numel(), inv, /*accumulate=*/false);
+        });
+      } else {  // strided tensors: still no host sync, two passes
+        flag.add_(at::isfinite(t).all().logical_not());
+        t.mul_(inv);
+      }
+    }
+    if (bad) mark(flag);
+  }
+}
+
+void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out, bool accumulate,
+                  double inv_scale, FoundInf& found_inf) {
+  TORCH_INTERNAL_ASSERT(in.size() == out.size());
+  const float inv = static_cast<float>(inv_scale);
+  std::vector<at::Tensor> slow_in, slow_out;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const at::Tensor& src = in[i];
+    const at::Tensor& dst = out[i];
+    check_dense(src);
+    if (cpu_fast_path(src) && cpu_fast_path(dst) && dst.scalar_type() == at::kFloat) {
+      bool bad = false;
+      dispatch_reduced(src.scalar_type(), "unscale", [&](auto tag) {
+        using T = decltype(tag);
+        bad = scale_loop<T, float>(src.data_ptr<T>(), dst.data_ptr<float>(), src.numel(), inv, accumulate);
+      });
+      if (bad) mark(found_inf.on(src.device()));
+    } else {
+      slow_in.push_back(src);
+      slow_out.push_back(dst);
+    }
+  }
+  if (slow_in.empty()) return;
+  // Devices without amp's loop (CUDA): convert, then ATen's fused unscale on the fp32 copies.
+  std::vector<at::Tensor> converted;
+  converted.reserve(slow_in.size());
+  for (size_t i = 0; i < slow_in.size(); ++i) converted.push_back(slow_in[i].to(slow_out[i].scalar_type()));
+  unscale_(converted, inv_scale, found_inf);
+  for (size_t i = 0; i < slow_in.size(); ++i) {
+    if (accumulate) slow_out[i].add_(converted[i]);
+    else slow_out[i].copy_(converted[i]);
+  }
+}
+
+void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+  TORCH_INTERNAL_ASSERT(dst.size() == src.size());
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> slow_dst, slow_src;
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const at::Tensor& d = dst[i];
+    const at::Tensor& s = src[i];
+    if (cpu_fast_path(d) && cpu_fast_path(s) && s.scalar_type() == at::kFloat && d.numel() == s.numel()) {
+      dispatch_reduced(d.scalar_type(), "copy", [&](auto tag) {
+        using T = decltype(tag);
+        const float* in = s.data_ptr<float>();
+        T* out = d.data_ptr<T>();
+        at::parallel_for(0, d.numel(), kGrain, [&](int64_t b, int64_t e) {
+          for (int64_t k = b; k < e; ++k) out[k] = static_cast<T>(in[k]);
+        });
+      });
+    } else {
+      slow_dst.push_back(d);
+      slow_src.push_back(s);
+    }
+  }
+  if (slow_dst.empty()) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+  at::_foreach_copy_(slow_dst, slow_src);
+#else
+  for (size_t i = 0; i < slow_dst.size(); ++i) slow_dst[i].copy_(slow_src[i]);
+#endif
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,42 @@
+#pragma once
+// Fused passes over lists of tensors: the unscale + inf/NaN check of a backward and the
+// masters -> model copy of an O2 step. Each function makes one pass over the data per
+// (device, dtype) group and never syncs with the host; found_inf is read once by the caller.
+//
+// Where ATen has a kernel (_amp_foreach_non_finite_check_and_unscale_ on CUDA, and on CPU from
+// LibTorch 2.3), it is used; otherwise amp's own CPU loop does the same single pass
+// (mirroring aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp).
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace amp::detail {
+
+/// A 1-element fp32 flag per device, set to 1 when a non-finite value was seen.
+class FoundInf {
+ public:
+  /// Returns the flag for `device`, creating a zeroed one on first use.
+  at::Tensor& on(const c10::Device& device);
+  /// Returns whether any device saw a non-finite value: the one host sync of a backward.
+  bool any() const;
+
+ private:
+  std::vector<std::pair<c10::Device, at::Tensor>> flags_;
+};
+
+/// Multiplies every tensor by inv_scale in place and records non-finite values in found_inf.
+void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf& found_inf);
+
+/// Writes out[i] = in[i] * inv_scale, or adds it to out[i] when accumulate, converting dtypes
+/// (fp16/bf16 model grads into fp32 master grads); records non-finite inputs in found_inf.
+void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out, bool accumulate,
+                  double inv_scale, FoundInf& found_inf);
+
+/// Copies src[i] into dst[i] (fp32 masters into fp16/bf16 model parameters) without autograd.
+void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src);
+
+/// Returns whether the build has ATen's fused unscale kernel for `device`.
+bool has_aten_unscale_kernel(c10::DeviceType device);
+
+}  // namespace amp::detail

@@ -1,0 +1,184 @@
+#include "amp/options.h"
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+#include "format.h"
+#include "opt_levels/spec.h"
+
+namespace amp {
+namespace {
+
+bool is_low_precision(c10::ScalarType t) { return t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16; }
+
+bool is_model_dtype(c10::ScalarType t) { return t == c10::ScalarType::Float || is_low_precision(t); }
+
+std::string py_bool(bool b) { return b ? "True" : "False"; }
+
+template <class T>
+std::string optional_str(const std::optional<T>& v) {
+  if (!v) return "None";
+  if constexpr (std::is_same_v<T, bool>) return py_bool(*v);
+  else if constexpr (std::is_same_v<T, c10::ScalarType>) return dtype_name(*v);
+  else if constexpr (std::is_same_v<T, double>) return detail::format_float(*v);
+  else return std::to_string(*v);
+}
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("amp::Options: " + message); }
+
+}  // namespace
+
+std::string dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::BFloat16: return "torch.bfloat16";
+    case c10::ScalarType::Double: return "torch.float64";
+    default: return std::string("torch.") + c10::toString(dtype);
+  }
+}
+
+Properties properties(OptLevel level) { return opt_levels::spec(level).defaults; }
+
+std::string to_string(const Properties& p) {
+  std::ostringstream os;
+  auto row = [&os](const char* name, const std::string& value) {
+    os << name << std::string(23 - std::string(name).size(), ' ') << ": " << value << "\n";
+  };
+  row("enabled", py_bool(p.enabled));
+  row("opt_level", to_string(p.opt_level));
+  row("cast_model_type", optional_str(p.cast_model_type));
+  row("patch_torch_functions", py_bool(p.patch_torch_functions));
+  row("keep_batchnorm_fp32", optional_str(p.keep_batchnorm_fp32));
+  row("master_weights", py_bool(p.master_weights));
+  row("loss_scale", to_string(p.loss_scale));
+  row("low_precision_dtype", dtype_name(p.low_precision_dtype));
+  row("cast_model_outputs", dtype_name(p.cast_model_outputs));
+  row("num_losses", std::to_string(p.num_losses));
+  row("min_loss_scale", optional_str(p.min_loss_scale));
+  row("max_loss_scale", detail::format_float(p.max_loss_scale));
+  row("verbosity", std::to_string(p.verbosity));
+  return os.str();
+}
+
+Options::Options(std::string_view level) : level_(parse_opt_level(level)) {}
+
+Properties Options::resolve() const {
+  Properties p = properties(level_);
+  const std::string level = to_string(level_);
+
+  if (low_precision_dtype_) {
+    if (!is_low_precision(*low_precision_dtype_)) {
+      fail("low_precision_dtype must be torch::kHalf (float16) or torch::kBFloat16 (bfloat16), got " +
+           dtype_name(*low_precision_dtype_) + ".");
+    }
+    p.low_precision_dtype = *low_precision_dtype_;
+  }
+  // The level's "low precision" follows low_precision_dtype (Apex hard-codes float16).
+  if (p.cast_model_type && is_low_precision(*p.cast_model_type)) p.cast_model_type = p.low_precision_dtype;
+
+  if (enabled_) p.enabled = *enabled_;
+
+  // Apex's Properties.__setattr__ rules, one field at a time, in Apex's order.
+  if (cast_model_type_) {
+    if (!is_model_dtype(*cast_model_type_)) {
+      fail("cast_model_type must be torch::kFloat, torch::kHalf or torch::kBFloat16, got " +
+           dtype_name(*cast_model_type_) + ".");
+    }
+    if (level_ == OptLevel::O1 && *cast_model_type_ != c10::ScalarType::Float) {
+      fail("O1 inserts casts around Torch functions rather than model weights, so with O1, the model weights "
+           "themselves should remain FP32. If you wish to cast the model to a different type, use opt_level='O2' "
+           "or 'O3'. cast_model_type was " + dtype_name(*cast_model_type_) + ".");
+    }
+    if (low_precision_dtype_ && is_low_precision(*cast_model_type_) && *cast_model_type_ != *low_precision_dtype_) {
+      fail("cast_model_type " + dtype_name(*cast_model_type_) + " contradicts low_precision_dtype " +
+           dtype_name(*low_precision_dtype_) + ". Set only one of them, or set both to the same dtype.");
+    }
+    p.cast_model_type = *cast_model_type_;
+    if (is_low_precision(*cast_model_type_)) p.low_precision_dtype = *cast_model_type_;
+  }
+  if (patch_torch_functions_) {
+    if (*patch_torch_functions_ && level_ != OptLevel::O1) {
+      fail("Currently, patch_torch_functions=True should only be set by selecting opt_level='O1' (got opt_level " +
+           level + ").");
+    }
+    p.patch_torch_functions = *patch_torch_functions_;
+  }
+  if (keep_batchnorm_fp32_) {
+    if (level_ == OptLevel::O1) {
+      fail("With opt_level O1, batchnorm functions are automatically patched to run in FP32, so "
+           "keep_batchnorm_fp32 should be None (do not set it). It was set to " + py_bool(*keep_batchnorm_fp32_) +
+           ".");
+    }
+    p.keep_batchnorm_fp32 = *keep_batchnorm_fp32_;
+  }
+  if (master_weights_) {
+    if (level_ == OptLevel::O1 && *master_weights_) {
+      fail("It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should "
+           "be FP32. Remove master_weights, or use opt_level O2.");
+    }
+    p.master_weights = *master_weights_;
+  }
+  if (loss_scale_) p.loss_scale = *loss_scale_;
+  if (cast_model_outputs_) {
+    if (!is_model_dtype(*cast_model_outputs_) && *cast_model_outputs_ != c10::ScalarType::Double) {
+      fail("cast_model_outputs must be a floating dtype (kFloat, kHalf, kBFloat16 or kDouble), got " +
+           dtype_name(*cast_model_outputs_) + ".");
+    }
+    p.cast_model_outputs = *cast_model_outputs_;
+  }
+  if (num_losses_) {
+    if (*num_losses_ < 1) {
+      fail("num_losses must be at least 1 (one loss scaler per loss), got " + std::to_string(*num_losses_) + ".");
+    }
+    p.num_losses = *num_losses_;
+  }
+  constexpr double kFloatMax = std::numeric_limits<float>::max();
+  if (max_loss_scale_) {
+    if (!(*max_loss_scale_ > 0.0) || !(*max_loss_scale_ <= kFloatMax)) {
+      fail("max_loss_scale must be positive and at most the largest float (3.4028234663852886e+38), got " +
+           detail::format_float(*max_loss_scale_) + ".");
+    }
+    p.max_loss_scale = *max_loss_scale_;
+  }
+  if (min_loss_scale_) {
+    if (!(*min_loss_scale_ > 0.0) || !std::isfinite(*min_loss_scale_)) {
+      fail("min_loss_scale must be positive and finite, got " + detail::format_float(*min_loss_scale_) +
+           ". Leave it unset for no floor.");
+    }
+    p.min_loss_scale = *min_loss_scale_;
+  }
+  if (p.min_loss_scale && *p.min_loss_scale > p.max_loss_scale) {
+    fail("min_loss_scale (" + detail::format_float(*p.min_loss_scale) + ") is greater than max_loss_scale (" +
+         detail::format_float(p.max_loss_scale) + ").");
+  }
+  if (verbosity_) {
+    if (*verbosity_ < 0) fail("verbosity must be 0 (silent) or more, got " + std::to_string(*verbosity_) + ".");
+    p.verbosity = *verbosity_;
+  }
+  return p;
+}
+
+std::string Options::describe_overrides() const {
+  std::ostringstream os;
+  auto row = [&os](const char* name, const std::string& value) {
+    os << name << std::string(23 - std::string(name).size(), ' ') << ": " << value << "\n";
+  };
+  if (enabled_) row("enabled", py_bool(*enabled_));
+  if (cast_model_type_) row("cast_model_type", dtype_name(*cast_model_type_));
+  if (patch_torch_functions_) row("patch_torch_functions", py_bool(*patch_torch_functions_));
+  if (keep_batchnorm_fp32_) row("keep_batchnorm_fp32", py_bool(*keep_batchnorm_fp32_));
+  if (master_weights_) row("master_weights", py_bool(*master_weights_));
+  if (loss_scale_) row("loss_scale", to_string(*loss_scale_));
+  if (low_precision_dtype_) row("low_precision_dtype", dtype_name(*low_precision_dtype_));
+  if (cast_model_outputs_) row("cast_model_outputs", dtype_name(*cast_model_outputs_));
+  if (num_losses_) row("num_losses", std::to_string(*num_losses_));
+  if (min_loss_scale_) row("min_loss_scale", detail::format_float(*min_loss_scale_));
+  if (max_loss_scale_) row("max_loss_scale", detail::format_float(*max_loss_scale_));
+  if (verbosity_) row("verbosity", std::to_string(*verbosity_));
+  return os.str();
+}
+
+}  // namespace amp
