@@ -17,6 +17,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "amp/autocast_guard.h"
 #include "amp/cast_policy.h"

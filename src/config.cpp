@@ -216,7 +216,9 @@ bool parse(int argc, const char* const argv[], KeySet& keys, const ProgramFlags*
   const po::options_description description = describe(program);
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(argc, argv).options(description).run(), vm);
+    // No abbreviations: a typo must fail with a suggestion, not silently pick the nearest flag.
+    const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
+    po::store(po::command_line_parser(argc, argv).options(description).style(style).run(), vm);
   } catch (const po::unknown_option& e) {
     const std::string flag = e.get_option_name();
     throw std::invalid_argument("amp: unknown command-line flag '" + flag + "'" +

@@ -36,6 +36,12 @@ std::string dtype_name(c10::ScalarType dtype) {
     case c10::ScalarType::Half: return "torch.float16";
     case c10::ScalarType::BFloat16: return "torch.bfloat16";
     case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Int: return "torch.int32";
+    case c10::ScalarType::Long: return "torch.int64";
+    case c10::ScalarType::Short: return "torch.int16";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Byte: return "torch.uint8";
+    case c10::ScalarType::Bool: return "torch.bool";
     default: return std::string("torch.") + c10::toString(dtype);
   }
 }

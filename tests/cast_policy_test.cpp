@@ -1,0 +1,186 @@
+// O1 per-op casts. Ports Apex's tests/L0/run_amp test_basic_casts.py, test_promotion.py and
+// test_cache.py to amp::AutocastGuard on the CPU, for bf16 and (where the build computes it) fp16.
+#include "support.h"
+
+namespace {
+
+class CastPolicyTest : public ::testing::TestWithParam<c10::ScalarType> {
+ protected:
+  void SetUp() override {
+    lp = GetParam();
+    SKIP_WITHOUT_CPU_KERNELS(lp);
+    if (lp == torch::kHalf && TORCH_VERSION_MAJOR < 2) GTEST_SKIP() << "CPU autocast is bf16-only in LibTorch 1.13";
+    torch::manual_seed(0);
+  }
+  c10::ScalarType lp = torch::kBFloat16;
+  static constexpr int64_t h = 64, b = 16, c = 16, k = 3, t = 10;  // Apex utils.py sizes
+};
+
+// Apex's run_layer_test: output dtype per input dtype, and grad dtype == input dtype.
+template <class F>
+void expect_dtypes(F&& fn, c10::ScalarType lp, const std::vector<int64_t>& shape, bool lp_out_for_fp32_in,
+                   bool lp_out_for_lp_in, const char* what) {
+  for (auto in_dtype : {torch::kFloat, lp}) {
+    auto x = torch::randn(shape).to(in_dtype).requires_grad_(true);
+    torch::Tensor y;
+    {
+      amp::AutocastGuard casts(torch::kCPU, lp);
+      y = fn(x);
+    }
+    const bool lp_out = in_dtype == torch::kFloat ? lp_out_for_fp32_in : lp_out_for_lp_in;
+    EXPECT_EQ(y.scalar_type(), lp_out ? lp : torch::kFloat) << what << " with input " << in_dtype;
+    y.to(torch::kFloat).sum().backward();
+    EXPECT_EQ(x.grad().scalar_type(), in_dtype) << what;
+  }
+}
+
+}  // namespace
+
+TEST_P(CastPolicyTest, LinearAndConvAreAlwaysLowPrecision) {
+  torch::nn::Linear linear(h, h);
+  expect_dtypes([&](const torch::Tensor& x) { return linear(x); }, lp, {b, h}, true, true, "Linear");
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(c, c, k).padding(1));
+  expect_dtypes([&](const torch::Tensor& x) { return conv(x); }, lp, {b, c, h, h}, true, true, "Conv2d");
+  auto w = torch::randn({h, h});
+  expect_dtypes([&](const torch::Tensor& x) { return torch::mm(x, w); }, lp, {b, h}, true, true, "mm");
+  expect_dtypes([&](const torch::Tensor& x) { return x.matmul(w); }, lp, {b, h}, true, true, "Tensor::matmul");
+  auto v = torch::randn({h});
+  expect_dtypes([&](const torch::Tensor& x) { return torch::mv(x, v); }, lp, {b, h}, true, true, "mv (amp's row)");
+}
+
+TEST_P(CastPolicyTest, ReductionsSoftmaxNormsAndLossesAreAlwaysFloat) {
+  expect_dtypes([](const torch::Tensor& x) { return torch::softmax(x, 1); }, lp, {b, h}, false, false, "softmax");
+  expect_dtypes([](const torch::Tensor& x) { return torch::log_softmax(x, 1); }, lp, {b, h}, false, false, "log_softmax");
+  torch::nn::GroupNorm group_norm(torch::nn::GroupNormOptions(4, c));
+  expect_dtypes([&](const torch::Tensor& x) { return group_norm(x); }, lp, {b, c, 4, 4}, false, false, "GroupNorm");
+  torch::nn::LayerNorm layer_norm(torch::nn::LayerNormOptions({h}));
+  expect_dtypes([&](const torch::Tensor& x) { return layer_norm(x); }, lp, {b, h}, false, false, "LayerNorm");
+  auto target = torch::randn({b, h});
+  expect_dtypes([&](const torch::Tensor& x) { return torch::mse_loss(x, target); }, lp, {b, h}, false, false, "MSELoss");
+  expect_dtypes([](const torch::Tensor& x) { return x.exp(); }, lp, {b, h}, false, false, "exp");
+  expect_dtypes([](const torch::Tensor& x) { return x.abs().log(); }, lp, {b, h}, false, false, "log");
+  expect_dtypes([](const torch::Tensor& x) { return x.pow(2); }, lp, {b, h}, false, false, "pow");
+  expect_dtypes([](const torch::Tensor& x) { return x.sum(); }, lp, {b, h}, false, false, "sum");
+  expect_dtypes([](const torch::Tensor& x) { return x.cumsum(1); }, lp, {b, h}, false, false, "cumsum");
+  expect_dtypes([](const torch::Tensor& x) { return x.prod(1); }, lp, {b, 4}, false, false, "prod");
+  expect_dtypes([](const torch::Tensor& x) { return x.norm(); }, lp, {b, h}, false, false, "norm");
+  auto labels = torch::randint(h, {b}, torch::kLong);
+  expect_dtypes([&](const torch::Tensor& x) { return torch::nn::functional::cross_entropy(x, labels); }, lp, {b, h},
+                false, false, "cross_entropy");
+}
+
+TEST_P(CastPolicyTest, ReluAndBatchNormMatchTheInput) {
+  expect_dtypes([](const torch::Tensor& x) { return torch::relu(x); }, lp, {b, h}, false, true, "relu");
+  torch::nn::BatchNorm2d bn(c);
+  expect_dtypes([&](const torch::Tensor& x) { return bn(x); }, lp, {b, c, 4, 4}, false, true, "BatchNorm2d train");
+  bn->eval();
+  expect_dtypes([&](const torch::Tensor& x) { return bn(x); }, lp, {b, c, 4, 4}, false, true, "BatchNorm2d eval");
+}
+
+TEST_P(CastPolicyTest, MixedDtypeOpsPromoteToTheWidest) {
+  amp::AutocastGuard casts(torch::kCPU, lp);
+  auto x_lp = torch::randn({4, 4}).to(lp), x_f = torch::randn({4, 4});
+  EXPECT_EQ(torch::atan2(x_lp, x_f).scalar_type(), torch::kFloat);
+  EXPECT_EQ(torch::atan2(x_lp, x_lp).scalar_type(), lp);
+  EXPECT_EQ((x_lp * x_f).scalar_type(), torch::kFloat);
+  EXPECT_EQ((x_lp * x_lp).scalar_type(), lp);
+  EXPECT_EQ(torch::cat({x_lp, x_lp, x_f}).scalar_type(), torch::kFloat);
+  EXPECT_EQ(torch::cat({x_lp, x_lp}).scalar_type(), lp);
+  EXPECT_EQ(torch::stack({x_lp, x_f}).scalar_type(), torch::kFloat);
+  EXPECT_EQ(torch::addcmul(x_f, x_lp, x_lp).scalar_type(), torch::kFloat);
+  EXPECT_EQ(torch::dot(x_lp.flatten(), x_f.flatten()).scalar_type(), torch::kFloat);
+  // In-place ops keep self's type (test_promotion's add_).
+  auto self = torch::randn({4, 4}).to(lp);
+  self.add_(x_f);
+  EXPECT_EQ(self.scalar_type(), lp);
+}
+
+TEST_P(CastPolicyTest, DoublesAndIntegersAreNeverCast) {
+  amp::AutocastGuard casts(torch::kCPU, lp);
+  auto d = torch::randn({4, 4}, torch::kDouble);
+  EXPECT_EQ(torch::mm(d, d).scalar_type(), torch::kDouble);
+  EXPECT_EQ(d.exp().scalar_type(), torch::kDouble);
+  auto i = torch::ones({4}, torch::kLong);
+  EXPECT_EQ(i.sum().scalar_type(), torch::kLong);
+}
+
+TEST_P(CastPolicyTest, AmpsRowsActOnlyInsideTheGuard) {
+  auto x = torch::randn({4, 4}).to(lp);
+  EXPECT_EQ(torch::softmax(x, 1).scalar_type(), lp);  // no casts outside
+  {
+    amp::AutocastGuard casts(torch::kCPU, lp);
+    EXPECT_EQ(torch::softmax(x, 1).scalar_type(), torch::kFloat);
+    amp::DisableCastsGuard off;
+    EXPECT_EQ(torch::softmax(x, 1).scalar_type(), lp);
+    EXPECT_EQ(torch::mm(torch::randn({2, 2}), torch::randn({2, 2})).scalar_type(), torch::kFloat);
+  }
+  EXPECT_EQ(torch::mm(torch::randn({2, 2}), torch::randn({2, 2})).scalar_type(), torch::kFloat);
+}
+
+// Apex's test_cache: a weight used in train -> no_grad eval -> train gets exactly one gradient, of its
+// own dtype, equal to the fp32 reference; and a cast made before an optimizer step is never reused.
+TEST_P(CastPolicyTest, WeightCastCacheIsInvalidatedCorrectly) {
+  auto weight = torch::randn({8, 8}).requires_grad_(true);
+  auto x = torch::randn({4, 8});
+  auto forward = [&](const torch::Tensor& w) { return torch::mm(x, w).to(torch::kFloat).pow(2).sum(); };
+  {
+    amp::AutocastGuard casts(torch::kCPU, lp);
+    forward(weight).backward();
+  }
+  {
+    torch::NoGradGuard no_grad;
+    amp::AutocastGuard casts(torch::kCPU, lp);
+    (void)forward(weight);
+  }
+  {
+    amp::AutocastGuard casts(torch::kCPU, lp);
+    forward(weight).backward();
+  }
+  ASSERT_TRUE(weight.grad().defined());
+  EXPECT_EQ(weight.grad().scalar_type(), torch::kFloat);
+  auto reference_w = weight.detach().clone().requires_grad_(true);
+  (torch::mm(x, reference_w).pow(2).sum() * 2).backward();
+  EXPECT_TRUE(torch::allclose(weight.grad(), reference_w.grad(), 0.05, 0.05));
+
+  // An update between regions must be seen by the next region's cast.
+  torch::Tensor before, after;
+  {
+    amp::AutocastGuard casts(torch::kCPU, lp);
+    before = torch::mm(x, weight);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    weight.add_(1.0);
+  }
+  {
+    amp::AutocastGuard casts(torch::kCPU, lp);
+    after = torch::mm(x, weight);
+  }
+  EXPECT_TRUE(torch::equal(after, torch::mm(x.to(lp), weight.detach().to(lp))));
+  EXPECT_FALSE(torch::equal(before, after));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CastPolicyTest, ::testing::Values(torch::kBFloat16, torch::kHalf),
+                         [](const auto& info) { return amp_test::dtype_label(info.param); });
+
+TEST(CastRulesTest, TableIsApexsLists) {
+  const auto& rules = amp::o1_cast_rules();
+  auto policy_of = [&](const std::string& op) -> std::optional<amp::CastPolicy> {
+    for (const auto& r : rules) if (r.op == op) return r.policy;
+    return std::nullopt;
+  };
+  EXPECT_EQ(policy_of("aten::linear"), amp::CastPolicy::LowerPrecision);
+  EXPECT_EQ(policy_of("aten::conv2d"), amp::CastPolicy::LowerPrecision);
+  EXPECT_EQ(policy_of("aten::softmax.int"), amp::CastPolicy::Fp32);
+  EXPECT_EQ(policy_of("aten::sum"), amp::CastPolicy::Fp32);
+  EXPECT_EQ(policy_of("aten::layer_norm"), amp::CastPolicy::Fp32);
+  EXPECT_EQ(policy_of("aten::cat"), amp::CastPolicy::Promote);
+  EXPECT_EQ(policy_of("aten::binary_cross_entropy"), amp::CastPolicy::Banned);
+  EXPECT_FALSE(policy_of("aten::batch_norm").has_value());  // apex #691: BN matches its input
+  std::set<std::string> seen;
+  for (const auto& r : rules) {
+    EXPECT_TRUE(seen.insert(r.op).second) << "duplicate row " << r.op;
+    EXPECT_EQ(r.op.rfind("aten::", 0), 0u) << r.op;
+    EXPECT_EQ(r.policy == amp::CastPolicy::Banned, !r.banned_message.empty()) << r.op;
+  }
+}

@@ -1,0 +1,174 @@
+// The patched optimizer against an unscaled fp32 control. Ports PyTorch's _run_scaling_case family
+// (test_grad_scaling_autocast with SGD/Adam/AdamW, _clipping, _accumulation, _multiple) in Apex's terms
+// (init 2^16, halve on overflow) and Apex's test_multiple_models_optimizers_losses for one model,
+// two losses and one optimizer.
+#include "support.h"
+
+namespace {
+
+// _create_scaling_case: Sequential(Linear(8,8), Linear(8,8)), 4 batches of (8,8), MSELoss.
+struct ScalingCase {
+  torch::nn::Sequential control{torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)};
+  torch::nn::Sequential scaled{torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)};
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
+  ScalingCase() {
+    torch::manual_seed(0);
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < control->parameters().size(); ++i) scaled->parameters()[i].copy_(control->parameters()[i]);
+    for (int i = 0; i < 4; ++i) data.emplace_back(torch::randn({8, 8}), torch::randn({8, 8}));
+  }
+};
+
+template <class MakeOpt>
+void run_scaling_case(MakeOpt make_optimizer, bool clip, const char* name) {
+  constexpr int kSkipIter = 2;
+  ScalingCase c;
+  auto control_opt = make_optimizer(c.control->parameters());
+  // O0 with a dynamic scale: fp32 math, so the scaled run must match the control exactly apart from
+  // the injected overflow (power-of-two scales are exact).
+  auto [model, optimizer] = amp::initialize(c.scaled, make_optimizer(c.scaled->parameters()),
+                                            amp::Options("O0").loss_scale(amp::LossScale::dynamic()).verbosity(0));
+  for (int i = 0; i < 4; ++i) {
+    const auto& [input, target] = c.data[static_cast<size_t>(i)];
+    optimizer.zero_grad();
+    auto loss = torch::mse_loss(model(input), target);
+    if (i == kSkipIter) loss = loss * INFINITY;  // the overflow PyTorch injects at skip_iter
+    {
+      auto scaled = amp::scale_loss(loss, optimizer);
+      scaled.backward();
+    }
+    if (clip) torch::nn::utils::clip_grad_norm_(amp::master_params(optimizer), 0.5);
+    optimizer.step();
+
+    if (i != kSkipIter) {
+      control_opt.zero_grad();
+      torch::mse_loss(c.control->forward(input), target).backward();
+      if (clip) torch::nn::utils::clip_grad_norm_(c.control->parameters(), 0.5);
+      control_opt.step();
+    }
+  }
+  EXPECT_EQ(amp::loss_scale(optimizer), 65536.0 * 0.5) << name;  // 2^16 * backoff^skipped
+  EXPECT_EQ(optimizer.skipped_steps(), 1) << name;
+  for (size_t i = 0; i < c.control->parameters().size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(c.scaled->parameters()[i], c.control->parameters()[i])) << name << " " << i;
+  }
+}
+
+}  // namespace
+
+TEST(OptimizerTest, ScalingCaseMatchesControlSGD) {
+  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
+                   false, "SGD");
+  run_scaling_case(
+      [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(0.5).momentum(0.9)); },
+      false, "SGD momentum");
+}
+
+TEST(OptimizerTest, ScalingCaseMatchesControlAdamAndAdamW) {
+  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::Adam(p, torch::optim::AdamOptions(1e-2)); },
+                   false, "Adam");
+  run_scaling_case(
+      [](std::vector<torch::Tensor> p) { return torch::optim::AdamW(p, torch::optim::AdamWOptions(1e-2).amsgrad(true)); },
+      false, "AdamW amsgrad");
+}
+
+TEST(OptimizerTest, ClippingMasterParamsAfterBackwardMatchesControl) {
+  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
+                   true, "SGD clipped");
+}
+
+TEST(OptimizerTest, MultipleLossesHaveTheirOwnScalers) {
+  // _multiple / Apex's num_losses: an overflow in loss 1 halves scaler 1 only.
+  amp_test::Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] =
+      amp::initialize(net, std::move(sgd), amp::Options("O1").num_losses(2).low_precision_dtype(torch::kBFloat16).verbosity(0));
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    optimizer.zero_grad();
+    auto x = torch::randn({4, 8});
+    auto out = model(x);
+    {
+      auto scaled = amp::scale_loss(out.pow(2).mean(), optimizer, amp::ScaleLossOptions().loss_id(0));
+      scaled.backward();
+    }
+    auto out2 = model(iteration == 1 ? x * INFINITY : x);
+    {
+      auto scaled = amp::scale_loss(out2.abs().mean(), optimizer, amp::ScaleLossOptions().loss_id(1));
+      scaled.backward();
+    }
+    optimizer.step();
+  }
+  EXPECT_EQ(amp::loss_scale(optimizer, 0), 65536.0);
+  EXPECT_EQ(amp::loss_scale(optimizer, 1), 32768.0);
+  EXPECT_EQ(optimizer.loss_scaler(0).unskipped(), 3);
+  EXPECT_EQ(optimizer.loss_scaler(1).unskipped(), 1);
+  EXPECT_EQ(optimizer.skipped_steps(), 1);
+}
+
+// Apex's test_multiple_models_optimizers_losses, one model / two losses / one optimizer, at O2, with an
+// inf injected into loss 1 at iteration k: master grads equal the fp32 reference on unskipped
+// iterations, and at the end masters == reference and model params == master.to(model dtype).
+TEST(OptimizerTest, TwoLossesOneOptimizerMatchesReferenceAtO2) {
+  struct TwoWeights : torch::nn::Module {
+    TwoWeights() {
+      w0 = register_parameter("weight0", torch::full({4}, 1.0));
+      w1 = register_parameter("weight1", torch::full({4}, 2.0));
+    }
+    torch::Tensor w0, w1;
+  };
+  for (int inject_at : {-1, 1, 2}) {
+    auto module = std::make_shared<TwoWeights>();
+    auto reference = std::make_shared<TwoWeights>();
+    torch::optim::SGD sgd(module->parameters(), torch::optim::SGDOptions(0.25).momentum(0.125));
+    torch::optim::SGD ref_sgd(reference->parameters(), torch::optim::SGDOptions(0.25).momentum(0.125));
+    // A module with two parameters; O2 casts both to bf16 and gives both fp32 masters.
+    auto [model, optimizer] = amp::initialize(module, std::move(sgd),
+                                              amp::Options("O2").num_losses(2).low_precision_dtype(torch::kBFloat16).verbosity(0));
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      const auto x = torch::full({4}, 0.5 + iteration);
+      optimizer.zero_grad();
+      for (int loss_id = 0; loss_id < 2; ++loss_id) {
+        auto y = x.to(torch::kBFloat16) * (loss_id == 0 ? module->w0 : module->w1);
+        auto loss = y.to(torch::kFloat).sum() * (iteration == inject_at && loss_id == 1 ? INFINITY : 1.0);
+        auto scaled = amp::scale_loss(loss, optimizer, amp::ScaleLossOptions().loss_id(loss_id));
+        scaled.backward();
+      }
+      const bool skipped = optimizer.step_will_be_skipped();
+      if (!skipped) {
+        ref_sgd.zero_grad();
+        (x * reference->w0).sum().backward();
+        (x * reference->w1).sum().backward();
+        const auto masters = amp::master_params(optimizer);
+        EXPECT_TRUE(torch::equal(masters[0].grad(), reference->w0.grad())) << iteration;
+        EXPECT_TRUE(torch::equal(masters[1].grad(), reference->w1.grad())) << iteration;
+        ref_sgd.step();
+      }
+      optimizer.step();
+    }
+    const auto masters = amp::master_params(optimizer);
+    EXPECT_TRUE(torch::equal(masters[0], reference->w0)) << inject_at;
+    EXPECT_TRUE(torch::equal(masters[1], reference->w1)) << inject_at;
+    EXPECT_TRUE(torch::equal(module->w0, masters[0].to(torch::kBFloat16)));
+    EXPECT_TRUE(torch::equal(module->w1, masters[1].to(torch::kBFloat16)));
+    EXPECT_EQ(optimizer.skipped_steps(), inject_at >= 0 ? 1 : 0);
+  }
+}
+
+TEST(OptimizerTest, O2StepCopiesMastersIntoTheModel) {
+  amp_test::ConvBnNet net;
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto [model, optimizer] =
+      amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  for (int i = 0; i < 3; ++i) {
+    optimizer.zero_grad();
+    auto loss = model(torch::randn({4, 1, 8, 8})).pow(2).mean();
+    auto scaled = amp::scale_loss(loss, optimizer);
+    scaled.backward();
+    optimizer.step();
+  }
+  const auto masters = amp::master_params(optimizer);
+  const auto params = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(params[i], masters[i].to(params[i].scalar_type()))) << i;
+  }
+}

@@ -1,0 +1,258 @@
+// The ScaledLoss handle: RAII, overflow handling, skipped steps, accumulation and delay_unscale.
+#include "support.h"
+
+using amp_test::Mlp;
+
+namespace {
+
+amp::Options quiet(const char* level) { return amp::Options(level).low_precision_dtype(torch::kBFloat16).verbosity(0); }
+
+template <class Model, class Optimizer>
+bool train_step(Model& model, Optimizer& optimizer, const torch::Tensor& x, double input_scale = 1.0) {
+  optimizer.zero_grad();
+  auto loss = model(x * input_scale).pow(2).mean();
+  auto scaled = amp::scale_loss(loss, optimizer);
+  scaled.backward();
+  const bool overflow = scaled.overflow();
+  optimizer.step();
+  return overflow;
+}
+
+}  // namespace
+
+TEST(ScaleLossTest, ScaledLossIsLossTimesScaleInFp32) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto loss = model(torch::randn({4, 8})).sum().to(torch::kBFloat16);
+  auto scaled = amp::scale_loss(loss, optimizer);
+  EXPECT_EQ(scaled.tensor().scalar_type(), torch::kFloat);
+  EXPECT_EQ(scaled.tensor().item<float>(), loss.to(torch::kFloat).item<float>() * 65536.0f);
+  scaled.backward();
+  EXPECT_FALSE(scaled.overflow());
+}
+
+TEST(ScaleLossTest, O0AndO3HandBackTheLossUnscaled) {
+  for (const char* level : {"O0", "O3"}) {
+    Mlp net;
+    torch::optim::SGD sgd(net->parameters(), 0.1);
+    auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet(level));
+    auto loss = model(torch::randn({4, 8})).sum();
+    auto scaled = amp::scale_loss(loss, optimizer);
+    EXPECT_TRUE(torch::equal(scaled.tensor(), loss.to(torch::kFloat))) << level;
+  }
+}
+
+TEST(ScaleLossTest, OverflowSkipsTheStepAndChangesNothing) {
+  // Momentum SGD and Adam: a skipped step leaves parameters and every optimizer state untouched.
+  for (const char* level : {"O1", "O2"}) {
+    Mlp net;
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+    auto [model, optimizer] = amp::initialize(net, std::move(adam), quiet(level));
+    const auto x = torch::randn({4, 8});
+    ASSERT_FALSE(train_step(model, optimizer, x));
+    std::vector<torch::Tensor> params, masters;
+    for (auto& p : net->parameters()) params.push_back(p.detach().clone());
+    for (auto& p : amp::master_params(optimizer)) masters.push_back(p.detach().clone());
+
+    EXPECT_TRUE(train_step(model, optimizer, x, std::numeric_limits<float>::infinity()));
+    EXPECT_EQ(amp::loss_scale(optimizer), 32768.0) << level;
+    EXPECT_EQ(optimizer.skipped_steps(), 1);
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(net->parameters()[i], params[i])) << level;
+    for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(torch::equal(amp::master_params(optimizer)[i], masters[i]));
+    for (auto& p : amp::master_params(optimizer)) EXPECT_FALSE(p.grad().defined());  // overflowed grads dropped
+    for (const auto& [key, state] : optimizer.state()) {
+      EXPECT_EQ(static_cast<torch::optim::AdamParamState&>(*state).step(), 1) << level;
+    }
+    // The next clean step applies normally.
+    EXPECT_FALSE(train_step(model, optimizer, x));
+    for (const auto& [key, state] : optimizer.state()) {
+      EXPECT_EQ(static_cast<torch::optim::AdamParamState&>(*state).step(), 2);
+    }
+  }
+}
+
+TEST(ScaleLossTest, NanLossAlsoOverflows) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  EXPECT_TRUE(train_step(model, optimizer, torch::full({4, 8}, std::nan(""))));
+  for (auto& p : net->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+}
+
+TEST(ScaleLossTest, PrintsApexsOverflowLine) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] =
+      amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  Mlp net2;
+  torch::optim::SGD sgd2(net2->parameters(), 0.1);
+  testing::internal::CaptureStdout();
+  auto [model2, optimizer2] = amp::initialize(net2, std::move(sgd2), amp::Options("O2").low_precision_dtype(torch::kBFloat16));
+  train_step(model2, optimizer2, torch::randn({4, 8}), std::numeric_limits<float>::infinity());
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0\n"),
+            std::string::npos) << out;
+  testing::internal::CaptureStdout();
+  train_step(model, optimizer, torch::randn({4, 8}), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(testing::internal::GetCapturedStdout(), "");  // verbosity 0 is silent
+}
+
+TEST(ScaleLossTest, DestructorWithoutBackwardRestoresGradients) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
+  {
+    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    scaled.backward();
+  }
+  const auto grad = net->fc1->weight.grad().clone();
+  {
+    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    // early exit: no backward
+  }
+  EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), grad));
+  try {
+    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    throw std::runtime_error("user code failed between scale_loss and backward");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), grad));
+  EXPECT_FALSE(optimizer.step_will_be_skipped());
+}
+
+TEST(ScaleLossTest, BackwardThatThrowsLeavesGradientsAsTheyWere) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
+  {
+    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    scaled.backward();
+  }
+  const auto grad = net->fc1->weight.grad().clone();
+  auto no_graph = torch::ones({}, torch::kFloat);  // does not require grad: backward throws
+  EXPECT_THROW(
+      {
+        auto scaled = amp::scale_loss(no_graph, optimizer);
+        scaled.backward();
+      },
+      std::exception);
+  EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), grad));
+}
+
+TEST(ScaleLossTest, MisuseErrors) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto out = model(torch::randn({4, 8}));
+  ASSERT_THROWS_WITH(amp::scale_loss(out, optimizer), "must be a single-element tensor, got shape [4, 4]");
+  ASSERT_THROWS_WITH(amp::scale_loss(torch::Tensor(), optimizer), "undefined tensor");
+  ASSERT_THROWS_WITH(amp::scale_loss(torch::ones({}, torch::kLong), optimizer), "must be a floating tensor");
+  ASSERT_THROWS_WITH(amp::scale_loss(out.sum(), optimizer, amp::ScaleLossOptions().loss_id(1)),
+                     "loss_id 1 is out of range: this optimizer was initialized with num_losses=1");
+  ASSERT_THROWS_WITH(amp::loss_scale(optimizer, -1), "loss_id -1 is out of range");
+  auto scaled = amp::scale_loss(out.sum(), optimizer);
+  ASSERT_THROWS_WITH(scaled.overflow(), "call backward() first");
+  scaled.backward();
+  ASSERT_THROWS_WITH(scaled.backward(), "backward() was already called");
+}
+
+// Gradient accumulation (apex #286): plain repeated scale_loss calls sum the unscaled gradients
+// exactly, even when the two backward passes use different scales (Apex's stash + axpby).
+TEST(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
+  torch::manual_seed(3);
+  Mlp net;
+  Mlp reference;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < net->parameters().size(); ++i) reference->parameters()[i].copy_(net->parameters()[i]);
+  }
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1").num_losses(2));
+  {  // scaler 1 overflows once: 65536 -> 32768, while scaler 0 stays at 65536
+    auto scaled = amp::scale_loss(model->forward(torch::full({4, 8}, INFINITY)).sum(), optimizer,
+                                  amp::ScaleLossOptions().loss_id(1));
+    scaled.backward();
+  }
+  optimizer.zero_grad();
+  ASSERT_EQ(amp::loss_scale(optimizer, 0), 65536.0);
+  ASSERT_EQ(amp::loss_scale(optimizer, 1), 32768.0);
+  const auto x1 = torch::randn({4, 8}), x2 = torch::randn({4, 8});
+  int loss_id = 0;
+  for (const auto& x : {x1, x2}) {
+    // model-> runs the module without casts, so the reference is the same fp32 math.
+    auto scaled = amp::scale_loss(model->forward(x).sum(), optimizer, amp::ScaleLossOptions().loss_id(loss_id++));
+    scaled.backward();
+  }
+  reference->forward(x1).sum().backward();
+  reference->forward(x2).sum().backward();
+  for (size_t i = 0; i < net->parameters().size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(net->parameters()[i].grad(), reference->parameters()[i].grad())) << i;
+  }
+}
+
+TEST(ScaleLossTest, AccumulationWithAnOverflowInBetweenUsesBothScales) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  optimizer.zero_grad();
+  auto x = torch::randn({4, 8});
+  {
+    auto scaled = amp::scale_loss(model(x).sum(), optimizer);
+    scaled.backward();
+  }
+  const auto first = amp::master_params(optimizer)[0].grad().clone();
+  {
+    auto scaled = amp::scale_loss(model(x * std::numeric_limits<float>::infinity()).sum(), optimizer);
+    scaled.backward();
+    EXPECT_TRUE(scaled.overflow());
+  }
+  EXPECT_EQ(amp::loss_scale(optimizer), 32768.0);
+  EXPECT_TRUE(optimizer.step_will_be_skipped());
+  optimizer.step();  // skipped, grads dropped
+  {
+    auto scaled = amp::scale_loss(model(x).sum(), optimizer);  // now at 32768
+    scaled.backward();
+  }
+  EXPECT_TRUE(torch::equal(amp::master_params(optimizer)[0].grad(), first));  // same unscaled grads
+}
+
+TEST(ScaleLossTest, DelayUnscaleAccumulatesScaledThenUnscalesOnce) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
+  const auto x1 = torch::randn({4, 8}), x2 = torch::randn({4, 8});
+  optimizer.zero_grad();
+  {
+    auto scaled = amp::scale_loss(model(x1).sum(), optimizer, amp::ScaleLossOptions().delay_unscale(true));
+    scaled.backward();
+  }
+  ASSERT_THROWS_WITH(optimizer.step(), "the gradients are still scaled");
+  {
+    auto scaled = amp::scale_loss(model(x2).sum(), optimizer);
+    scaled.backward();
+  }
+  const auto delayed = net->fc1->weight.grad().clone();
+  optimizer.zero_grad();
+  for (const auto& x : {x1, x2}) {
+    auto scaled = amp::scale_loss(model(x).sum(), optimizer);
+    scaled.backward();
+  }
+  EXPECT_TRUE(torch::allclose(delayed, net->fc1->weight.grad(), 1e-6, 1e-6));
+  optimizer.step();
+}
+
+TEST(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  {
+    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    scaled.backward();
+  }
+  for (auto& p : amp::master_params(optimizer)) EXPECT_TRUE(p.grad().defined());
+  for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());  // consumed into the masters
+  optimizer.zero_grad();
+  for (auto& p : amp::master_params(optimizer)) EXPECT_FALSE(p.grad().defined());
+  optimizer.zero_grad(/*set_to_none=*/false);
+}

@@ -1,0 +1,128 @@
+// The fused unscale + inf/NaN check (src/multi_tensor.h). Ports PyTorch's test_grad_scaling_unscale
+// (contiguous, transposed and sliced grads, inf/NaN injection, the mixed-list "perfect storm") and
+// Apex's test_multi_tensor_scale (sizes around chunk boundaries, flag at first/middle/last element).
+#include "multi_tensor.h"
+#include "support.h"
+
+using amp::detail::FoundInf;
+
+namespace {
+
+std::vector<torch::Tensor> make_grads(c10::ScalarType dtype) {
+  // Contiguous, transposed (non-contiguous) and sliced (strided view) gradients of 4.0.
+  return {torch::full({3, 5}, 4.0, dtype), torch::full({5, 3}, 4.0, dtype).t(),
+          torch::full({4, 6}, 4.0, dtype).slice(1, 0, 6, 2), torch::full({1000}, 4.0, dtype)};
+}
+
+}  // namespace
+
+TEST(UnscaleTest, UnscalesExactlyAndFindsNothingWhenClean) {
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    auto grads = make_grads(dtype);
+    FoundInf found;
+    amp::detail::unscale_(grads, 0.25, found);
+    EXPECT_FALSE(found.any()) << dtype;
+    for (const auto& g : grads) EXPECT_TRUE(torch::equal(g, torch::ones_like(g))) << dtype;
+  }
+}
+
+TEST(UnscaleTest, FindsInfAndNanWhereverInjected) {
+  const double bad_values[] = {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                               std::nan("")};
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    for (double bad : bad_values) {
+      for (size_t which = 0; which < 4; ++which) {
+        auto grads = make_grads(dtype);
+        grads[which].select(0, grads[which].size(0) - 1).fill_(bad);
+        FoundInf found;
+        amp::detail::unscale_(grads, 0.25, found);
+        EXPECT_TRUE(found.any()) << dtype << " tensor " << which << " value " << bad;
+      }
+    }
+  }
+}
+
+TEST(UnscaleTest, PerfectStormMixedList) {
+  // fp32 and fp16/bf16, contiguous and strided, in one call; the inf is found in each position.
+  for (size_t position = 0; position < 6; ++position) {
+    std::vector<torch::Tensor> grads = {torch::full({7}, 2.0), torch::full({3, 3}, 2.0, torch::kHalf).t(),
+                                        torch::full({9}, 2.0, torch::kBFloat16).slice(0, 0, 9, 3),
+                                        torch::full({2, 8}, 2.0).slice(1, 1, 8, 2), torch::full({5}, 2.0, torch::kHalf),
+                                        torch::full({33333}, 2.0)};
+    grads[position].select(0, grads[position].size(0) / 2).fill_(INFINITY);
+    FoundInf found;
+    amp::detail::unscale_(grads, 0.5, found);
+    EXPECT_TRUE(found.any()) << "position " << position;
+  }
+}
+
+TEST(UnscaleTest, ChunkBoundarySizesFlagFirstMiddleLast) {
+  // Apex's sizes around its 2048*32 chunking and odd lengths; amp's CPU loop splits at 32768.
+  for (int64_t n : {1, 555, 2048 * 32 - 1, 2048 * 32, 2048 * 32 + 1, 33333, 7777 * 77}) {
+    for (auto dtype : {torch::kFloat, torch::kHalf}) {
+      for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+        auto g = torch::full({n}, 8.0, dtype);
+        g[at] = NAN;
+        FoundInf found;
+        amp::detail::unscale_({g}, 0.125, found);
+        ASSERT_TRUE(found.any()) << n << " " << dtype << " at " << at;
+      }
+      auto clean = torch::full({n}, 8.0, dtype);
+      FoundInf found;
+      amp::detail::unscale_({clean}, 0.125, found);
+      EXPECT_FALSE(found.any());
+      EXPECT_TRUE(torch::equal(clean, torch::ones_like(clean)));
+    }
+  }
+}
+
+TEST(UnscaleTest, IntoFp32MastersConvertsAndAccumulates) {
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    auto model_grad = torch::full({4097}, 1024.0, dtype);
+    auto master_grad = torch::empty({4097});
+    FoundInf found;
+    amp::detail::unscale_into({model_grad}, {master_grad}, /*accumulate=*/false, 1.0 / 512, found);
+    EXPECT_FALSE(found.any());
+    EXPECT_TRUE(torch::equal(master_grad, torch::full({4097}, 2.0)));
+    amp::detail::unscale_into({model_grad}, {master_grad}, /*accumulate=*/true, 1.0 / 1024, found);
+    EXPECT_TRUE(torch::equal(master_grad, torch::full({4097}, 3.0)));
+    EXPECT_TRUE(torch::equal(model_grad, torch::full({4097}, 1024.0, dtype)));  // the input is untouched
+
+    model_grad[17] = INFINITY;
+    FoundInf found_inf;
+    amp::detail::unscale_into({model_grad}, {master_grad}, false, 1.0, found_inf);
+    EXPECT_TRUE(found_inf.any());
+
+    // Strided inputs take the generic path, same results.
+    auto strided = torch::full({8, 8}, 64.0, dtype).t();
+    auto out = torch::empty({8, 8});
+    FoundInf f2;
+    amp::detail::unscale_into({strided}, {out}, false, 1.0 / 64, f2);
+    EXPECT_FALSE(f2.any());
+    EXPECT_TRUE(torch::equal(out, torch::ones({8, 8})));
+  }
+}
+
+TEST(UnscaleTest, MixedDtypeListsAreGroupedNotRejected) {
+  // ATen's op rejects mixed dtypes ("must have the same dtype"); amp groups by (device, dtype) first.
+  std::vector<torch::Tensor> grads = {torch::full({3}, 4.0), torch::full({3}, 4.0, torch::kHalf)};
+  FoundInf found;
+  amp::detail::unscale_(grads, 0.25, found);
+  EXPECT_FALSE(found.any());
+  EXPECT_TRUE(torch::equal(grads[1], torch::ones({3}, torch::kHalf)));
+}
+
+TEST(UnscaleTest, SparseGradientsAreRefusedClearly) {
+  auto sparse = torch::eye(3).to_sparse();
+  FoundInf found;
+  ASSERT_THROWS_WITH(amp::detail::unscale_({sparse}, 0.5, found), "sparse gradients are not supported");
+}
+
+TEST(UnscaleTest, CopyMastersIntoModel) {
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    auto masters = std::vector<torch::Tensor>{torch::randn({100}), torch::randn({3, 4}).t()};
+    auto model = std::vector<torch::Tensor>{torch::empty({100}, dtype), torch::empty({4, 3}, dtype)};
+    amp::detail::copy_(model, masters);
+    for (size_t i = 0; i < model.size(); ++i) EXPECT_TRUE(torch::equal(model[i], masters[i].to(dtype)));
+  }
+}
