@@ -22,7 +22,7 @@ esac
 
 build_dir="build/torch-$version"
 mkdir -p build
-args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release)
+args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON)
 [ -n "$torch_dir" ] && args+=(-DTorch_DIR="$torch_dir")
 cmake "${args[@]}" "$@" > "$build_dir.configure.log" 2>&1 || { mkdir -p build; cat "$build_dir.configure.log"; exit 1; }
 cmake --build "$build_dir" -j "${AMP_JOBS:-2}"
