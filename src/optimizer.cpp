@@ -45,7 +45,7 @@ void clear_grad(at::Tensor& t, bool set_to_none) {
 
 const LossScaler& OptimizerBase::loss_scaler(int loss_id) const {
   check_loss_id(loss_id);
-  return scalers_[static_cast<size_t>(loss_id)];
+  return (*scalers_)[static_cast<size_t>(loss_id)];
 }
 
 void OptimizerBase::check_loss_id(int loss_id) const {
@@ -63,13 +63,17 @@ std::vector<at::Tensor> OptimizerBase::master_params() {
   return out;
 }
 
-void OptimizerBase::attach(torch::nn::Module& module, const Properties& properties) {
+void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const Properties& properties,
+                           std::shared_ptr<std::vector<LossScaler>> scalers) {
   TORCH_INTERNAL_ASSERT(!attached_, "amp: OptimizerBase attached twice");
   properties_ = properties;
   attached_ = true;
-  for (int i = 0; i < properties.num_losses; ++i) {
-    scalers_.emplace_back(properties.loss_scale, properties.min_loss_scale, properties.max_loss_scale);
+  if (!scalers) {
+    scalers = std::make_shared<std::vector<LossScaler>>(
+        static_cast<size_t>(properties.num_losses),
+        LossScaler(properties.loss_scale, properties.min_loss_scale, properties.max_loss_scale));
   }
+  scalers_ = std::move(scalers);
   unscaled_fast_path_ = !properties.master_weights && !properties.loss_scale.is_dynamic() &&
                         properties.loss_scale.value() == 1.0;
 
@@ -81,8 +85,13 @@ void OptimizerBase::attach(torch::nn::Module& module, const Properties& properti
               "from model->parameters().");
 
   std::unordered_map<const c10::TensorImpl*, std::string> model_params;
-  for (const auto& item : module.named_parameters()) model_params.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  const auto to_cast = detail::tensors_to_cast(module, properties);
+  std::unordered_set<const c10::TensorImpl*> to_cast;
+  for (torch::nn::Module* module : modules) {
+    for (const auto& item : module->named_parameters()) {
+      model_params.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    }
+    to_cast.merge(detail::tensors_to_cast(*module, properties));
+  }
   const bool make_masters = properties.master_weights && detail::casts_model_to_low_precision(properties);
 
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -93,8 +102,8 @@ void OptimizerBase::attach(torch::nn::Module& module, const Properties& properti
       at::Tensor& p = params[i];
       const auto found = model_params.find(p.unsafeGetTensorImpl());
       TORCH_CHECK(found != model_params.end(), "amp::initialize: the optimizer's parameter ", i, " of group ", g,
-                  " (shape ", p.sizes(), ") is not a parameter of the model. Build the optimizer from "
-                  "model->parameters() of the same model you pass to amp::initialize.");
+                  " (shape ", p.sizes(), ") is not a parameter of the model", (modules.size() > 1 ? "s" : ""),
+                  ". Build the optimizer from model->parameters() of the same model you pass to amp::initialize.");
       TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "amp::initialize: parameter '", found->second,
                   "' appears twice in the optimizer's param_groups; list each parameter once.");
       const bool cast = to_cast.count(p.unsafeGetTensorImpl()) > 0;
@@ -130,7 +139,7 @@ bool OptimizerBase::begin_step() {
   if (!skip_next_step_) return true;
   if (properties_.verbosity >= 1) {
     std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
-              << detail::format_float(scalers_[static_cast<size_t>(skip_loss_id_)].loss_scale()) << std::endl;
+              << detail::format_float(loss_scaler(skip_loss_id_).loss_scale()) << std::endl;
   }
   // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
   zero_all_grads(/*set_to_none=*/true);
@@ -177,7 +186,7 @@ bool OptimizerBase::post_backward(int loss_id, bool delay_unscale) {
     scaled_grads_loss_id_ = loss_id;
     return false;
   }
-  LossScaler& scaler = scalers_[static_cast<size_t>(loss_id)];
+  LossScaler& scaler = (*scalers_)[static_cast<size_t>(loss_id)];
   const double inv_scale = 1.0 / scaler.loss_scale();
   detail::FoundInf found_inf;
 
@@ -235,11 +244,12 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
   torch::serialize::OutputArchive amp_archive(archive.compilation_unit());
   amp_archive.write("opt_level", c10::IValue(static_cast<int64_t>(properties_.opt_level)));
   amp_archive.write("master_weights", c10::IValue(static_cast<int64_t>(masters_.size())));
-  amp_archive.write("num_losses", c10::IValue(static_cast<int64_t>(scalers_.size())));
-  for (size_t i = 0; i < scalers_.size(); ++i) {
+  const std::vector<LossScaler>& scalers = *scalers_;
+  amp_archive.write("num_losses", c10::IValue(static_cast<int64_t>(scalers.size())));
+  for (size_t i = 0; i < scalers.size(); ++i) {
     const std::string prefix = "loss_scaler" + std::to_string(i) + "/";
-    amp_archive.write(prefix + "loss_scale", c10::IValue(scalers_[i].loss_scale()));
-    amp_archive.write(prefix + "unskipped", c10::IValue(scalers_[i].unskipped()));
+    amp_archive.write(prefix + "loss_scale", c10::IValue(scalers[i].loss_scale()));
+    amp_archive.write(prefix + "unskipped", c10::IValue(scalers[i].unskipped()));
   }
   for (size_t i = 0; i < masters_.size(); ++i) amp_archive.write("master/" + std::to_string(i), masters_[i]);
   archive.write("amp", amp_archive);
@@ -261,15 +271,15 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
               to_string(level), ", this optimizer runs at ", to_string(properties_.opt_level),
               ". Resume at the level the checkpoint was saved with.");
   const auto num_losses = read_int("num_losses");
-  TORCH_CHECK(num_losses == static_cast<int64_t>(scalers_.size()), "amp::Optimizer::load: the checkpoint has ",
-              num_losses, " loss scalers, this optimizer has ", scalers_.size(), " (num_losses). Resume with "
+  TORCH_CHECK(num_losses == static_cast<int64_t>(scalers_->size()), "amp::Optimizer::load: the checkpoint has ",
+              num_losses, " loss scalers, this optimizer has ", scalers_->size(), " (num_losses). Resume with "
               "num_losses=", num_losses, ".");
   const auto num_masters = read_int("master_weights");
   TORCH_CHECK(num_masters == static_cast<int64_t>(masters_.size()), "amp::Optimizer::load: the checkpoint has ",
               num_masters, " fp32 master weights, this optimizer has ", masters_.size(),
               ". Resume with the same model, opt level and master_weights setting.");
   std::vector<std::pair<double, int64_t>> scaler_states;
-  for (size_t i = 0; i < scalers_.size(); ++i) {
+  for (size_t i = 0; i < scalers_->size(); ++i) {
     const std::string prefix = "loss_scaler" + std::to_string(i) + "/";
     c10::IValue scale;
     TORCH_CHECK(amp_archive.try_read(prefix + "loss_scale", scale) && scale.isDouble(),
@@ -282,10 +292,10 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(masters[i].sizes() == masters_[i].sizes(), "amp::Optimizer::load: master weight ", i,
                 " has shape ", masters[i].sizes(), " in the checkpoint, ", masters_[i].sizes(), " here.");
   }
-  std::vector<LossScaler> scalers = scalers_;
+  std::vector<LossScaler> scalers = *scalers_;
   for (size_t i = 0; i < scalers.size(); ++i) scalers[i].load(scaler_states[i].first, scaler_states[i].second);
   // Everything validated: now change state.
-  scalers_ = std::move(scalers);
+  *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
   {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < masters_.size(); ++i) masters_[i].copy_(masters[i]);

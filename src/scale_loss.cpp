@@ -19,7 +19,7 @@ ScaledLoss::ScaledLoss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLo
   }
   optimizer_.prepare_backward(options.loss_id());
   prepared_ = true;
-  scaled_ = loss.to(at::kFloat) * optimizer_.scalers_[static_cast<size_t>(options.loss_id())].loss_scale();
+  scaled_ = loss.to(at::kFloat) * optimizer_.loss_scaler(options.loss_id()).loss_scale();
 }
 
 ScaledLoss::~ScaledLoss() {

@@ -172,3 +172,48 @@ TEST(OptimizerTest, O2StepCopiesMastersIntoTheModel) {
     EXPECT_TRUE(torch::equal(params[i], masters[i].to(params[i].scalar_type()))) << i;
   }
 }
+
+// Apex's test_multiple_models_optimizers_losses "2models2losses2optimizers" and the DCGAN pattern:
+// two models, two optimizers, one bank of scalers shared through loss_id.
+TEST(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
+  amp_test::Mlp net_a(8, 8, 4), net_b(4, 8, 8);
+  torch::optim::SGD sgd_a(net_a->parameters(), 0.1);
+  torch::optim::Adam adam_b(net_b->parameters(), 1e-3);
+  auto [models, optimizers] =
+      amp::initialize(std::tuple(net_a, net_b), std::tuple(std::move(sgd_a), std::move(adam_b)),
+                      amp::Options("O2").num_losses(3).low_precision_dtype(torch::kBFloat16).verbosity(0));
+  auto& [model_a, model_b] = models;
+  auto& [optimizer_a, optimizer_b] = optimizers;
+  EXPECT_EQ(net_a->fc1->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(net_b->fc1->weight.scalar_type(), torch::kBFloat16);
+
+  auto x = torch::randn({2, 8});
+  optimizer_a.zero_grad();
+  optimizer_b.zero_grad();
+  {
+    auto scaled = amp::scale_loss(model_b(model_a(x)).sum() * INFINITY, optimizer_b, amp::ScaleLossOptions().loss_id(2));
+    scaled.backward();
+  }
+  EXPECT_EQ(amp::loss_scale(optimizer_a, 2), 32768.0);  // the bank is shared
+  EXPECT_EQ(amp::loss_scale(optimizer_b, 2), 32768.0);
+  EXPECT_EQ(amp::loss_scale(optimizer_a, 0), 65536.0);
+  EXPECT_TRUE(optimizer_b.step_will_be_skipped());
+  EXPECT_FALSE(optimizer_a.step_will_be_skipped());  // a skip applies to the optimizer scale_loss was given
+  optimizer_a.zero_grad();
+  optimizer_b.zero_grad();
+  {
+    auto scaled = amp::scale_loss(model_b(model_a(x)).pow(2).mean(), optimizer_a, amp::ScaleLossOptions().loss_id(0));
+    scaled.backward();
+  }
+  const auto before = net_a->fc1->weight.clone();
+  optimizer_a.step();
+  EXPECT_FALSE(torch::equal(net_a->fc1->weight, before));
+
+  amp_test::Mlp stranger;
+  torch::optim::SGD wrong(stranger->parameters(), 0.1);
+  amp_test::Mlp c, d;
+  torch::optim::SGD sgd_c(c->parameters(), 0.1);
+  ASSERT_THROWS_WITH(amp::initialize(std::tuple(c, d), std::tuple(std::move(sgd_c), std::move(wrong)),
+                                     amp::Options("O1").verbosity(0)),
+                     "is not a parameter of the models");
+}

@@ -5,6 +5,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -41,9 +42,11 @@ class OptimizerBase {
   virtual torch::optim::Optimizer& torch_optimizer() = 0;
   virtual const torch::optim::Optimizer& torch_optimizer() const = 0;
 
-  /// Checks the optimizer against `module`, builds fp32 masters and re-keys optimizer state.
-  /// Runs before the model is cast, so masters copy the original fp32 values.
-  void attach(torch::nn::Module& module, const Properties& properties);
+  /// Checks the optimizer against the models it trains, builds fp32 masters and re-keys optimizer
+  /// state. Runs before the models are cast, so masters copy the original fp32 values. `scalers`
+  /// shares one bank of loss scalers between optimizers initialized together (nullptr: a new bank).
+  void attach(const std::vector<torch::nn::Module*>& modules, const Properties& properties,
+              std::shared_ptr<std::vector<LossScaler>> scalers);
   /// Decides the step: false after an overflow (grads are then dropped and nothing changes).
   bool begin_step();
   /// Copies the updated masters into the model's low-precision parameters (one fused pass).
@@ -67,7 +70,7 @@ class OptimizerBase {
   bool attached_ = false;
   // Apex skips all scaling bookkeeping for a fixed scale of 1 without master weights (O0, O3).
   bool unscaled_fast_path_ = false;
-  std::vector<LossScaler> scalers_;
+  std::shared_ptr<std::vector<LossScaler>> scalers_;  // shared by optimizers initialized together
   std::vector<at::Tensor> model_lp_params_;  // low-precision model params that have masters
   std::vector<at::Tensor> masters_;          // their fp32 masters, parallel to model_lp_params_
   std::vector<at::Tensor> direct_params_;    // params the optimizer updates in place
@@ -85,8 +88,10 @@ class OptimizerBase {
 template <class Opt>
 class Optimizer : public Opt, public OptimizerBase {
  public:
-  Optimizer(Opt&& optimizer, torch::nn::Module& module, const Properties& properties) : Opt(std::move(optimizer)) {
-    attach(module, properties);
+  Optimizer(Opt&& optimizer, const std::vector<torch::nn::Module*>& modules, const Properties& properties,
+            std::shared_ptr<std::vector<LossScaler>> scalers = nullptr)
+      : Opt(std::move(optimizer)) {
+    attach(modules, properties, std::move(scalers));
   }
 
   /// Steps, unless a backward since the last step overflowed. Closures are not supported (as in Apex).
