@@ -136,3 +136,19 @@ TEST(ConfigTest, ProgramFlagsShareTheCommandLineFileAndHelp) {
   ASSERT_THROWS_WITH(flags.add("epochs", &epochs, "x"), "flag 'epochs' added twice");
   ASSERT_THROWS_WITH(flags.add("bad-name", &epochs, "x"), "invalid flag name 'bad-name'");
 }
+
+TEST(ConfigTest, ShippedExampleConfigsAllResolve) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(AMP_SOURCE_DIR) + "/examples/configs")) {
+    if (entry.path().extension() != ".ini") continue;
+    SCOPED_TRACE(entry.path().string());
+    const auto p = amp::load_options(entry.path().string()).resolve();
+    const std::string stem = entry.path().stem().string();
+    EXPECT_EQ(amp::to_string(p.opt_level), stem.substr(0, 2));
+    if (p.opt_level != amp::OptLevel::O0) {
+      EXPECT_EQ(p.low_precision_dtype, stem.find("bf16") != std::string::npos ? torch::kBFloat16 : torch::kHalf);
+    }
+    ++count;
+  }
+  EXPECT_EQ(count, 7);  // O0, and O1..O3 each in fp16 and bf16
+}

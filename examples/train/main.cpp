@@ -1,19 +1,20 @@
-// The main job: trains a small conv + BatchNorm classifier on scikit-learn's 8x8 handwritten digits
-// (generated digits-like images if the file is absent) at the opt level a config file picks.
+// The main job: the C++ port of an Apex ImageNet-style `main_amp.py`, scaled to scikit-learn's 8x8
+// handwritten digits (generated digits-like images if the file is absent): a conv + BatchNorm
+// classifier, a data loader, SGD with a step LR schedule, amp at the opt level a config file picks,
+// validation each epoch, a live progress bar, a metrics CSV, and checkpoints that resume bitwise.
 //
 //   build/torch-2.13/examples/train --config examples/configs/O2_bf16.ini --data build/data/digits.csv
-//
-// It is the C++ shape of an Apex script: amp::initialize, amp::scale_loss, optimizer.step(), an LR
-// schedule, validation each epoch, and checkpoints that include amp's state.
 
 #include <amp/amp.h>
 #include <torch/torch.h>
 
-#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <sstream>
+
+#include "../common/progress.h"
 
 namespace {
 
@@ -59,6 +60,20 @@ bool read_digits(const std::string& path, torch::Tensor& images, torch::Tensor& 
   return true;
 }
 
+// The images and labels as a torch::data dataset, so the standard DataLoader batches and shuffles them.
+class DigitsDataset : public torch::data::datasets::Dataset<DigitsDataset> {
+ public:
+  DigitsDataset(torch::Tensor images, torch::Tensor labels) : images_(std::move(images)), labels_(std::move(labels)) {}
+  torch::data::Example<> get(size_t i) override {
+    const auto index = static_cast<int64_t>(i);
+    return {images_[index], labels_[index]};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(images_.size(0)); }
+
+ private:
+  torch::Tensor images_, labels_;
+};
+
 // Fallback data: each class is a fixed random 8x8 pattern plus noise.
 void generate_digits(int64_t n, torch::Tensor& images, torch::Tensor& labels) {
   auto prototypes = torch::rand({10, 1, 8, 8});
@@ -75,18 +90,21 @@ int main(int argc, char** argv) {
   int64_t seed = 0;
   std::string data;
   std::string checkpoint;
+  std::string metrics;
   bool resume = false;
   amp::ProgramFlags flags("train: a digits classifier trained with amp at the opt level from --config");
-  flags.add("epochs", &epochs, "passes over the training set")
+  flags.add("epochs", &epochs, "train until this epoch (counting resumed ones)")
       .add("batch_size", &batch_size, "examples per step")
-      .add("lr", &lr, "initial learning rate (halved every 2 epochs)")
-      .add("seed", &seed, "random seed")
-      .add("data", &data, "digits.csv from scikit-learn (empty: generated data)")
-      .add("checkpoint", &checkpoint, "file to save model + optimizer + amp state to after each epoch")
-      .add("resume", &resume, "load --checkpoint before training");
+      .add("lr", &lr, "initial learning rate, halved every 2 epochs")
+      .add("seed", &seed, "random seed of the initial weights, the split and each epoch's shuffle")
+      .add("data", &data, "digits.csv from scikit-learn (empty or missing: generated data)")
+      .add("checkpoint", &checkpoint, "file saved after each epoch: model, optimizer, fp32 masters, loss scalers")
+      .add("resume", &resume, "load --checkpoint and continue from its epoch")
+      .add("metrics", &metrics, "CSV file with one row per epoch (appended to on --resume)");
   try {
     const auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
+    if (resume && checkpoint.empty()) throw std::invalid_argument("train: --resume true needs --checkpoint FILE");
     torch::manual_seed(static_cast<uint64_t>(seed));
 
     torch::Tensor images, labels;
@@ -100,62 +118,77 @@ int main(int argc, char** argv) {
     images = images.index_select(0, permutation);
     labels = labels.index_select(0, permutation);
     const int64_t n_train = images.size(0) * 4 / 5;
-    auto train_x = images.narrow(0, 0, n_train), train_y = labels.narrow(0, 0, n_train);
     auto val_x = images.narrow(0, n_train, images.size(0) - n_train);
     auto val_y = labels.narrow(0, n_train, images.size(0) - n_train);
+    auto loader = torch::data::make_data_loader<torch::data::samplers::RandomSampler>(
+        DigitsDataset(images.narrow(0, 0, n_train), labels.narrow(0, 0, n_train)).map(torch::data::transforms::Stack<>()),
+        torch::data::DataLoaderOptions().batch_size(static_cast<size_t>(batch_size)));
+    const int64_t steps_per_epoch = (n_train + batch_size - 1) / batch_size;
     std::cout << "data: " << source << ", " << n_train << " train / " << val_x.size(0) << " validation images\n";
 
     DigitsNet net;
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), *options);
-    torch::optim::StepLR schedule(optimizer, /*step_size=*/2, /*gamma=*/0.5);
     int start_epoch = 0;
     if (resume) {
-      torch::serialize::InputArchive archive;
+      torch::serialize::InputArchive archive, model_archive, optimizer_archive;
       archive.load_from(checkpoint);
-      torch::serialize::InputArchive model_archive, optimizer_archive;
       archive.read("model", model_archive);
       archive.read("optimizer", optimizer_archive);
       net->load(model_archive);
-      optimizer.load(optimizer_archive);
+      optimizer.load(optimizer_archive);  // state, fp32 masters and loss scalers
       c10::IValue epoch;
       archive.read("epoch", epoch);
       start_epoch = static_cast<int>(epoch.toInt());
-      for (int e = 0; e < start_epoch; ++e) schedule.step();
-      std::cout << "resumed from " << checkpoint << " at epoch " << start_epoch << "\n";
+      std::cout << "resumed from " << checkpoint << " after epoch " << start_epoch << "\n";
+    }
+    std::ofstream csv;
+    if (!metrics.empty()) {
+      csv.open(metrics, resume ? std::ios::app : std::ios::trunc);
+      if (!csv) throw std::invalid_argument("train: cannot write --metrics file '" + metrics + "'");
+      if (!resume) csv << "epoch,lr,train_loss,val_loss,val_accuracy,loss_scale,skipped_steps,seconds,images_per_second\n";
     }
 
-    std::printf("%5s %10s %9s %12s %8s %8s\n", "epoch", "train_loss", "val_acc", "loss_scale", "skipped", "sec");
+    std::printf("%5s %9s %10s %9s %8s %11s %7s %7s %9s\n", "epoch", "lr", "train_loss", "val_loss", "val_acc",
+                "loss_scale", "skipped", "sec", "img/s");
     for (int epoch = start_epoch; epoch < epochs; ++epoch) {
-      const auto started = std::chrono::steady_clock::now();
+      // Apex main_amp's adjust_learning_rate, as a pure function of the epoch so that resuming needs
+      // no scheduler state; the shuffle is seeded per epoch for the same reason.
+      const double epoch_lr = lr * std::pow(0.5, epoch / 2);
+      for (auto& group : optimizer.param_groups()) static_cast<torch::optim::SGDOptions&>(group.options()).lr(epoch_lr);
+      torch::manual_seed(static_cast<uint64_t>(seed) * 1000 + static_cast<uint64_t>(epoch));
       model.train();
-      const auto order = torch::randperm(n_train);
-      double total = 0;
-      int64_t batches = 0;
-      for (int64_t start = 0; start < n_train; start += batch_size) {
-        const auto index = order.narrow(0, start, std::min(batch_size, n_train - start));
+      ProgressBar progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs), steps_per_epoch);
+      for (auto& batch : *loader) {
         optimizer.zero_grad();
-        auto loss = torch::nn::functional::cross_entropy(model(train_x.index_select(0, index)),
-                                                         train_y.index_select(0, index));
+        auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
         {
           auto scaled_loss = amp::scale_loss(loss, optimizer);
           scaled_loss.backward();
         }
         optimizer.step();
-        total += loss.item<double>();
-        ++batches;
+        progress.step(batch.data.size(0), loss.item<double>());
       }
-      schedule.step();
+      progress.finish();
       model.eval();
-      double accuracy;
+      double val_loss, accuracy;
       {
         torch::NoGradGuard no_grad;
-        accuracy = model(val_x).argmax(1).eq(val_y).to(torch::kFloat).mean().item<double>();
+        const auto logits = model(val_x);
+        val_loss = torch::nn::functional::cross_entropy(logits, val_y).item<double>();
+        accuracy = logits.argmax(1).eq(val_y).to(torch::kFloat).mean().item<double>();
       }
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-      std::printf("%5d %10.4f %8.2f%% %12.1f %8lld %8.2f\n", epoch + 1, total / static_cast<double>(batches),
-                  100.0 * accuracy, amp::loss_scale(optimizer), static_cast<long long>(optimizer.skipped_steps()),
-                  seconds);
+      std::printf("%5d %9.5f %10.4f %9.4f %7.2f%% %11.1f %7lld %7.2f %9.0f\n", epoch + 1, epoch_lr,
+                  progress.mean_loss(), val_loss, 100.0 * accuracy, amp::loss_scale(optimizer),
+                  static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
+      std::fflush(stdout);
+      if (csv) {
+        char row[512];
+        std::snprintf(row, sizeof(row), "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%lld,%.4f,%.1f\n", epoch + 1, epoch_lr,
+                      progress.mean_loss(), val_loss, accuracy, amp::loss_scale(optimizer),
+                      static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
+        csv << row << std::flush;
+      }
       if (!checkpoint.empty()) {
         torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
         net->save(model_archive);
@@ -167,9 +200,8 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const std::exception& e) {
-    std::cerr << (dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
-                                                      : e.what())
-              << "\n";
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    std::cerr << (c10_error ? c10_error->what_without_backtrace() : e.what()) << "\n";
     return 1;
   }
   return 0;
