@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Exercises examples/dcgan briefly: the generator must move most of its samples onto the ring's modes
+# (from 0% at the start) while the three loss scalers stay finite and positive.
+#   check_dcgan.sh DCGAN_BINARY CONFIG
+set -euo pipefail
+out=$("$1" --config "$2" --verbosity 0 --steps 1500 --report-every 1500)
+echo "$out"
+echo "$out" | awk '$1 == 1500 {
+  near = $6 + 0; modes = $7 + 0
+  if (near < 20) { print "FAIL: only " near "% of samples near a mode"; exit 1 }
+  if (modes < 6) { print "FAIL: only " modes " of 8 modes covered"; exit 1 }
+  for (i = 8; i <= 10; ++i) if (!($i > 0)) { print "FAIL: loss scale " $i; exit 1 }
+  found = 1 }
+  END { if (!found) { print "FAIL: no line for step 1500"; exit 1 } }'
