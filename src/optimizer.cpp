@@ -2,6 +2,11 @@
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Half.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
 
 #include <iostream>
 #include <sstream>
@@ -39,6 +44,15 @@ void clear_grad(at::Tensor& t, bool set_to_none) {
     grad = grad.detach();
     grad.zero_();
   }
+}
+
+// Returns the eps of the optimizers that add it to a denominator, if `options` is one of theirs.
+std::optional<double> denominator_eps(const torch::optim::OptimizerOptions& options) {
+  if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) return o->eps();
+  if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) return o->eps();
+  if (auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) return o->eps();
+  if (auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) return o->eps();
+  return std::nullopt;
 }
 
 }  // namespace
@@ -125,6 +139,16 @@ void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const
                     to_string(properties.opt_level), " casts to ", dtype_name(*properties.cast_model_type),
                     " without master weights; that fp32 state would no longer match. Call amp::initialize first, "
                     "then torch::load the optimizer (Apex's documented order).");
+        // Optimizer state in float16 (no master weights): an eps that rounds to 0 there makes
+        // Adam-style denominators 0 on small gradients, and the step writes NaN (pytorch #8860, apex #240).
+        const auto eps = denominator_eps(opt.param_groups()[g].options());
+        TORCH_CHECK(!(cast && eps && *properties.cast_model_type == c10::ScalarType::Half &&
+                      static_cast<float>(c10::Half(static_cast<float>(*eps))) == 0.0f),
+                    "amp::initialize: opt_level ", to_string(properties.opt_level), " keeps parameter '",
+                    found->second, "' and its optimizer state in float16 without fp32 master weights, where the "
+                    "optimizer's eps=", *eps, " rounds to 0: steps with small gradients would divide 0 by 0 and "
+                    "write NaN into the weights. Use opt_level O2 (fp32 master weights), low_precision_dtype "
+                    "bfloat16, or an eps of at least 1e-4.");
         direct_params_.push_back(p);
       }
     }

@@ -255,3 +255,18 @@ TEST(FrozenBatchNormTest, TrainKeepsFrozenLayersFrozen) {
   EXPECT_TRUE(torch::equal(net->bn->running_mean, mean));
   EXPECT_TRUE(torch::equal(net->bn->running_var, var));
 }
+
+TEST(InitializeErrorsTest, Fp16OptimizerStateWithAnEpsThatRoundsToZero) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  Mlp net;
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));  // eps 1e-8
+  ASSERT_THROWS_WITH(amp::initialize(net, std::move(adam), quiet("O3", torch::kHalf)),
+                     "the optimizer's eps=1e-08 rounds to 0");
+  Mlp ok1, ok2, ok3;
+  torch::optim::Adam large_eps(ok1->parameters(), torch::optim::AdamOptions(1e-3).eps(1e-4));
+  EXPECT_NO_THROW(amp::initialize(ok1, std::move(large_eps), quiet("O3", torch::kHalf)));
+  torch::optim::Adam with_masters(ok2->parameters(), torch::optim::AdamOptions(1e-3));
+  EXPECT_NO_THROW(amp::initialize(ok2, std::move(with_masters), quiet("O2", torch::kHalf)));
+  torch::optim::AdamW bf16(ok3->parameters(), torch::optim::AdamWOptions(1e-3));
+  EXPECT_NO_THROW(amp::initialize(ok3, std::move(bf16), quiet("O3", torch::kBFloat16)));
+}

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <mutex>
+#include <unordered_map>
 
 class MemoryMeter final : public c10::Allocator {
  public:
@@ -37,32 +39,43 @@ class MemoryMeter final : public c10::Allocator {
 #endif
 
  private:
-  struct Block {
-    c10::DataPtr inner;
-    size_t bytes;
-    MemoryMeter* meter;
-  };
-
   explicit MemoryMeter(c10::Allocator* base) : base_(base) {}
 
+  // The data pointer doubles as the context (LibTorch's raw_allocate / raw_deleter users need that),
+  // so sizes are remembered on the side.
   c10::DataPtr wrap(size_t n) {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* block = new Block{std::move(inner), n, this};
+    void* data = base_->raw_allocate(n);
+    if (data) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = n;
+    }
     const size_t now = current_.fetch_add(n) + n;
     size_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return {data, block, &release, device};
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  static void release(void* ctx) {
-    auto* block = static_cast<Block*>(ctx);
-    block->meter->current_.fetch_sub(block->bytes);
-    delete block;
+  static void release(void* data) {
+    if (!data) return;
+    MemoryMeter& meter = install();
+    size_t n = 0;
+    {
+      std::lock_guard<std::mutex> lock(meter.mutex_);
+      auto it = meter.sizes_.find(data);
+      n = it->second;
+      meter.sizes_.erase(it);
+    }
+    meter.current_.fetch_sub(n);
+    meter.base_->raw_deallocate(data);
   }
 
+ public:
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;
   c10::Allocator* base_;
   std::atomic<size_t> current_{0};
   std::atomic<size_t> peak_{0};
