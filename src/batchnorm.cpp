@@ -1,5 +1,6 @@
 #include "amp/batchnorm.h"
 
+#include <ATen/Functions.h>
 #include <torch/nn/modules/batchnorm.h>
 
 #include <algorithm>
@@ -47,6 +48,28 @@ void freeze_batchnorm(torch::nn::Module& module) {
   };
   // modules() includes `module` itself, as a shared_ptr (Module derives enable_shared_from_this).
   for (const auto& m : module.modules(/*include_self=*/true)) freeze(m);
+}
+
+std::vector<at::Tensor> detail::float16_batchnorm_statistics(torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (!is_batchnorm(*m)) continue;
+    for (const auto& b : m->buffers(/*recurse=*/false)) {
+      if (b.scalar_type() == at::kHalf) out.push_back(b);
+    }
+  }
+  return out;
+}
+
+void detail::check_batchnorm_statistics(const std::vector<at::Tensor>& statistics) {
+  if (statistics.empty()) return;
+  std::vector<at::Tensor> flat;
+  for (const auto& s : statistics) flat.push_back(s.reshape({-1}));
+  TORCH_CHECK(at::isfinite(at::cat(flat)).all().item<bool>(),
+              "amp: a BatchNorm running statistic overflowed float16 in this forward (a batch variance above "
+              "65504, pytorch #115500), because this opt level keeps BatchNorm in float16. Keep it in fp32 with "
+              "keep_batchnorm_fp32(true) (config: keep_batchnorm_fp32 = true), or use bfloat16, which has fp32's "
+              "range. The layer's running statistics now hold inf: reload them before evaluating.");
 }
 
 void detail::keep_frozen_layers_frozen(torch::nn::Module& module) {

@@ -81,6 +81,8 @@ const std::vector<Key>& amp_keys() {
       {"cast_model_type", "float32 | float16 | bfloat16", [](Options& o, const std::string& v) { o.cast_model_type(parse_dtype(v)); }},
       {"patch_torch_functions", "true | false (O1 only)", [](Options& o, const std::string& v) { o.patch_torch_functions(parse_bool(v)); }},
       {"keep_batchnorm_fp32", "true | false (not with O1)", [](Options& o, const std::string& v) { o.keep_batchnorm_fp32(parse_bool(v)); }},
+      {"cast_frozen_batchnorm", "true | false: cast frozen BatchNorm to low precision (rounds its statistics)",
+       [](Options& o, const std::string& v) { o.cast_frozen_batchnorm(parse_bool(v)); }},
       {"master_weights", "true | false", [](Options& o, const std::string& v) { o.master_weights(parse_bool(v)); }},
       {"loss_scale", "dynamic | a positive number", [](Options& o, const std::string& v) { o.loss_scale(parse_loss_scale(v)); }},
       {"low_precision_dtype", "float16 | bfloat16", [](Options& o, const std::string& v) { o.low_precision_dtype(parse_dtype(v)); }},

@@ -58,6 +58,7 @@ std::string to_string(const Properties& p) {
   row("cast_model_type", optional_str(p.cast_model_type));
   row("patch_torch_functions", py_bool(p.patch_torch_functions));
   row("keep_batchnorm_fp32", optional_str(p.keep_batchnorm_fp32));
+  row("cast_frozen_batchnorm", py_bool(p.cast_frozen_batchnorm));
   row("master_weights", py_bool(p.master_weights));
   row("loss_scale", to_string(p.loss_scale));
   row("low_precision_dtype", dtype_name(p.low_precision_dtype));
@@ -120,6 +121,13 @@ Properties Options::resolve() const {
     }
     p.keep_batchnorm_fp32 = *keep_batchnorm_fp32_;
   }
+  if (cast_frozen_batchnorm_) {
+    if (*cast_frozen_batchnorm_ && !(p.cast_model_type && is_low_precision(*p.cast_model_type))) {
+      fail("cast_frozen_batchnorm casts frozen BatchNorm layers along with a model cast to low precision, so it "
+           "applies at O2 and O3 only (got opt_level " + level + "). Remove it, or use O2.");
+    }
+    p.cast_frozen_batchnorm = *cast_frozen_batchnorm_;
+  }
   if (master_weights_) {
     if (level_ == OptLevel::O1 && *master_weights_) {
       fail("It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should "
@@ -176,6 +184,7 @@ std::string Options::describe_overrides() const {
   if (cast_model_type_) row("cast_model_type", dtype_name(*cast_model_type_));
   if (patch_torch_functions_) row("patch_torch_functions", py_bool(*patch_torch_functions_));
   if (keep_batchnorm_fp32_) row("keep_batchnorm_fp32", py_bool(*keep_batchnorm_fp32_));
+  if (cast_frozen_batchnorm_) row("cast_frozen_batchnorm", py_bool(*cast_frozen_batchnorm_));
   if (master_weights_) row("master_weights", py_bool(*master_weights_));
   if (loss_scale_) row("loss_scale", to_string(*loss_scale_));
   if (low_precision_dtype_) row("low_precision_dtype", dtype_name(*low_precision_dtype_));

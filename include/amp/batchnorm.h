@@ -3,6 +3,8 @@
 
 #include <torch/nn/module.h>
 
+#include <vector>
+
 namespace amp {
 
 /// Puts every BatchNorm layer under `module` (itself included) in eval mode, stops its parameters'
@@ -22,6 +24,11 @@ bool is_frozen(const torch::nn::Module& module);
 namespace detail {
 /// Puts every frozen layer under `module` back in eval mode (after a recursive train()).
 void keep_frozen_layers_frozen(torch::nn::Module& module);
+/// Returns the running statistics of BatchNorm layers under `module` that are float16 (O3), which a
+/// training forward can push past 65504.
+std::vector<at::Tensor> float16_batchnorm_statistics(torch::nn::Module& module);
+/// Throws, naming the fix, if a training forward overflowed float16 running statistics (pytorch #115500).
+void check_batchnorm_statistics(const std::vector<at::Tensor>& statistics);
 }  // namespace detail
 
 }  // namespace amp

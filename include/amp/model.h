@@ -84,7 +84,10 @@ template <class Module>
 class Model {
  public:
   Model(Module module, const Properties& properties, c10::DeviceType device)
-      : module_(std::move(module)), properties_(properties), device_(device) {}
+      : module_(std::move(module)),
+        properties_(properties),
+        device_(device),
+        float16_bn_statistics_(detail::float16_batchnorm_statistics(*module_pointer())) {}
 
   /// Runs the module's forward with the opt level's casts.
   template <class... Args>
@@ -97,6 +100,7 @@ class Model {
     }
     auto output = impl().forward(detail::cast_input(std::forward<Args>(args), input_dtype)...);
     if (!properties_.enabled) return output;
+    if (!float16_bn_statistics_.empty() && impl().is_training()) detail::check_batchnorm_statistics(float16_bn_statistics_);
     return detail::cast_result(std::move(output), properties_.cast_model_outputs);
   }
 
@@ -130,6 +134,7 @@ class Model {
   Module module_;
   Properties properties_;
   c10::DeviceType device_;
+  std::vector<at::Tensor> float16_bn_statistics_;  // O3 + float16 only: checked after training forwards
 };
 
 }  // namespace amp

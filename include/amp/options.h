@@ -27,6 +27,7 @@ class Options {
   Options& cast_model_type(c10::ScalarType value) { return set(cast_model_type_, value); }
   Options& patch_torch_functions(bool value) { return set(patch_torch_functions_, value); }
   Options& keep_batchnorm_fp32(bool value) { return set(keep_batchnorm_fp32_, value); }
+  Options& cast_frozen_batchnorm(bool value) { return set(cast_frozen_batchnorm_, value); }
   Options& master_weights(bool value) { return set(master_weights_, value); }
   Options& loss_scale(LossScale value) { return set(loss_scale_, value); }
   Options& low_precision_dtype(c10::ScalarType value) { return set(low_precision_dtype_, value); }
@@ -60,6 +61,7 @@ class Options {
   std::optional<c10::ScalarType> cast_model_type_;
   std::optional<bool> patch_torch_functions_;
   std::optional<bool> keep_batchnorm_fp32_;
+  std::optional<bool> cast_frozen_batchnorm_;
   std::optional<bool> master_weights_;
   std::optional<LossScale> loss_scale_;
   std::optional<c10::ScalarType> low_precision_dtype_;
