@@ -85,7 +85,11 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
   if (!p.enabled || !p.cast_model_type) return out;
   const bool keep_bn = p.keep_batchnorm_fp32.value_or(false);
   for (const auto& m : module.modules(/*include_self=*/true)) {
-    if (keep_bn && is_batchnorm(*m) && !(p.cast_frozen_batchnorm && is_frozen(*m))) continue;
+    if (is_batchnorm(*m)) {
+      // Frozen layers hold pretrained statistics: they stay fp32 at every level unless asked otherwise.
+      const bool keep = is_frozen(*m) ? !p.cast_frozen_batchnorm : keep_bn;
+      if (keep) continue;
+    }
     for (const auto& t : m->parameters(/*recurse=*/false)) out.insert(t.unsafeGetTensorImpl());
     for (const auto& t : m->buffers(/*recurse=*/false)) {
       if (t.is_floating_point()) out.insert(t.unsafeGetTensorImpl());

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "../common/digits.h"
 #include "../common/progress.h"
 
 namespace {
@@ -38,28 +39,6 @@ struct DigitsNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(DigitsNet);
 
-// Reads scikit-learn's digits.csv (64 pixel values 0..16, then the label, per line).
-bool read_digits(const std::string& path, torch::Tensor& images, torch::Tensor& labels) {
-  std::ifstream in(path);
-  if (!in) return false;
-  std::vector<float> pixels;
-  std::vector<int64_t> targets;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::stringstream row(line);
-    std::string cell;
-    std::vector<float> values;
-    while (std::getline(row, cell, ',')) values.push_back(std::stof(cell));
-    if (values.size() != 65) throw std::runtime_error("train: " + path + ": expected 65 values per line");
-    pixels.insert(pixels.end(), values.begin(), values.begin() + 64);
-    targets.push_back(static_cast<int64_t>(values[64]));
-  }
-  const auto n = static_cast<int64_t>(targets.size());
-  images = torch::from_blob(pixels.data(), {n, 1, 8, 8}).clone() / 16.0;
-  labels = torch::from_blob(targets.data(), {n}, torch::kLong).clone();
-  return true;
-}
-
 // The images and labels as a torch::data dataset, so the standard DataLoader batches and shuffles them.
 class DigitsDataset : public torch::data::datasets::Dataset<DigitsDataset> {
  public:
@@ -73,13 +52,6 @@ class DigitsDataset : public torch::data::datasets::Dataset<DigitsDataset> {
  private:
   torch::Tensor images_, labels_;
 };
-
-// Fallback data: each class is a fixed random 8x8 pattern plus noise.
-void generate_digits(int64_t n, torch::Tensor& images, torch::Tensor& labels) {
-  auto prototypes = torch::rand({10, 1, 8, 8});
-  labels = torch::randint(10, {n}, torch::kLong);
-  images = (prototypes.index_select(0, labels) + 0.3 * torch::randn({n, 1, 8, 8})).clamp(0, 1);
-}
 
 }  // namespace
 
@@ -108,12 +80,8 @@ int main(int argc, char** argv) {
     torch::manual_seed(static_cast<uint64_t>(seed));
 
     torch::Tensor images, labels;
-    std::string source = data;
-    if (data.empty() || !read_digits(data, images, labels)) {
-      if (!data.empty()) std::cout << "train: " << data << " not found; using generated digits\n";
-      source = "generated";
-      generate_digits(1797, images, labels);
-    }
+    const std::string source = load_digits(data, images, labels);
+    if (!data.empty() && source != data) std::cout << "train: " << data << " not found; using generated digits\n";
     const auto permutation = torch::randperm(images.size(0));
     images = images.index_select(0, permutation);
     labels = labels.index_select(0, permutation);

@@ -8,8 +8,9 @@
 namespace amp {
 
 /// Puts every BatchNorm layer under `module` (itself included) in eval mode, stops its parameters'
-/// gradients and marks it frozen, so amp::Model::train() keeps it so. Running statistics then
-/// never change. Call it before amp::initialize or after, at any opt level.
+/// gradients and marks it frozen, so amp::Model::train() keeps it so. Running statistics then never
+/// change. Call it before amp::initialize: layers frozen then stay fp32 at every level, O3 included
+/// (unless Options::cast_frozen_batchnorm), so their pretrained statistics are not rounded.
 ///
 /// Example:
 ///   amp::freeze_batchnorm(*backbone);   // fine-tune the head, keep pretrained BN statistics

@@ -22,8 +22,9 @@ struct Properties {
   bool patch_torch_functions = false;
   /// Keeps BatchNorm parameters and buffers fp32 when the model is cast; nullopt at O1.
   std::optional<bool> keep_batchnorm_fp32;
-  /// Casts BatchNorm layers frozen with amp::freeze_batchnorm to low precision anyway (the tutorials'
-  /// `bn.eval().half()`): faster, but it rounds the pretrained statistics. amp's extension; default false.
+  /// Casts BatchNorm layers frozen with amp::freeze_batchnorm to low precision with the model (the
+  /// tutorials' `bn.eval().half()`); by default frozen layers stay fp32 at every level, because the cast
+  /// rounds their pretrained statistics. amp's extension.
   bool cast_frozen_batchnorm = false;
   /// Gives the optimizer fp32 master copies of low-precision parameters.
   bool master_weights = false;
