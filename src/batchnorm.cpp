@@ -66,10 +66,11 @@ void detail::check_batchnorm_statistics(const std::vector<at::Tensor>& statistic
   std::vector<at::Tensor> flat;
   for (const auto& s : statistics) flat.push_back(s.reshape({-1}));
   TORCH_CHECK(at::isfinite(at::cat(flat)).all().item<bool>(),
-              "amp: a BatchNorm running statistic overflowed float16 in this forward (a batch variance above "
-              "65504, pytorch #115500), because this opt level keeps BatchNorm in float16. Keep it in fp32 with "
-              "keep_batchnorm_fp32(true) (config: keep_batchnorm_fp32 = true), or use bfloat16, which has fp32's "
-              "range. The layer's running statistics now hold inf: reload them before evaluating.");
+              "amp: a BatchNorm running statistic overflowed float16 in this forward: this opt level keeps "
+              "BatchNorm in float16, where a running variance above 65504 is inf (pytorch #115500); an inf or NaN "
+              "input does the same. Keep BatchNorm in fp32 with keep_batchnorm_fp32(true) (config: "
+              "keep_batchnorm_fp32 = true), or use bfloat16, which has fp32's range. The layer's running "
+              "statistics now hold inf or NaN: reload them before evaluating.");
 }
 
 void detail::keep_frozen_layers_frozen(torch::nn::Module& module) {
