@@ -270,6 +270,7 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
   amp_archive.write("master_weights", c10::IValue(static_cast<int64_t>(masters_.size())));
   const std::vector<LossScaler>& scalers = *scalers_;
   amp_archive.write("num_losses", c10::IValue(static_cast<int64_t>(scalers.size())));
+  amp_archive.write("skipped_steps", c10::IValue(skipped_steps_));
   for (size_t i = 0; i < scalers.size(); ++i) {
     const std::string prefix = "loss_scaler" + std::to_string(i) + "/";
     amp_archive.write(prefix + "loss_scale", c10::IValue(scalers[i].loss_scale()));
@@ -316,10 +317,12 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(masters[i].sizes() == masters_[i].sizes(), "amp::Optimizer::load: master weight ", i,
                 " has shape ", masters[i].sizes(), " in the checkpoint, ", masters_[i].sizes(), " here.");
   }
+  const int64_t skipped_steps = read_int("skipped_steps");
   std::vector<LossScaler> scalers = *scalers_;
   for (size_t i = 0; i < scalers.size(); ++i) scalers[i].load(scaler_states[i].first, scaler_states[i].second);
   // Everything validated: now change state.
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
+  skipped_steps_ = skipped_steps;
   {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < masters_.size(); ++i) masters_[i].copy_(masters[i]);

@@ -65,29 +65,34 @@ TEST_P(RestoringTest, ResumingIsBitwiseIdenticalToNotStopping) {
   const auto [level, lp, num_losses] = GetParam();
   SKIP_WITHOUT_CPU_KERNELS(lp);
   const auto options = amp::Options(level).low_precision_dtype(lp).num_losses(num_losses).verbosity(0);
-  TrainingRun uninterrupted(options, 7);
-  std::vector<torch::Tensor> outputs;
-  std::stringstream model_checkpoint, optimizer_checkpoint;
-  for (int i = 0; i < 10; ++i) {
-    outputs.push_back(uninterrupted.step(i, num_losses));
-    if (i == 4) {
-      torch::save(uninterrupted.net, model_checkpoint);
-      torch::save(uninterrupted.amp->optimizer, optimizer_checkpoint);
+  // Checkpoint right after the step whose backward overflowed (3), and one step later (4).
+  for (int k : {3, 4}) {
+    SCOPED_TRACE("checkpoint after step " + std::to_string(k));
+    TrainingRun uninterrupted(options, 7);
+    std::vector<torch::Tensor> outputs;
+    std::stringstream model_checkpoint, optimizer_checkpoint;
+    for (int i = 0; i < 10; ++i) {
+      outputs.push_back(uninterrupted.step(i, num_losses));
+      if (i == k) {
+        torch::save(uninterrupted.net, model_checkpoint);
+        torch::save(uninterrupted.amp->optimizer, optimizer_checkpoint);
+      }
     }
-  }
-  TrainingRun resumed(options, 99);  // different initial weights: everything must come from the checkpoint
-  torch::load(resumed.net, model_checkpoint);
-  torch::load(resumed.amp->optimizer, optimizer_checkpoint);
-  for (int i = 5; i < 10; ++i) {
-    auto out = resumed.step(i, num_losses);
-    EXPECT_TRUE(amp_test::bitwise_equal(out, outputs[static_cast<size_t>(i)])) << "step " << i;
-  }
-  const auto a = state_of(uninterrupted), b = state_of(resumed);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << "tensor " << i;
-  for (int id = 0; id < num_losses; ++id) {
-    EXPECT_EQ(amp::loss_scale(resumed.amp->optimizer, id), amp::loss_scale(uninterrupted.amp->optimizer, id));
-    EXPECT_EQ(resumed.amp->optimizer.loss_scaler(id).unskipped(), uninterrupted.amp->optimizer.loss_scaler(id).unskipped());
+    TrainingRun resumed(options, 99);  // different initial weights: everything must come from the checkpoint
+    torch::load(resumed.net, model_checkpoint);
+    torch::load(resumed.amp->optimizer, optimizer_checkpoint);
+    for (int i = k + 1; i < 10; ++i) {
+      auto out = resumed.step(i, num_losses);
+      EXPECT_TRUE(amp_test::bitwise_equal(out, outputs[static_cast<size_t>(i)])) << "step " << i;
+    }
+    const auto a = state_of(uninterrupted), b = state_of(resumed);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << "tensor " << i;
+    for (int id = 0; id < num_losses; ++id) {
+      EXPECT_EQ(amp::loss_scale(resumed.amp->optimizer, id), amp::loss_scale(uninterrupted.amp->optimizer, id));
+      EXPECT_EQ(resumed.amp->optimizer.loss_scaler(id).unskipped(), uninterrupted.amp->optimizer.loss_scaler(id).unskipped());
+      EXPECT_EQ(resumed.amp->optimizer.skipped_steps(), uninterrupted.amp->optimizer.skipped_steps());
+    }
   }
 }
 

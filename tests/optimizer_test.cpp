@@ -217,3 +217,10 @@ TEST(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
                                      amp::Options("O1").verbosity(0)),
                      "is not a parameter of the models");
 }
+
+TEST(OptimizerTest, TheSameModelTwiceInOneInitializeIsRefused) {
+  amp_test::Mlp net;
+  torch::optim::SGD a(net->parameters(), 0.1), b(net->parameters(), 0.1);
+  ASSERT_THROWS_WITH(amp::initialize(std::tuple(net, net), std::tuple(std::move(a), std::move(b)), amp::Options("O1").verbosity(0)),
+                     "the same model appears twice in the models tuple");
+}

@@ -256,3 +256,16 @@ TEST(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
   for (auto& p : amp::master_params(optimizer)) EXPECT_FALSE(p.grad().defined());
   optimizer.zero_grad(/*set_to_none=*/false);
 }
+
+TEST(ScaleLossTest, DelayUnscaleThenAnotherLossIdIsRefused) {
+  Mlp net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1").num_losses(2));
+  {
+    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer, amp::ScaleLossOptions().delay_unscale(true));
+    scaled.backward();
+  }
+  ASSERT_THROWS_WITH(amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer, amp::ScaleLossOptions().loss_id(1)),
+                     "the gradients hold values scaled by loss scaler 0 (delay_unscale), so the next scale_loss must "
+                     "use the same loss_id, got 1");
+}
