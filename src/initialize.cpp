@@ -2,6 +2,7 @@
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -64,6 +65,41 @@ void probe_dtype(c10::DeviceType device, const Properties& p) {
   }
 }
 
+// Layers whose low-precision kernels some builds lack or get wrong (LibTorch 1.13's CPU bfloat16
+// transposed convolution mistakes its weight layout): found in the model, they are run once here in the
+// level's dtype, with fewer output than input channels and a stride, as real decoders use them.
+void probe_layers(torch::nn::Module& module, c10::DeviceType device, const Properties& p) {
+  if (!uses_low_precision(p)) return;
+  const c10::ScalarType lp = p.low_precision_dtype;
+  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+    const torch::nn::Module& layer = *item.value();
+    const int dims = dynamic_cast<const torch::nn::ConvTranspose1dImpl*>(&layer)   ? 1
+                     : dynamic_cast<const torch::nn::ConvTranspose2dImpl*>(&layer) ? 2
+                     : dynamic_cast<const torch::nn::ConvTranspose3dImpl*>(&layer) ? 3
+                                                                                   : 0;
+    if (dims == 0) continue;
+    try {
+      c10::NoGradGuard no_grad;
+      std::vector<int64_t> input_shape = {1, 4}, weight_shape = {4, 2};
+      for (int d = 0; d < dims; ++d) input_shape.push_back(3), weight_shape.push_back(3);
+      const auto options = at::TensorOptions().device(device).dtype(p.patch_torch_functions ? at::kFloat : lp);
+      const at::Tensor x = at::ones(input_shape, options), w = at::ones(weight_shape, options);
+      std::optional<AutocastGuard> casts;
+      if (p.patch_torch_functions) casts.emplace(device, lp);
+      const std::vector<int64_t> stride(static_cast<size_t>(dims), 2), padding(static_cast<size_t>(dims), 1);
+      const at::Tensor y = at::convolution(x, w, {}, stride, padding, {std::vector<int64_t>(static_cast<size_t>(dims), 1)},
+                                           /*transposed=*/true, std::vector<int64_t>(static_cast<size_t>(dims), 1), 1);
+      TORCH_CHECK(y.size(1) == 2, "the output has ", y.size(1), " channels instead of 2");
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "amp::initialize: the model has a ConvTranspose", dims, "d layer ('", item.key(),
+                  "'), which this LibTorch build (", TORCH_VERSION, ") can't run in ", dtype_name(lp), " on ",
+                  c10::DeviceTypeName(device, /*lower_case=*/true), ": ", message_of(e),
+                  "\nUse opt_level O1 (its per-op casts run transposed convolutions in fp32 on this build), a "
+                  "CUDA device, or LibTorch 2.x.");
+    }
+  }
+}
+
 void print_banner(const Options& options, const Properties& properties) {
   std::cout << "Selected optimization level " << brief(options.opt_level()) << "\n\n"
             << "Defaults for this optimization level are:\n"
@@ -116,6 +152,7 @@ c10::DeviceType check_model(torch::nn::Module& module, const Options& options, c
   const c10::DeviceType device_type = device ? device->type() : c10::DeviceType::CPU;
   if (properties.enabled && properties.verbosity >= 1) print_banner(options, properties);
   probe_dtype(device_type, properties);
+  probe_layers(module, device_type, properties);
   return device_type;
 }
 

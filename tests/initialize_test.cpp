@@ -270,3 +270,25 @@ TEST(InitializeErrorsTest, Fp16OptimizerStateWithAnEpsThatRoundsToZero) {
   torch::optim::AdamW bf16(ok3->parameters(), torch::optim::AdamWOptions(1e-3));
   EXPECT_NO_THROW(amp::initialize(ok3, std::move(bf16), quiet("O3", torch::kBFloat16)));
 }
+
+TEST(InitializeErrorsTest, LayerTheBuildCannotRunInTheDtypeIsReportedAtInitialize) {
+  // LibTorch 1.13's CPU bfloat16 transposed convolution treats its weight as a forward convolution's.
+  bool build_runs_it = true;
+  try {
+    auto y = torch::conv_transpose2d(torch::ones({1, 4, 3, 3}, torch::kBFloat16), torch::ones({4, 2, 3, 3}, torch::kBFloat16),
+                                     {}, 2, 1);
+    build_runs_it = y.size(1) == 2;
+  } catch (const std::exception&) {
+    build_runs_it = false;
+  }
+  torch::nn::Sequential decoder(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)),
+                                torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(4, 2, 3).stride(2).padding(1)));
+  torch::optim::SGD sgd(decoder->parameters(), 0.1);
+  if (build_runs_it) {
+    auto [model, optimizer] = amp::initialize(decoder, std::move(sgd), quiet("O2"));
+    EXPECT_EQ(model(torch::randn({1, 2, 5, 5})).size(1), 2);
+  } else {
+    ASSERT_THROWS_WITH(amp::initialize(decoder, std::move(sgd), quiet("O2")),
+                       "the model has a ConvTranspose2d layer ('1'), which this LibTorch build");
+  }
+}
