@@ -221,6 +221,7 @@ TEST(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
 TEST(OptimizerTest, TheSameModelTwiceInOneInitializeIsRefused) {
   amp_test::Mlp net;
   torch::optim::SGD a(net->parameters(), 0.1), b(net->parameters(), 0.1);
-  ASSERT_THROWS_WITH(amp::initialize(std::tuple(net, net), std::tuple(std::move(a), std::move(b)), amp::Options("O1").verbosity(0)),
+  ASSERT_THROWS_WITH(amp::initialize(std::tuple(net, net), std::tuple(std::move(a), std::move(b)),
+                                     amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                      "the same model appears twice in the models tuple");
 }
