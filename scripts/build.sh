@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Configures and builds amp against one LibTorch: scripts/build.sh [2.13|1.13|custom] [cmake args...]
-#   2.13    the torch==2.13.0 wheel's bundled LibTorch (build/torch-2.13)
-#   1.13    Debian's libtorch-dev 1.13.1 (build/torch-1.13)
-#   custom  the LibTorch named by $Torch_DIR or $CMAKE_PREFIX_PATH, e.g. the official zip (build/torch-custom)
+# Configures and builds amp against one LibTorch: scripts/build.sh [2.13|1.13|2.13-sanitize|custom] [cmake args...]
+#   2.13           the torch==2.13.0 wheel's bundled LibTorch (build/torch-2.13)
+#   1.13           Debian's libtorch-dev 1.13.1 (build/torch-1.13)
+#   2.13-sanitize  2.13 with AddressSanitizer + UndefinedBehaviorSanitizer (build/torch-2.13-sanitize)
+#   custom         the LibTorch named by $Torch_DIR or $CMAKE_PREFIX_PATH, e.g. the official zip (build/torch-custom)
 # Without an argument: custom if Torch_DIR/CMAKE_PREFIX_PATH is set, else 2.13.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,16 +14,17 @@ if [ -z "$version" ]; then
   if [ -n "${Torch_DIR:-}${CMAKE_PREFIX_PATH:-}" ]; then version=custom; else version=2.13; fi
 fi
 case "$version" in
-  2.13) torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch" ;;
+  2.13|2.13-sanitize) torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch" ;;
   1.13) torch_dir=/usr/lib/x86_64-linux-gnu/cmake/Torch
         [ -d "$torch_dir" ] || torch_dir="$(dirname "$(dpkg -L libtorch-dev | grep '/TorchConfig.cmake$' | head -n1)")" ;;
   custom) torch_dir="${Torch_DIR:-}" ;;
-  *) echo "usage: scripts/build.sh [2.13|1.13|custom] [cmake args...]" >&2; exit 2 ;;
+  *) echo "usage: scripts/build.sh [2.13|1.13|2.13-sanitize|custom] [cmake args...]" >&2; exit 2 ;;
 esac
 
 build_dir="build/torch-$version"
 mkdir -p build
 args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON)
 [ -n "$torch_dir" ] && args+=(-DTorch_DIR="$torch_dir")
+[ "$version" = 2.13-sanitize ] && args+=(-DAMP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
 cmake "${args[@]}" "$@" > "$build_dir.configure.log" 2>&1 || { mkdir -p build; cat "$build_dir.configure.log"; exit 1; }
 cmake --build "$build_dir" -j "${AMP_JOBS:-2}"

@@ -1,5 +1,7 @@
 #include "amp/config.h"
 
+#include "config_text.h"
+
 #include <boost/program_options.hpp>
 
 #include <algorithm>
@@ -157,12 +159,7 @@ class KeySet {
   const ProgramFlags* program_;
 };
 
-void load_file(const std::string& path, KeySet& keys) {
-  std::ifstream in(path);
-  if (!in) {
-    throw std::invalid_argument("amp config: cannot open config file '" + path +
-                                "'. Check the path (relative paths start from the working directory).");
-  }
+void parse_ini(std::istream& in, const std::string& path, KeySet& keys) {
   std::map<std::string, int> seen;
   std::string line;
   for (int number = 1; std::getline(in, line); ++number) {
@@ -192,6 +189,15 @@ void load_file(const std::string& path, KeySet& keys) {
   }
 }
 
+void load_file(const std::string& path, KeySet& keys) {
+  std::ifstream in(path);
+  if (!in) {
+    throw std::invalid_argument("amp config: cannot open config file '" + path +
+                                "'. Check the path (relative paths start from the working directory).");
+  }
+  parse_ini(in, path, keys);
+}
+
 po::options_description describe(const ProgramFlags* program) {
   po::options_description all(program && !program->description().empty() ? program->description() : "Options");
   if (program && !program->flags().empty()) {
@@ -217,19 +223,29 @@ po::options_description describe(const ProgramFlags* program) {
 bool parse(int argc, const char* const argv[], KeySet& keys, const ProgramFlags* program, std::string& help) {
   const po::options_description description = describe(program);
   po::variables_map vm;
+  po::parsed_options parsed(&description);
   try {
     // No abbreviations: a typo must fail with a suggestion, not silently pick the nearest flag.
     const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
-    po::store(po::command_line_parser(argc, argv).options(description).style(style).run(), vm);
+    parsed = po::command_line_parser(argc, argv).options(description).style(style).run();
+    po::store(parsed, vm);
   } catch (const po::unknown_option& e) {
     const std::string flag = e.get_option_name();
+    const auto first = flag.find_first_not_of('-');
     throw std::invalid_argument("amp: unknown command-line flag '" + flag + "'" +
-                                keys.suggestion(flag.substr(flag.find_first_not_of('-')), /*as_flag=*/true));
+                                keys.suggestion(first == std::string::npos ? flag : flag.substr(first), /*as_flag=*/true));
   } catch (const po::multiple_occurrences& e) {
     throw std::invalid_argument("amp: the flag '" + e.get_option_name() + "' is given twice; give it once.");
   } catch (const po::error& e) {
     throw std::invalid_argument(std::string("amp: bad command line: ") + e.what() +
                                 ". Flags take a value: --opt-level O2 --keep-batchnorm-fp32 false.");
+  }
+  for (const auto& option : parsed.options) {
+    if (option.position_key != -1 || option.string_key.empty()) {
+      const std::string token = option.original_tokens.empty() ? "" : option.original_tokens.front();
+      throw std::invalid_argument("amp: unexpected command-line argument '" + token +
+                                  "'. Every setting is a flag with a value: --opt-level O2 --epochs 3.");
+    }
   }
   if (vm.count("help")) {
     std::ostringstream os;
@@ -238,19 +254,16 @@ bool parse(int argc, const char* const argv[], KeySet& keys, const ProgramFlags*
     return false;
   }
   if (vm.count("config")) load_file(vm["config"].as<std::string>(), keys);
-  // Flags override the file: applied after it, in command-line order.
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0) continue;
-    arg = arg.substr(2, arg.find('=') == std::string::npos ? std::string::npos : arg.find('=') - 2);
-    std::string name = arg;
+  // Flags override the file: applied after it, in command-line order, as Boost parsed them.
+  for (const auto& option : parsed.options) {
+    std::string name = option.string_key;
     std::replace(name.begin(), name.end(), '-', '_');
-    if (name == "config" || !keys.knows(name)) continue;
-    const std::string value = vm[arg].as<std::string>();
+    if (name == "config" || name == "help") continue;
+    const std::string value = option.value.empty() ? "" : option.value.front();
     try {
       keys.apply(name, value);
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("amp: bad value '" + value + "' for --" + arg + ": " + e.what());
+      throw std::invalid_argument("amp: bad value '" + value + "' for --" + option.string_key + ": " + e.what());
     }
   }
   return true;
@@ -265,6 +278,13 @@ std::string to_text(const T& value) {
 }
 
 }  // namespace
+
+Options detail::parse_config_text(std::istream& in, const std::string& source_name) {
+  Options options;
+  KeySet keys(options, nullptr);
+  parse_ini(in, source_name, keys);
+  return options;
+}
 
 Options load_options(const std::string& config_file) {
   Options options;

@@ -152,3 +152,10 @@ TEST(ConfigTest, ShippedExampleConfigsAllResolve) {
   }
   EXPECT_EQ(count, 7);  // O0, and O1..O3 each in fp16 and bf16
 }
+
+TEST(ConfigTest, PositionalArgumentsAndBareDashesAreRefused) {
+  // Found by the fuzzer: "--" ends Boost's option parsing, and what followed reached amp unvalidated.
+  ASSERT_THROWS_WITH(parse({"--", "--loss-scale", "128"}), "unexpected command-line argument");
+  ASSERT_THROWS_WITH(parse({"O2"}), "unexpected command-line argument 'O2'");
+  ASSERT_THROWS_WITH(parse({"--opt-level", "O2", "extra"}), "unexpected command-line argument 'extra'");
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer target over amp's config parser and text inputs, then fuzzes from the seed
+# corpus. Arguments go to libFuzzer: scripts/fuzz.sh -runs=1000000   or   scripts/fuzz.sh -max_total_time=60
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p build
+torch_include="$(python3 -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "include"))')"
+cmake -S fuzz -B build/fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DTORCH_INCLUDE="$torch_include" > build/fuzz.configure.log 2>&1 || { cat build/fuzz.configure.log; exit 1; }
+cmake --build build/fuzz -j "${AMP_JOBS:-2}" > build/fuzz.build.log 2>&1 || { tail -n 40 build/fuzz.build.log; exit 1; }
+mkdir -p build/fuzz/corpus
+# New inputs go to build/fuzz/corpus; fuzz/corpus stays the committed seeds.
+exec build/fuzz/config_fuzzer -dict=fuzz/config.dict -print_final_stats=1 "$@" build/fuzz/corpus fuzz/corpus
