@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The whole test suite: sets up, then builds and tests amp against LibTorch 2.13 (the wheel's) and
-# 1.13 (Debian's). Tests that need fp16 CPU kernels skip on 1.13 and print why.
-#   scripts/test.sh            # both versions
-#   scripts/test.sh 2.13       # one version
+# The whole test suite: sets up, then builds and tests amp against LibTorch 2.13 (the wheel's), 1.13
+# (Debian's) and 2.13 under AddressSanitizer + UndefinedBehaviorSanitizer, runs the long soak once and
+# fuzzes the config parser for a minute. Tests that need fp16 CPU kernels skip on 1.13 and print why.
+#   scripts/test.sh                 # everything (what CI runs)
+#   scripts/test.sh 2.13 [1.13 ...] # just these builds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p build
 ./scripts/setup.sh
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(2.13 1.13)
+full=0
+[ ${#versions[@]} -gt 0 ] || { versions=(2.13 1.13 2.13-sanitize); full=1; }
 status=0
 for version in "${versions[@]}"; do
   echo "=== LibTorch $version: build"
@@ -16,7 +18,9 @@ for version in "${versions[@]}"; do
   ./scripts/build.sh "$version" > "build/torch-$version.build.log" 2>&1 || { tail -n 80 "build/torch-$version.build.log"; exit 1; }
   built=$(date +%s)
   echo "=== LibTorch $version: built in $((built - start)) s; testing"
-  if ! (cd "build/torch-$version" && OMP_NUM_THREADS=1 ctest --output-on-failure -j 2 --timeout 900 -LE long); then status=1; fi
+  # Leak checking stays on under the sanitizers; LibTorch's own one-time registrations are not reported.
+  if ! (cd "build/torch-$version" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 OMP_NUM_THREADS=1 \
+        ctest --output-on-failure -j 2 --timeout 900 -LE long); then status=1; fi
   if [ "$version" = 2.13 ]; then  # long modes, once
     (cd "build/torch-$version" && ctest --output-on-failure -V -L long | grep -E "soak:|tests passed|Failed") || status=1
   fi
@@ -27,4 +31,8 @@ for version in "${versions[@]}"; do
       "build/torch-$version/Testing/Temporary/LastTest.log" | sort -u
   echo "=== LibTorch $version: tests took $(( $(date +%s) - built )) s"
 done
+if [ $full = 1 ]; then
+  echo "=== fuzzing the config parser for 60 s"
+  ./scripts/fuzz.sh -max_total_time=60 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" || status=1
+fi
 exit $status

@@ -13,6 +13,9 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
+
+#include "cpu_kernels.h"
 
 namespace amp::detail {
 namespace {
@@ -29,32 +32,31 @@ void check_dense(const at::Tensor& t) {
               t.sizes(), "). Use dense gradients, e.g. torch::nn::EmbeddingOptions(...).sparse(false).");
 }
 
-// out = in * inv (+ out), in one read of `in`; returns true if `in` held a non-finite value.
-template <class In, class Out>
-bool scale_loop(const In* in, Out* out, int64_t n, float inv, bool accumulate) {
-  std::atomic<bool> bad{false};
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    bool local = false;
-    constexpr float kMax = std::numeric_limits<float>::max();
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = static_cast<float>(in[i]);
-      local |= !(std::fabs(v) <= kMax);  // false for inf and NaN
-      const float r = v * inv;
-      out[i] = accumulate ? static_cast<Out>(static_cast<float>(out[i]) + r) : static_cast<Out>(r);
-    }
-    if (local) bad.store(true, std::memory_order_relaxed);
-  });
-  return bad.load();
+std::optional<cpu::Dtype> cpu_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return cpu::Dtype::Float;
+    case c10::ScalarType::BFloat16: return cpu::Dtype::BFloat16;
+    case c10::ScalarType::Half: return cpu::Dtype::Half;
+    default: return std::nullopt;
+  }
 }
 
-template <class F>
-void dispatch_reduced(c10::ScalarType t, const char* name, F&& f) {
-  switch (t) {
-    case c10::ScalarType::Float: f(float{}); break;
-    case c10::ScalarType::Half: f(c10::Half{}); break;
-    case c10::ScalarType::BFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "amp: ", name, " supports float32, float16 and bfloat16 gradients, got ", t);
-  }
+// One pass of cpu::scale over a contiguous tensor, split across threads; true if it saw inf/NaN.
+bool scale_cpu(const at::Tensor& in, const at::Tensor& out, float inv, bool accumulate) {
+  const auto in_dtype = cpu_dtype(in.scalar_type());
+  const auto out_dtype = cpu_dtype(out.scalar_type());
+  TORCH_CHECK(in_dtype && out_dtype, "amp: unscale supports float32, float16 and bfloat16 gradients, got ",
+              in.scalar_type());
+  const auto* src = static_cast<const char*>(in.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const size_t in_size = in.element_size(), out_size = out.element_size();
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, in.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if (cpu::scale(*in_dtype, src + begin * in_size, *out_dtype, dst + begin * out_size, end - begin, inv, accumulate)) {
+      bad.store(true, std::memory_order_relaxed);
+    }
+  });
+  return bad.load();
 }
 
 void mark(at::Tensor& flag) { flag.fill_(1.0); }
@@ -67,8 +69,15 @@ at::Tensor& FoundInf::on(const c10::Device& device) {
   return flags_.back().second;
 }
 
+namespace {
+std::atomic<int64_t> host_syncs{0};
+}  // namespace
+
+int64_t host_sync_count() { return host_syncs.load(); }
+
 bool FoundInf::any() const {
   if (flags_.empty()) return false;
+  host_syncs.fetch_add(1, std::memory_order_relaxed);
   at::Tensor total = flags_.front().second;
   for (size_t i = 1; i < flags_.size(); ++i) total = total.add(flags_[i].second.to(total.device()));
   return total.item<float>() > 0.0f;
@@ -99,11 +108,7 @@ void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf
     bool bad = false;
     for (const auto& t : group) {
       if (cpu_fast_path(t)) {
-        dispatch_reduced(t.scalar_type(), "unscale", [&](auto tag) {
-          using T = decltype(tag);
-          T* p = t.data_ptr<T>();
-          bad |= scale_loop<T, T>(p, p, t.numel(), inv, /*accumulate=*/false);
-        });
+        bad |= scale_cpu(t, t, inv, /*accumulate=*/false);
       } else {  // strided tensors: still no host sync, two passes
         flag.add_(at::isfinite(t).all().logical_not());
         t.mul_(inv);
@@ -123,12 +128,7 @@ void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tenso
     const at::Tensor& dst = out[i];
     check_dense(src);
     if (cpu_fast_path(src) && cpu_fast_path(dst) && dst.scalar_type() == at::kFloat) {
-      bool bad = false;
-      dispatch_reduced(src.scalar_type(), "unscale", [&](auto tag) {
-        using T = decltype(tag);
-        bad = scale_loop<T, float>(src.data_ptr<T>(), dst.data_ptr<float>(), src.numel(), inv, accumulate);
-      });
-      if (bad) mark(found_inf.on(src.device()));
+      if (scale_cpu(src, dst, inv, accumulate)) mark(found_inf.on(src.device()));
     } else {
       slow_in.push_back(src);
       slow_out.push_back(dst);
@@ -153,14 +153,13 @@ void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& sr
   for (size_t i = 0; i < dst.size(); ++i) {
     const at::Tensor& d = dst[i];
     const at::Tensor& s = src[i];
-    if (cpu_fast_path(d) && cpu_fast_path(s) && s.scalar_type() == at::kFloat && d.numel() == s.numel()) {
-      dispatch_reduced(d.scalar_type(), "copy", [&](auto tag) {
-        using T = decltype(tag);
-        const float* in = s.data_ptr<float>();
-        T* out = d.data_ptr<T>();
-        at::parallel_for(0, d.numel(), kGrain, [&](int64_t b, int64_t e) {
-          for (int64_t k = b; k < e; ++k) out[k] = static_cast<T>(in[k]);
-        });
+    const auto out_dtype = cpu_dtype(d.scalar_type());
+    if (out_dtype && cpu_fast_path(d) && cpu_fast_path(s) && s.scalar_type() == at::kFloat && d.numel() == s.numel()) {
+      const float* in = s.data_ptr<float>();
+      auto* out = static_cast<char*>(d.data_ptr());
+      const size_t size = d.element_size();
+      at::parallel_for(0, d.numel(), kGrain, [&](int64_t b, int64_t e) {
+        cpu::convert(in + b, *out_dtype, out + b * size, e - b);
       });
     } else {
       slow_dst.push_back(d);

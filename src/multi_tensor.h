@@ -36,6 +36,10 @@ void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tenso
 /// Copies src[i] into dst[i] (fp32 masters into fp16/bf16 model parameters) without autograd.
 void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src);
 
+/// Returns how many times any() has read found_inf back to the host in this process (benchmarks
+/// count host syncs per step with it).
+int64_t host_sync_count();
+
 /// Returns whether the build has ATen's fused unscale kernel for `device`.
 bool has_aten_unscale_kernel(c10::DeviceType device);
 

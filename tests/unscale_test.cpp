@@ -1,6 +1,7 @@
 // The fused unscale + inf/NaN check (src/multi_tensor.h). Ports PyTorch's test_grad_scaling_unscale
 // (contiguous, transposed and sliced grads, inf/NaN injection, the mixed-list "perfect storm") and
 // Apex's test_multi_tensor_scale (sizes around chunk boundaries, flag at first/middle/last element).
+#include "cpu_kernels.h"
 #include "multi_tensor.h"
 #include "support.h"
 
@@ -124,5 +125,47 @@ TEST(UnscaleTest, CopyMastersIntoModel) {
     auto model = std::vector<torch::Tensor>{torch::empty({100}, dtype), torch::empty({4, 3}, dtype)};
     amp::detail::copy_(model, masters);
     for (size_t i = 0; i < model.size(); ++i) EXPECT_TRUE(torch::equal(model[i], masters[i].to(dtype)));
+  }
+}
+
+// amp's own vectorized loops (used on CPUs and builds without ATen's kernel, and for O2's
+// low-precision -> fp32 pass) must agree bit for bit with ATen's conversions and arithmetic.
+TEST(UnscaleTest, OwnCpuKernelsMatchATenBitForBit) {
+  using amp::detail::cpu::Dtype;
+  torch::manual_seed(0);
+  const int64_t n = 10007;  // odd: exercises the vector loops' tails
+  auto values = torch::randn({n}) * 1000;
+  values[1] = 65504.0;        // float16 max
+  values[2] = 1e-7;           // a float16 subnormal
+  values[3] = 3.0e38;         // beyond float16 and near the bfloat16 max
+  values[4] = -0.0;
+  const std::pair<c10::ScalarType, Dtype> types[] = {{torch::kBFloat16, Dtype::BFloat16}, {torch::kHalf, Dtype::Half}};
+  for (const auto& [dtype, cpu_dtype] : types) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto lp = values.to(dtype);
+    // low precision -> fp32 with 1/scale, and accumulated
+    auto out = torch::empty({n});
+    EXPECT_FALSE(amp::detail::cpu::scale(cpu_dtype, lp.data_ptr(), Dtype::Float, out.data_ptr(), n, 0.25f, false) &&
+                 torch::isfinite(lp).all().item<bool>());
+    EXPECT_TRUE(amp_test::bitwise_equal(out, lp.to(torch::kFloat) * 0.25f));
+    auto acc = torch::ones({n});
+    amp::detail::cpu::scale(cpu_dtype, lp.data_ptr(), Dtype::Float, acc.data_ptr(), n, 0.5f, true);
+    EXPECT_TRUE(amp_test::bitwise_equal(acc, torch::ones({n}) + lp.to(torch::kFloat) * 0.5f));
+    // in place, rounding back to low precision
+    auto inplace = lp.clone();
+    amp::detail::cpu::scale(cpu_dtype, inplace.data_ptr(), cpu_dtype, inplace.data_ptr(), n, 0.125f, false);
+    EXPECT_TRUE(amp_test::bitwise_equal(inplace, (lp.to(torch::kFloat) * 0.125f).to(dtype)));
+    // fp32 masters -> model
+    auto model = torch::empty({n}, dtype);
+    amp::detail::cpu::convert(values.data_ptr<float>(), cpu_dtype, model.data_ptr(), n);
+    EXPECT_TRUE(amp_test::bitwise_equal(model, values.to(dtype)));
+    // inf / NaN anywhere is flagged
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+      for (float bad : {INFINITY, -INFINITY, NAN}) {
+        auto poisoned = lp.clone();
+        poisoned[at] = bad;
+        EXPECT_TRUE(amp::detail::cpu::scale(cpu_dtype, poisoned.data_ptr(), Dtype::Float, out.data_ptr(), n, 1.0f, false));
+      }
+    }
   }
 }

@@ -1,0 +1,349 @@
+// amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
+//   amp_bench [--section all|steps|overhead|unscale] [--reps 7] [--csv FILE]
+// Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
+// to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
+
+#include <amp/amp.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "../examples/common/memory_meter.h"
+#include "models.h"
+#include "multi_tensor.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int reps = 7;
+std::ofstream csv;
+
+void record(const std::string& section, const std::string& name, const std::string& config, const std::string& metric,
+            double value) {
+  if (csv) csv << section << "," << name << "," << config << "," << metric << "," << value << "\n";
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Seconds per call of `f`: warm-up, then `reps` repetitions of K calls (K sized to ~0.3 s), median.
+template <class F>
+double time_per_call(F&& f, double rep_seconds = 0.3) {
+  f();
+  auto start = Clock::now();
+  f();
+  const double once = std::chrono::duration<double>(Clock::now() - start).count();
+  const int k = std::max(1, std::min(2000, static_cast<int>(rep_seconds / std::max(once, 1e-7))));
+  std::vector<double> samples;
+  for (int r = 0; r < reps; ++r) {
+    start = Clock::now();
+    for (int i = 0; i < k; ++i) f();
+    samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
+  }
+  return median(samples);
+}
+
+// Two callables timed in alternation (A B A B ...), so drift on a noisy VM hits both alike.
+template <class A, class B>
+std::pair<double, double> time_interleaved(A&& a, B&& b, double rep_seconds = 0.3) {
+  a(), b(), a(), b();
+  auto start = Clock::now();
+  a();
+  const double once = std::chrono::duration<double>(Clock::now() - start).count();
+  const int k = std::max(1, std::min(2000, static_cast<int>(rep_seconds / std::max(once, 1e-7))));
+  std::vector<double> sa, sb;
+  for (int r = 0; r < reps; ++r) {
+    start = Clock::now();
+    for (int i = 0; i < k; ++i) a();
+    sa.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
+    start = Clock::now();
+    for (int i = 0; i < k; ++i) b();
+    sb.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
+  }
+  return {median(sa), median(sb)};
+}
+
+std::string cpu_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model;
+  std::set<std::string> flags;
+  while (std::getline(in, line)) {
+    if (model.empty() && line.rfind("model name", 0) == 0) model = line.substr(line.find(':') + 2);
+    if (line.rfind("flags", 0) == 0) {
+      std::istringstream words(line.substr(line.find(':') + 1));
+      for (std::string w; words >> w;) flags.insert(w);
+      break;
+    }
+  }
+  std::string out = model + "; flags:";
+  for (const char* f : {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}) {
+    out += std::string(" ") + f + (flags.count(f) ? "+" : "-");
+  }
+  return out;
+}
+
+void print_environment() {
+  std::printf("## Environment\n\n- LibTorch %s, %d intra-op threads (OMP_NUM_THREADS=%s)\n- CPU: %s\n", TORCH_VERSION,
+              at::get_num_threads(), std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "unset",
+              cpu_flags().c_str());
+  std::istringstream config(at::show_config());
+  for (std::string line; std::getline(config, line);) {
+    if (line.find("BLAS") != std::string::npos || line.find("CPU capability") != std::string::npos ||
+        line.find("oneDNN") != std::string::npos || line.find("MKL") != std::string::npos) {
+      std::printf("- %s\n", line.substr(line.find_first_not_of(" -")).c_str());
+    }
+  }
+  std::printf("- median of %d repetitions after warm-up\n\n", reps);
+}
+
+struct Config {
+  std::string name;
+  amp::OptLevel level;
+  c10::ScalarType dtype;
+};
+
+const std::vector<Config> kConfigs = {
+    {"O0", amp::OptLevel::O0, torch::kBFloat16},      {"O1 bf16", amp::OptLevel::O1, torch::kBFloat16},
+    {"O2 bf16", amp::OptLevel::O2, torch::kBFloat16}, {"O3 bf16", amp::OptLevel::O3, torch::kBFloat16},
+    {"O1 fp16", amp::OptLevel::O1, torch::kHalf},     {"O2 fp16", amp::OptLevel::O2, torch::kHalf},
+    {"O3 fp16", amp::OptLevel::O3, torch::kHalf}};
+
+template <class Net>
+int64_t parameter_count(Net& net) {
+  int64_t n = 0;
+  for (auto& p : net->parameters()) n += p.numel();
+  return n;
+}
+
+// The amp training step every section times.
+template <class Model, class Optimizer>
+torch::Tensor amp_step(Model& model, Optimizer& optimizer, const torch::Tensor& x, const torch::Tensor& y) {
+  optimizer.zero_grad();
+  auto loss = torch::nn::functional::cross_entropy(model(x), y);
+  {
+    auto scaled_loss = amp::scale_loss(loss, optimizer);
+    scaled_loss.backward();
+  }
+  optimizer.step();
+  return loss;
+}
+
+template <class Net>
+void steps_for(const std::string& name, MemoryMeter& meter) {
+  std::printf("### %s\n\n| config | ms/step | samples/s | speedup vs O0 | state B/param between steps | B/param at peak | loss after 10 steps |\n|---|---|---|---|---|---|---|\n",
+              name.c_str());
+  double o0_ms = 0;
+  for (const auto& config : kConfigs) {
+    torch::manual_seed(0);
+    const auto x = bench::input_for(name);
+    const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+    const size_t baseline = meter.current_bytes();
+    Net net;
+    const double params = static_cast<double>(parameter_count(net));
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    try {
+      auto [model, optimizer] =
+          amp::initialize(net, std::move(sgd), amp::Options(config.level).low_precision_dtype(config.dtype).verbosity(0));
+      torch::Tensor loss;
+      for (int i = 0; i < 10; ++i) loss = amp_step(model, optimizer, x, y);
+      const double loss10 = loss.item<double>();
+      const double between = static_cast<double>(meter.current_bytes() - baseline) / params;
+      meter.reset_peak();
+      amp_step(model, optimizer, x, y);
+      const double peak = static_cast<double>(meter.peak_bytes() - baseline) / params;
+      const double ms = 1e3 * time_per_call([&] { amp_step(model, optimizer, x, y); });
+      if (config.name == "O0") o0_ms = ms;
+      std::printf("| %s | %.3f | %.0f | %.2fx | %.1f | %.1f | %.4f |\n", config.name.c_str(), ms,
+                  1e3 * bench::batch_of(name) / ms, o0_ms / ms, between, peak, loss10);
+      record("steps", name, config.name, "ms_per_step", ms);
+      record("steps", name, config.name, "speedup_vs_O0", o0_ms / ms);
+      record("steps", name, config.name, "state_bytes_per_param", between);
+      record("steps", name, config.name, "peak_bytes_per_param", peak);
+      record("steps", name, config.name, "loss_after_10", loss10);
+    } catch (const c10::Error& e) {
+      std::string why = e.what_without_backtrace();
+      std::printf("| %s | skipped: %s | | | | | |\n", config.name.c_str(), why.substr(0, why.find('\n')).substr(0, 120).c_str());
+    }
+  }
+  std::printf("\n");
+}
+
+// The same math as amp's O1/O2 step, written directly against LibTorch: the casts of
+// amp::AutocastGuard (O1) or a cast model with hand-kept fp32 masters (O2), loss * scale, ATen's fused
+// unscale + inf check, one host read, a conditional step and the fp32 -> bf16 copy.
+template <class Net>
+struct HandWritten {
+  Net net;
+  std::vector<torch::Tensor> lp_params, masters, fp32_params;
+  std::unique_ptr<torch::optim::SGD> optimizer;
+  bool o2;
+  double scale = 65536.0;
+  explicit HandWritten(bool o2_) : o2(o2_) {
+    std::vector<torch::Tensor> stepped;
+    if (o2) {
+      for (auto& m : net->modules(true)) {
+        const bool bn = amp::is_batchnorm(*m);
+        for (auto& p : m->parameters(false)) {
+          if (bn) {
+            fp32_params.push_back(p), stepped.push_back(p);
+          } else {
+            masters.push_back(p.detach().clone().requires_grad_(true));
+            p.set_data(p.detach().to(torch::kBFloat16));
+            lp_params.push_back(p), stepped.push_back(masters.back());
+          }
+        }
+        if (!bn) for (auto& b : m->buffers(false)) b.set_data(b.to(torch::kBFloat16));
+      }
+    } else {
+      for (auto& p : net->parameters()) fp32_params.push_back(p), stepped.push_back(p);
+    }
+    optimizer = std::make_unique<torch::optim::SGD>(stepped, torch::optim::SGDOptions(0.01).momentum(0.9));
+  }
+  void step(const torch::Tensor& x, const torch::Tensor& y) {
+    for (auto& p : lp_params) p.mutable_grad() = torch::Tensor();
+    optimizer->zero_grad();
+    torch::Tensor out;
+    if (o2) {
+      out = net(x.to(torch::kBFloat16)).to(torch::kFloat);
+    } else {
+      amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16);
+      out = net(x);
+    }
+    (torch::nn::functional::cross_entropy(out.to(torch::kFloat), y) * scale).backward();
+    std::vector<torch::Tensor> grads;
+    for (size_t i = 0; i < masters.size(); ++i) {
+      masters[i].mutable_grad() = lp_params[i].grad().to(torch::kFloat);
+      grads.push_back(masters[i].grad());
+    }
+    for (auto& p : fp32_params) grads.push_back(p.grad());
+    auto found_inf = torch::zeros({1});
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch::full({1}, 1.0 / scale));
+    if (found_inf.item<float>() == 0.0f) {
+      optimizer->step();
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < masters.size(); ++i) lp_params[i].copy_(masters[i]);
+    } else {
+      scale /= 2;
+    }
+  }
+};
+
+template <class Net>
+void overhead_for(const std::string& name) {
+  for (bool o2 : {false, true}) {
+    torch::manual_seed(0);
+    const auto x = bench::input_for(name);
+    const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+    HandWritten<Net> hand(o2);
+    Net net;
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    auto [model, optimizer] = amp::initialize(
+        net, std::move(sgd), amp::Options(o2 ? "O2" : "O1").low_precision_dtype(torch::kBFloat16).verbosity(0));
+    const int64_t syncs_before = amp::detail::host_sync_count();
+    int64_t amp_steps = 0;
+    const auto [amp_s, hand_s] = time_interleaved([&] { amp_step(model, optimizer, x, y); ++amp_steps; },
+                                                  [&] { hand.step(x, y); });
+    const double syncs = static_cast<double>(amp::detail::host_sync_count() - syncs_before) / amp_steps;
+    const std::string level = o2 ? "O2 bf16" : "O1 bf16";
+    std::printf("| %s | %s | %.3f | %.3f | %.3f | %.2f |\n", name.c_str(), level.c_str(), 1e3 * amp_s, 1e3 * hand_s,
+                amp_s / hand_s, syncs);
+    record("overhead", name, level, "amp_ms", 1e3 * amp_s);
+    record("overhead", name, level, "hand_ms", 1e3 * hand_s);
+    record("overhead", name, level, "ratio", amp_s / hand_s);
+    record("overhead", name, level, "host_syncs_per_step", syncs);
+  }
+}
+
+void unscale_section() {
+  std::printf("## Unscale + inf/NaN check\n\namp's pass vs the bandwidth bound over the same buffers: in-place `mul_` (fp32 grads), or a plain `copy_` (O2: low-precision model grads into fp32 master grads).\n\n"
+              "| elements | tensors | grads | amp ms | bound ms | amp / bound | host syncs per call |\n|---|---|---|---|---|---|---|\n");
+  for (int64_t total : {int64_t{1} << 20, int64_t{1} << 24}) {
+    for (int64_t count : {1, 100, 1000}) {
+      for (const char* kind : {"fp32", "bf16->fp32", "fp16->fp32"}) {
+        const bool o2 = std::string(kind) != "fp32";
+        const auto src_dtype = std::string(kind) == "fp16->fp32" ? torch::kHalf : std::string(kind) == "bf16->fp32" ? torch::kBFloat16 : torch::kFloat;
+        std::vector<torch::Tensor> src, dst;
+        for (int64_t i = 0; i < count; ++i) {
+          src.push_back(torch::ones({total / count}, src_dtype));
+          dst.push_back(torch::empty({total / count}));
+        }
+        int flip = 0;
+        int64_t calls = 0;
+        const int64_t syncs_before = amp::detail::host_sync_count();
+        auto amp_pass = [&] {
+          const double inv = (++flip % 2) ? 0.5 : 2.0;  // keeps the values from sinking into denormals
+          amp::detail::FoundInf found;
+          if (o2) amp::detail::unscale_into(src, dst, false, inv, found);
+          else amp::detail::unscale_(src, inv, found);
+          (void)found.any();
+          ++calls;
+        };
+        auto bound = [&] {
+          const double inv = (++flip % 2) ? 0.5 : 2.0;
+          if (o2) for (int64_t i = 0; i < count; ++i) dst[i].copy_(src[i]);
+          else for (auto& t : src) t.mul_(inv);
+        };
+        const auto [amp_s, bound_s] = time_interleaved(amp_pass, bound, 0.2);
+        const double syncs = static_cast<double>(amp::detail::host_sync_count() - syncs_before) / calls;
+        const std::string label = std::to_string(total >> 20) + "M";
+        std::printf("| %s | %lld | %s | %.3f | %.3f | %.2f | %.0f |\n", label.c_str(), static_cast<long long>(count), kind,
+                    1e3 * amp_s, 1e3 * bound_s, amp_s / bound_s, syncs);
+        const std::string config = std::string(kind) + " x" + std::to_string(count);
+        record("unscale", label, config, "amp_ms", 1e3 * amp_s);
+        record("unscale", label, config, "bound_ms", 1e3 * bound_s);
+        record("unscale", label, config, "ratio", amp_s / bound_s);
+        record("unscale", label, config, "host_syncs_per_call", syncs);
+      }
+    }
+  }
+  std::printf("\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string section = "all", csv_path;
+  amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
+  flags.add("section", &section, "all | steps | overhead | unscale").add("reps", &reps, "repetitions per measurement");
+  flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
+  try {
+    if (!amp::parse_command_line(argc, argv, flags)) return 0;
+    if (!csv_path.empty()) {
+      csv.open(csv_path);
+      csv << "section,name,config,metric,value\n";
+    }
+    MemoryMeter& meter = MemoryMeter::install();
+    print_environment();
+    if (section == "all" || section == "steps") {
+      std::printf("## Step time per level and dtype\n\nSGD with momentum; a step is zero_grad, forward, cross-entropy, scale_loss backward, step. Bytes per parameter are counted from tensor allocations: model state (parameters, gradients, fp32 masters, momentum) between steps, and everything including activations at the peak of a step.\n\n");
+      steps_for<bench::TinyMlp>("tiny_mlp", meter);
+      steps_for<bench::Mlp>("mlp", meter);
+      steps_for<bench::Cnn>("cnn", meter);
+      steps_for<bench::Transformer>("transformer", meter);
+    }
+    if (section == "all" || section == "overhead") {
+      std::printf("## amp's overhead\n\nThe same step written by hand against LibTorch (same casts, loss scaling, ATen's fused unscale, one host read, conditional step, masters copied back); interleaved repetitions.\n\n"
+                  "| model | level | amp ms | hand ms | amp / hand | host syncs per amp step |\n|---|---|---|---|---|---|\n");
+      overhead_for<bench::TinyMlp>("tiny_mlp");
+      overhead_for<bench::Mlp>("mlp");
+      overhead_for<bench::Cnn>("cnn");
+      overhead_for<bench::Transformer>("transformer");
+      std::printf("\n");
+    }
+    if (section == "all" || section == "unscale") unscale_section();
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

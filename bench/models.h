@@ -1,0 +1,90 @@
+#pragma once
+// The three benchmark models. bench/python_amp.py builds the same ones in Python, op for op, so the
+// C++ and Python step times compare like for like.
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+
+namespace bench {
+
+// A tiny MLP, where per-op framework overhead (not GEMM time) decides the step time.
+struct TinyMlpImpl : torch::nn::Module {
+  TinyMlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(32, 64))),
+        fc2(register_module("fc2", torch::nn::Linear(64, 64))),
+        fc3(register_module("fc3", torch::nn::Linear(64, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(TinyMlp);
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(784, 512))),
+        fc2(register_module("fc2", torch::nn::Linear(512, 512))),
+        fc3(register_module("fc3", torch::nn::Linear(512, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(Mlp);
+
+struct CnnImpl : torch::nn::Module {
+  CnnImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 32, 3).padding(1)))),
+        bn1(register_module("bn1", torch::nn::BatchNorm2d(32))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)))),
+        bn2(register_module("bn2", torch::nn::BatchNorm2d(64))),
+        fc(register_module("fc", torch::nn::Linear(64 * 8 * 8, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
+    h = torch::max_pool2d(torch::relu(bn2(conv2(h))), 2);
+    return fc(h.flatten(1));
+  }
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Cnn);
+
+// A pre-norm transformer encoder block (d 256, 4 heads, feed-forward 1024) plus a classifier head.
+struct TransformerImpl : torch::nn::Module {
+  static constexpr int64_t d = 256, heads = 4, ff = 1024;
+  TransformerImpl()
+      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        qkv(register_module("qkv", torch::nn::Linear(d, 3 * d))),
+        proj(register_module("proj", torch::nn::Linear(d, d))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        ff1(register_module("ff1", torch::nn::Linear(d, ff))),
+        ff2(register_module("ff2", torch::nn::Linear(ff, d))),
+        head(register_module("head", torch::nn::Linear(d, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [batch, seq, d]
+    const int64_t b = x.size(0), s = x.size(1);
+    auto q_k_v = qkv(ln1(x)).view({b, s, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
+    auto attention = torch::softmax(torch::matmul(q_k_v[0], q_k_v[1].transpose(-2, -1)) / std::sqrt(double(d / heads)), -1);
+    auto h = x + proj(torch::matmul(attention, q_k_v[2]).transpose(1, 2).reshape({b, s, d}));
+    h = h + ff2(torch::gelu(ff1(ln2(h))));
+    return head(h.mean(1));
+  }
+  torch::nn::LayerNorm ln1;
+  torch::nn::Linear qkv, proj;
+  torch::nn::LayerNorm ln2;
+  torch::nn::Linear ff1, ff2, head;
+};
+TORCH_MODULE(Transformer);
+
+inline torch::Tensor input_for(const std::string& model) {
+  if (model == "tiny_mlp") return torch::randn({32, 32});
+  if (model == "mlp") return torch::randn({128, 784});
+  if (model == "cnn") return torch::randn({32, 3, 32, 32});
+  return torch::randn({16, 64, TransformerImpl::d});
+}
+
+inline int64_t batch_of(const std::string& model) {
+  return model == "tiny_mlp" ? 32 : model == "mlp" ? 128 : model == "cnn" ? 32 : 16;
+}
+
+}  // namespace bench

@@ -1,0 +1,19 @@
+#pragma once
+// amp's own CPU loops for the unscale + inf/NaN check and the masters -> model copy. Each is one pass
+// over memory, written so the compiler vectorizes it, and built twice on x86-64 (for AVX2+F16C+FMA
+// and a baseline) with the fitting clone picked at load time.
+
+#include <cstdint>
+
+namespace amp::detail::cpu {
+
+enum class Dtype { Float, BFloat16, Half };
+
+/// out[i] = in[i] * inv, or out[i] += in[i] * inv when accumulate; `in` and `out` may alias (in-place).
+/// `out` is `in`'s dtype, or Float. Returns whether `in` held an inf or NaN.
+bool scale(Dtype in_dtype, const void* in, Dtype out_dtype, void* out, int64_t n, float inv, bool accumulate);
+
+/// out[i] = in[i] rounded to `out_dtype` (round to nearest even).
+void convert(const float* in, Dtype out_dtype, void* out, int64_t n);
+
+}  // namespace amp::detail::cpu
