@@ -5,12 +5,16 @@
 
 #include <cmath>
 #include <cstring>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <limits>
 
 // NOTE [Vectorized clones]
 // The loops below are plain C++ that GCC auto-vectorizes; target_clones compiles them once more for
-// x86-64-v3 (AVX2, FMA, F16C, where float16 <-> float32 is one instruction per 8 values) and the
-// loader picks that clone on CPUs that have it. The baseline clone keeps the library runnable anywhere.
+// x86-64-v3 (AVX2, FMA) and the loader picks that clone on CPUs that have it. The baseline clone keeps
+// the library runnable anywhere. float16 conversions get explicit F16C code below.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define AMP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -36,16 +40,71 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays Na
   return f != f ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
 }
 
-#if defined(__FLT16_MAX__)
-using half_t = _Float16;  // GCC >= 12 on x86-64: converts with F16C in the v3 clone
-inline float half_to_float(half_t h) { return static_cast<float>(h); }
-inline half_t float_to_half(float f) { return static_cast<half_t>(f); }
-#else
+// float16 <-> float32: one F16C instruction per 8 values where the CPU has it (every x86-64 CPU since
+// 2013; checked at run time), c10::Half's exact software conversion otherwise. GCC's _Float16 would
+// call into libgcc per element on CPUs without AVX512-FP16, so the F16C path is written with intrinsics.
 using half_t = c10::Half;
 inline float half_to_float(half_t h) { return static_cast<float>(h); }
 inline half_t float_to_half(float f) { return half_t(f); }
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define AMP_HAVE_F16C_PATH 1
+bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+__attribute__((target("avx2,f16c"))) int scale_f16_to_f32_f16c(const half_t* in, float* out, int64_t n, float inv,
+                                                               bool acc) {
+  const __m256 vinv = _mm256_set1_ps(inv), vmax = _mm256_set1_ps(kMax);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), vmax, _CMP_NLE_UQ));  // > max or NaN
+    __m256 r = _mm256_mul_ps(v, vinv);
+    if (acc) r = _mm256_add_ps(_mm256_loadu_ps(out + i), r);
+    _mm256_storeu_ps(out + i, r);
+  }
+  int flag = _mm256_movemask_ps(bad) != 0;
+  for (; i < n; ++i) {
+    const float v = half_to_float(in[i]);
+    flag |= !(std::fabs(v) <= kMax);
+    out[i] = acc ? out[i] + v * inv : v * inv;
+  }
+  return flag;
+}
+
+__attribute__((target("avx2,f16c"))) void f32_to_f16_f16c(const float* in, half_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) out[i] = float_to_half(in[i]);
+}
+
+__attribute__((target("avx2,f16c"))) int scale_f16_f16c(const half_t* in, half_t* out, int64_t n, float inv) {
+  const __m256 vinv = _mm256_set1_ps(inv), vmax = _mm256_set1_ps(kMax);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), vmax, _CMP_NLE_UQ));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  int flag = _mm256_movemask_ps(bad) != 0;
+  for (; i < n; ++i) {
+    const float v = half_to_float(in[i]);
+    flag |= !(std::fabs(v) <= kMax);
+    out[i] = float_to_half(v * inv);
+  }
+  return flag;
+}
 #endif
-static_assert(sizeof(half_t) == 2, "float16 storage");
 
 // Each kernel returns a nonzero int when it saw an inf or NaN; an int OR keeps the loops branch-free.
 AMP_VECTOR_CLONES int scale_f32(const float* in, float* out, int64_t n, float inv, bool acc) {
@@ -114,19 +173,33 @@ bool scale(Dtype in_dtype, const void* in, Dtype out_dtype, void* out, int64_t n
       case Dtype::Float: return scale_f32(static_cast<const float*>(in), static_cast<float*>(out), n, inv, accumulate);
       case Dtype::BFloat16:
         return scale_bf16_to_f32(static_cast<const uint16_t*>(in), static_cast<float*>(out), n, inv, accumulate);
-      case Dtype::Half: return scale_f16_to_f32(static_cast<const half_t*>(in), static_cast<float*>(out), n, inv, accumulate);
+      case Dtype::Half:
+#ifdef AMP_HAVE_F16C_PATH
+        if (cpu_has_f16c()) {
+          return scale_f16_to_f32_f16c(static_cast<const half_t*>(in), static_cast<float*>(out), n, inv, accumulate);
+        }
+#endif
+        return scale_f16_to_f32(static_cast<const half_t*>(in), static_cast<float*>(out), n, inv, accumulate);
     }
   }
   TORCH_INTERNAL_ASSERT(in_dtype == out_dtype && !accumulate, "amp: unsupported scale kernel");
   if (in_dtype == Dtype::BFloat16) {
     return scale_bf16(static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out), n, inv);
   }
+#ifdef AMP_HAVE_F16C_PATH
+  if (cpu_has_f16c()) return scale_f16_f16c(static_cast<const half_t*>(in), static_cast<half_t*>(out), n, inv);
+#endif
   return scale_f16(static_cast<const half_t*>(in), static_cast<half_t*>(out), n, inv);
 }
 
 void convert(const float* in, Dtype out_dtype, void* out, int64_t n) {
   if (out_dtype == Dtype::BFloat16) f32_to_bf16(in, static_cast<uint16_t*>(out), n);
-  else if (out_dtype == Dtype::Half) f32_to_f16(in, static_cast<half_t*>(out), n);
+  else if (out_dtype == Dtype::Half) {
+#ifdef AMP_HAVE_F16C_PATH
+    if (cpu_has_f16c()) return f32_to_f16_f16c(in, static_cast<half_t*>(out), n);
+#endif
+    f32_to_f16(in, static_cast<half_t*>(out), n);
+  }
   else std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
 }
 
