@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <iostream>
 
+#include "../common/report_error.h"
+
 namespace {
 
 constexpr double kPi = 3.14159265358979323846;
@@ -130,9 +132,7 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    std::cerr << (c10_error ? c10_error->what_without_backtrace() : e.what()) << "\n";
-    return 1;
+    return report_error(e);
   }
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <iostream>
 
 #include "../common/digits.h"
+#include "../common/report_error.h"
 
 namespace {
 
@@ -128,8 +129,6 @@ int main(int argc, char** argv) {
                 c10::toString(backbone->bn1->running_var.scalar_type()));
     return unchanged ? 0 : 2;
   } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    std::cerr << (c10_error ? c10_error->what_without_backtrace() : e.what()) << "\n";
-    return 1;
+    return report_error(e);
   }
 }

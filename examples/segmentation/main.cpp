@@ -15,6 +15,7 @@
 
 #include "../common/memory_meter.h"
 #include "../common/progress.h"
+#include "../common/report_error.h"
 
 namespace {
 
@@ -229,9 +230,7 @@ int main(int argc, char** argv) {
     }
     if (!plot_file.empty()) plot(results, plot_file);
   } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    std::cerr << (c10_error ? c10_error->what_without_backtrace() : e.what()) << "\n";
-    return 1;
+    return report_error(e);
   }
   return 0;
 }

@@ -16,6 +16,7 @@
 
 #include "../common/digits.h"
 #include "../common/progress.h"
+#include "../common/report_error.h"
 
 namespace {
 
@@ -168,9 +169,7 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    std::cerr << (c10_error ? c10_error->what_without_backtrace() : e.what()) << "\n";
-    return 1;
+    return report_error(e);
   }
   return 0;
 }
