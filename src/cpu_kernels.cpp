@@ -107,34 +107,30 @@ __attribute__((target("avx2,f16c"))) int scale_f16_f16c(const half_t* in, half_t
 #endif
 
 // Each kernel returns a nonzero int when it saw an inf or NaN; an int OR keeps the loops branch-free.
-AMP_VECTOR_CLONES int scale_f32(const float* in, float* out, int64_t n, float inv, bool acc) {
+// The body shared by the three "into fp32" kernels; inlined into each clone, so every clone
+// vectorizes it for its own instruction set.
+template <class T, class Load>
+__attribute__((always_inline)) inline int scale_into_f32(const T* in, float* out, int64_t n, float inv, bool acc,
+                                                         Load load) {
   int bad = 0;
   if (acc) {
-    for (int64_t i = 0; i < n; ++i) { bad |= !(std::fabs(in[i]) <= kMax); out[i] += in[i] * inv; }
+    for (int64_t i = 0; i < n; ++i) { const float v = load(in[i]); bad |= !(std::fabs(v) <= kMax); out[i] += v * inv; }
   } else {
-    for (int64_t i = 0; i < n; ++i) { bad |= !(std::fabs(in[i]) <= kMax); out[i] = in[i] * inv; }
+    for (int64_t i = 0; i < n; ++i) { const float v = load(in[i]); bad |= !(std::fabs(v) <= kMax); out[i] = v * inv; }
   }
   return bad;
+}
+
+AMP_VECTOR_CLONES int scale_f32(const float* in, float* out, int64_t n, float inv, bool acc) {
+  return scale_into_f32(in, out, n, inv, acc, [](float v) { return v; });
 }
 
 AMP_VECTOR_CLONES int scale_bf16_to_f32(const uint16_t* in, float* out, int64_t n, float inv, bool acc) {
-  int bad = 0;
-  if (acc) {
-    for (int64_t i = 0; i < n; ++i) { const float v = bf16_to_float(in[i]); bad |= !(std::fabs(v) <= kMax); out[i] += v * inv; }
-  } else {
-    for (int64_t i = 0; i < n; ++i) { const float v = bf16_to_float(in[i]); bad |= !(std::fabs(v) <= kMax); out[i] = v * inv; }
-  }
-  return bad;
+  return scale_into_f32(in, out, n, inv, acc, bf16_to_float);
 }
 
 AMP_VECTOR_CLONES int scale_f16_to_f32(const half_t* in, float* out, int64_t n, float inv, bool acc) {
-  int bad = 0;
-  if (acc) {
-    for (int64_t i = 0; i < n; ++i) { const float v = half_to_float(in[i]); bad |= !(std::fabs(v) <= kMax); out[i] += v * inv; }
-  } else {
-    for (int64_t i = 0; i < n; ++i) { const float v = half_to_float(in[i]); bad |= !(std::fabs(v) <= kMax); out[i] = v * inv; }
-  }
-  return bad;
+  return scale_into_f32(in, out, n, inv, acc, half_to_float);
 }
 
 AMP_VECTOR_CLONES int scale_bf16(const uint16_t* in, uint16_t* out, int64_t n, float inv) {
