@@ -85,8 +85,19 @@ const std::vector<CastRule>& o1_cast_rules() {
 
       // ---- Fp32: resampling ----
       {"aten::grid_sampler", P::Fp32},
-      {"aten::upsample_nearest2d.vec", P::Fp32},
-      {"aten::upsample_bilinear2d.vec", P::Fp32},
+      // Apex's `interpolate`: every upsampling kernel F::interpolate / nn::Upsample can reach, every overload.
+      {"aten::upsample_nearest1d", P::Fp32},
+      {"aten::upsample_nearest2d", P::Fp32},
+      {"aten::upsample_nearest3d", P::Fp32},
+      {"aten::_upsample_nearest_exact1d", P::Fp32},
+      {"aten::_upsample_nearest_exact2d", P::Fp32},
+      {"aten::_upsample_nearest_exact3d", P::Fp32},
+      {"aten::upsample_linear1d", P::Fp32},
+      {"aten::upsample_bilinear2d", P::Fp32},
+      {"aten::_upsample_bilinear2d_aa", P::Fp32},
+      {"aten::upsample_bicubic2d", P::Fp32},
+      {"aten::_upsample_bicubic2d_aa", P::Fp32},
+      {"aten::upsample_trilinear3d", P::Fp32},
 
       // ---- Fp32: losses ----
       {"aten::poisson_nll_loss", P::Fp32},

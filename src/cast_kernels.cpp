@@ -15,9 +15,11 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 
 #include "amp/autocast_guard.h"
 #include "amp/cast_policy.h"
@@ -96,6 +98,26 @@ class CastKernel final : public c10::OperatorKernel {
 
 }  // namespace
 
+std::vector<c10::OperatorName> covered_operators(const CastRule& rule) {
+  const auto dot = rule.op.find('.');
+  const std::string name = rule.op.substr(0, dot);
+  std::vector<c10::OperatorName> out;
+  if (dot != std::string::npos) {
+    c10::OperatorName op{name, rule.op.substr(dot + 1)};
+    if (c10::Dispatcher::singleton().findSchema(op)) out.push_back(std::move(op));
+    return out;
+  }
+  // A row without an overload stands for the function, as Apex patched it in Python: every overload that
+  // computes a new result (out= and in-place variants write into their arguments and are left alone).
+  for (const c10::OperatorName& op : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (op.name != name) continue;
+    const auto handle = c10::Dispatcher::singleton().findSchema(op);
+    if (handle && handle->hasSchema() && !handle->schema().is_mutable()) out.push_back(op);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.overload_name < b.overload_name; });
+  return out;
+}
+
 void register_cast_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -106,16 +128,16 @@ void register_cast_kernels() {
         {c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA}};
     for (const auto& [key, device] : keys) {
       auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
+      std::set<std::string> registered;  // a whole-function row and an overload row may name one operator
       for (const CastRule& rule : o1_cast_rules()) {
-        const auto dot = rule.op.find('.');
-        const std::string name = rule.op.substr(0, dot);
-        const std::string overload = dot == std::string::npos ? "" : rule.op.substr(dot + 1);
-        const auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
-        if (!handle || handle->hasKernelForDispatchKey(key)) continue;  // absent here, or native policy holds
-        const std::string op_name = rule.op.substr(6);  // drop "aten::"
-        library->impl(op_name.c_str(),
-                      torch::CppFunction::makeFromBoxedFunctor(
-                          std::make_unique<CastKernel>(rule.policy, device, rule.banned_message)));
+        for (const c10::OperatorName& op : covered_operators(rule)) {
+          const auto handle = c10::Dispatcher::singleton().findSchema(op);
+          if (!handle || handle->hasKernelForDispatchKey(key)) continue;  // native policy holds
+          if (!registered.insert(c10::toString(op)).second) continue;
+          const std::string op_name = op.name.substr(6) + (op.overload_name.empty() ? "" : "." + op.overload_name);
+          library->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
+                                              std::make_unique<CastKernel>(rule.policy, device, rule.banned_message)));
+        }
       }
       libraries.push_back(std::move(library));
     }
@@ -123,3 +145,15 @@ void register_cast_kernels() {
 }
 
 }  // namespace amp::detail
+
+namespace amp {
+
+std::vector<std::string> covered_overloads(const CastRule& rule) {
+  std::vector<std::string> out;
+  for (const auto& op : detail::covered_operators(rule)) {
+    out.push_back(op.name + (op.overload_name.empty() ? "" : "." + op.overload_name));
+  }
+  return out;
+}
+
+}  // namespace amp

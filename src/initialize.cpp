@@ -3,13 +3,17 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/rnn.h>
 #include <torch/version.h>
 
 #include <algorithm>
 #include <iostream>
+#include <functional>
 #include <mutex>
+#include <set>
 
 #include "amp/batchnorm.h"
+#include "master_weights.h"
 #include "model_casting.h"
 #include "opt_levels/spec.h"
 
@@ -100,6 +104,69 @@ void probe_layers(torch::nn::Module& module, c10::DeviceType device, const Prope
   }
 }
 
+// Recurrent layers: oneDNN's CPU LSTM has no float16 primitive on CPUs without native fp16 support
+// ("could not create a primitive descriptor"), and autocast sends O1's LSTM there. One tiny instance of
+// each recurrent type the model holds runs forward and backward here, as the level will run it.
+void probe_recurrent_layers(torch::nn::Module& module, c10::DeviceType device, const Properties& p) {
+  if (!uses_low_precision(p)) return;
+  const c10::ScalarType lp = p.low_precision_dtype;
+  std::set<std::string> probed;
+  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+    const torch::nn::Module& layer = *item.value();
+    std::function<at::Tensor(const at::Tensor&)> run;
+    std::shared_ptr<torch::nn::Module> instance;
+    std::vector<int64_t> input_shape;
+    std::string type;
+    if (dynamic_cast<const torch::nn::LSTMImpl*>(&layer)) {
+      auto m = torch::nn::LSTM(torch::nn::LSTMOptions(4, 3));
+      instance = m.ptr(), type = "LSTM", input_shape = {2, 1, 4};
+      run = [m](const at::Tensor& x) mutable { return std::get<0>(m->forward(x)); };
+    } else if (dynamic_cast<const torch::nn::GRUImpl*>(&layer)) {
+      auto m = torch::nn::GRU(torch::nn::GRUOptions(4, 3));
+      instance = m.ptr(), type = "GRU", input_shape = {2, 1, 4};
+      run = [m](const at::Tensor& x) mutable { return std::get<0>(m->forward(x)); };
+    } else if (dynamic_cast<const torch::nn::RNNImpl*>(&layer)) {
+      auto m = torch::nn::RNN(torch::nn::RNNOptions(4, 3));
+      instance = m.ptr(), type = "RNN", input_shape = {2, 1, 4};
+      run = [m](const at::Tensor& x) mutable { return std::get<0>(m->forward(x)); };
+    } else if (dynamic_cast<const torch::nn::LSTMCellImpl*>(&layer)) {
+      auto m = torch::nn::LSTMCell(torch::nn::LSTMCellOptions(4, 3));
+      instance = m.ptr(), type = "LSTMCell", input_shape = {1, 4};
+      run = [m](const at::Tensor& x) mutable { return std::get<0>(m->forward(x)); };
+    } else if (dynamic_cast<const torch::nn::GRUCellImpl*>(&layer)) {
+      auto m = torch::nn::GRUCell(torch::nn::GRUCellOptions(4, 3));
+      instance = m.ptr(), type = "GRUCell", input_shape = {1, 4};
+      run = [m](const at::Tensor& x) mutable { return m->forward(x); };
+    } else if (dynamic_cast<const torch::nn::RNNCellImpl*>(&layer)) {
+      auto m = torch::nn::RNNCell(torch::nn::RNNCellOptions(4, 3));
+      instance = m.ptr(), type = "RNNCell", input_shape = {1, 4};
+      run = [m](const at::Tensor& x) mutable { return m->forward(x); };
+    } else {
+      continue;
+    }
+    if (!probed.insert(type).second) continue;
+    try {
+      const bool per_op = p.patch_torch_functions;
+      instance->to(device, per_op ? at::kFloat : lp);
+      const at::Tensor x = at::ones(input_shape, at::TensorOptions().device(device).dtype(per_op ? at::kFloat : lp));
+      at::Tensor y;
+      {
+        std::optional<AutocastGuard> casts;
+        if (per_op) casts.emplace(device, lp);
+        y = run(x);
+      }
+      y.to(at::kFloat).sum().backward();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "amp::initialize: the model has a ", type, " layer ('", item.key(), "'), which this LibTorch "
+                  "build (", TORCH_VERSION, ") can't run in ", dtype_name(lp), " on ",
+                  c10::DeviceTypeName(device, /*lower_case=*/true), " at opt_level ", to_string(p.opt_level), ": ",
+                  message_of(e), "\nUse low_precision_dtype(torch::kBFloat16) (config: low_precision_dtype = "
+                  "bfloat16)", (p.patch_torch_functions ? ", opt_level O2 (its cast weights take another kernel)" : ""),
+                  ", or a CUDA device.");
+    }
+  }
+}
+
 void print_banner(const Options& options, const Properties& properties) {
   std::cout << "Selected optimization level " << brief(options.opt_level()) << "\n\n"
             << "Defaults for this optimization level are:\n"
@@ -153,6 +220,7 @@ c10::DeviceType check_model(torch::nn::Module& module, const Options& options, c
   if (properties.enabled && properties.verbosity >= 1) print_banner(options, properties);
   probe_dtype(device_type, properties);
   probe_layers(module, device_type, properties);
+  probe_recurrent_layers(module, device_type, properties);
   return device_type;
 }
 
@@ -167,6 +235,8 @@ void cast_model(torch::nn::Module& module, const Properties& properties) {
       if (!to_cast.count(t.unsafeGetTensorImpl())) continue;
       t.set_data(t.to(dtype));
       t.mutable_grad() = at::Tensor();  // a stale fp32 gradient would not match the new dtype
+      // The master holds the fp32 original; the cast is not a user's write to copy into it.
+      if (auto master = find_master(t)) master->first->mark_synced(master->second);
     }
     for (auto& t : module.buffers()) {
       if (to_cast.count(t.unsafeGetTensorImpl())) t.set_data(t.to(dtype));

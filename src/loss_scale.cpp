@@ -12,8 +12,17 @@ namespace amp {
 LossScale LossScale::dynamic() { return LossScale(true, 65536.0); }
 
 LossScale LossScale::fixed(double value) {
+  // The scale multiplies an fp32 loss: outside the normal float range it is inf or (nearly) 0 there,
+  // and every step would overflow or vanish.
+  constexpr double kSmallestNormal = 1.1754943508222875e-38, kFloatMax = 3.4028234663852886e+38;
   if (!(value > 0.0) || !std::isfinite(value)) {
     throw std::invalid_argument("amp: loss_scale must be positive and finite, got " + detail::format_float(value) +
+                                ". Use a value such as 128.0, or LossScale::dynamic().");
+  }
+  if (value < kSmallestNormal || value > kFloatMax) {
+    throw std::invalid_argument("amp: loss_scale " + detail::format_float(value) + " is outside the float range [" +
+                                detail::format_float(kSmallestNormal) + ", " + detail::format_float(kFloatMax) +
+                                "]: in fp32 it would be " + (value > kFloatMax ? "inf" : "0 or a denormal") +
                                 ". Use a value such as 128.0, or LossScale::dynamic().");
   }
   return LossScale(false, value);

@@ -26,6 +26,8 @@ std::string optional_str(const std::optional<T>& v) {
   else return std::to_string(*v);
 }
 
+constexpr int kMaxNumLosses = 1024;  // a scaler per loss; far above any real model's count
+
 [[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("amp::Options: " + message); }
 
 }  // namespace
@@ -67,6 +69,11 @@ std::string to_string(const Properties& p) {
   row("min_loss_scale", optional_str(p.min_loss_scale));
   row("max_loss_scale", detail::format_float(p.max_loss_scale));
   row("verbosity", std::to_string(p.verbosity));
+  row("init_scale", detail::format_float(p.init_scale));
+  row("growth_factor", detail::format_float(p.growth_factor));
+  row("backoff_factor", detail::format_float(p.backoff_factor));
+  row("growth_interval", std::to_string(p.growth_interval));
+  row("hysteresis", std::to_string(p.hysteresis));
   return os.str();
 }
 
@@ -129,9 +136,9 @@ Properties Options::resolve() const {
     p.cast_frozen_batchnorm = *cast_frozen_batchnorm_;
   }
   if (master_weights_) {
-    if (level_ == OptLevel::O1 && *master_weights_) {
+    if (level_ == OptLevel::O1) {  // Apex rejects any value here, False included
       fail("It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should "
-           "be FP32. Remove master_weights, or use opt_level O2.");
+           "be FP32. Remove master_weights (it was set to " + py_bool(*master_weights_) + "), or use opt_level O2.");
     }
     p.master_weights = *master_weights_;
   }
@@ -144,12 +151,14 @@ Properties Options::resolve() const {
     p.cast_model_outputs = *cast_model_outputs_;
   }
   if (num_losses_) {
-    if (*num_losses_ < 1) {
-      fail("num_losses must be at least 1 (one loss scaler per loss), got " + std::to_string(*num_losses_) + ".");
+    if (*num_losses_ < 1 || *num_losses_ > kMaxNumLosses) {
+      fail("num_losses must be in [1, " + std::to_string(kMaxNumLosses) + "] (one loss scaler per loss), got " +
+           std::to_string(*num_losses_) + ".");
     }
     p.num_losses = *num_losses_;
   }
   constexpr double kFloatMax = std::numeric_limits<float>::max();
+  constexpr double kSmallestNormal = 1.1754943508222875e-38;  // 2^-126
   if (max_loss_scale_) {
     if (!(*max_loss_scale_ > 0.0) || !(*max_loss_scale_ <= kFloatMax)) {
       fail("max_loss_scale must be positive and at most the largest float (3.4028234663852886e+38), got " +
@@ -167,6 +176,40 @@ Properties Options::resolve() const {
   if (p.min_loss_scale && *p.min_loss_scale > p.max_loss_scale) {
     fail("min_loss_scale (" + detail::format_float(*p.min_loss_scale) + ") is greater than max_loss_scale (" +
          detail::format_float(p.max_loss_scale) + ").");
+  }
+  if (init_scale_) {
+    if (!(*init_scale_ >= kSmallestNormal) || !(*init_scale_ <= kFloatMax)) {
+      fail("init_scale must be in [1.1754943508222875e-38, 3.4028234663852886e+38] (a normal float), got " +
+           detail::format_float(*init_scale_) + ".");
+    }
+    p.init_scale = *init_scale_;
+  }
+  if (growth_factor_) {
+    if (!(*growth_factor_ > 1.0) || !(*growth_factor_ <= kFloatMax)) {
+      fail("growth_factor must be greater than 1.0 (and finite), got " + detail::format_float(*growth_factor_) +
+           ". The default is 2.0.");
+    }
+    p.growth_factor = *growth_factor_;
+  }
+  if (backoff_factor_) {
+    if (!(*backoff_factor_ > 0.0) || !(*backoff_factor_ < 1.0)) {
+      fail("backoff_factor must be in (0, 1), got " + detail::format_float(*backoff_factor_) + ". The default is 0.5.");
+    }
+    p.backoff_factor = *backoff_factor_;
+  }
+  if (growth_interval_) {
+    if (*growth_interval_ < 1) {
+      fail("growth_interval must be at least 1 (clean steps before the scale grows), got " +
+           std::to_string(*growth_interval_) + ". The default is 2000.");
+    }
+    p.growth_interval = *growth_interval_;
+  }
+  if (hysteresis_) {
+    if (*hysteresis_ < 1) {
+      fail("hysteresis must be at least 1 (1 backs off at every overflow, as Apex), got " +
+           std::to_string(*hysteresis_) + ".");
+    }
+    p.hysteresis = *hysteresis_;
   }
   if (verbosity_) {
     if (*verbosity_ < 0) fail("verbosity must be 0 (silent) or more, got " + std::to_string(*verbosity_) + ".");
@@ -193,6 +236,11 @@ std::string Options::describe_overrides() const {
   if (min_loss_scale_) row("min_loss_scale", detail::format_float(*min_loss_scale_));
   if (max_loss_scale_) row("max_loss_scale", detail::format_float(*max_loss_scale_));
   if (verbosity_) row("verbosity", std::to_string(*verbosity_));
+  if (init_scale_) row("init_scale", detail::format_float(*init_scale_));
+  if (growth_factor_) row("growth_factor", detail::format_float(*growth_factor_));
+  if (backoff_factor_) row("backoff_factor", detail::format_float(*backoff_factor_));
+  if (growth_interval_) row("growth_interval", std::to_string(*growth_interval_));
+  if (hysteresis_) row("hysteresis", std::to_string(*hysteresis_));
   return os.str();
 }
 

@@ -1,38 +1,83 @@
 #include "amp/scale_loss.h"
 
+#include <algorithm>
+
 #include "amp/autocast_guard.h"
+#include "multi_tensor.h"
+#include "scaled_grads.h"
 
 namespace amp {
 
-ScaledLoss::ScaledLoss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options)
-    : optimizer_(optimizer), options_(options) {
+ScaledLoss::ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options)
+    : optimizers_(std::move(optimizers)), options_(options) {
+  TORCH_CHECK(!optimizers_.empty(), "amp::scale_loss: the list of optimizers is empty; pass the amp optimizers "
+              "whose parameters the loss reaches.");
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    TORCH_CHECK(optimizers_[i] != nullptr, "amp::scale_loss: optimizer ", i, " of the list is null.");
+    TORCH_CHECK(std::find(optimizers_.begin(), optimizers_.begin() + static_cast<std::ptrdiff_t>(i), optimizers_[i]) ==
+                    optimizers_.begin() + static_cast<std::ptrdiff_t>(i),
+                "amp::scale_loss: optimizer ", i, " appears twice in the list; pass each optimizer once.");
+    TORCH_CHECK(optimizers_[i]->scaler_bank() == optimizers_[0]->scaler_bank(), "amp::scale_loss: optimizer ", i,
+                " was initialized separately from optimizer 0, so each has its own loss scalers, but one loss needs "
+                "one scale. Initialize them together: auto [models, optimizers] = amp::initialize(std::tuple(model), "
+                "std::tuple(std::move(optimizer_a), std::move(optimizer_b)), options).");
+  }
   TORCH_CHECK(loss.defined(), "amp::scale_loss: the loss is an undefined tensor.");
   TORCH_CHECK(loss.numel() == 1, "amp::scale_loss: the loss must be a single-element tensor, got shape ",
               loss.sizes(), ". Reduce it first, e.g. loss.mean() or loss.sum().");
   TORCH_CHECK(loss.is_floating_point(), "amp::scale_loss: the loss must be a floating tensor, got dtype ",
               loss.scalar_type(), ".");
-  optimizer_.check_loss_id(options.loss_id());
-  if (!optimizer_.scales_loss()) {
+  OptimizerBase& first = *optimizers_[0];
+  first.check_loss_id(options.loss_id());
+  if (!first.scales_loss()) {
     // Disabled, or a fixed scale of 1 without master weights: Apex hands back loss.float() untouched.
-    scaled_ = optimizer_.properties().enabled ? loss.to(at::kFloat) : loss;
+    scaled_ = first.properties().enabled ? loss.to(at::kFloat) : loss;
     return;
   }
-  optimizer_.prepare_backward(options.loss_id());
+  size_t prepared = 0;
+  try {
+    for (; prepared < optimizers_.size(); ++prepared) optimizers_[prepared]->prepare_backward(options.loss_id());
+  } catch (...) {
+    for (size_t i = 0; i < prepared; ++i) optimizers_[i]->abort_backward();
+    throw;
+  }
   prepared_ = true;
-  scaled_ = loss.to(at::kFloat) * optimizer_.loss_scaler(options.loss_id()).loss_scale();
+  for (auto& leaf : detail::gradient_leaves(loss)) {
+    const auto* impl = leaf.unsafeGetTensorImpl();
+    const bool ours = std::any_of(optimizers_.begin(), optimizers_.end(),
+                                  [impl](const OptimizerBase* o) { return o->owns_model_tensor(impl); });
+    if (!ours) other_leaves_.push_back(std::move(leaf));
+  }
+  scale_ = first.loss_scaler(options.loss_id()).loss_scale();
+  scaled_ = loss.to(at::kFloat) * scale_;
 }
 
 ScaledLoss::~ScaledLoss() {
-  if (prepared_ && !done_) optimizer_.abort_backward();
+  if (prepared_ && !done_) {
+    for (auto* o : optimizers_) o->abort_backward();
+  }
 }
 
 void ScaledLoss::backward() {
   TORCH_CHECK(!done_, "amp::ScaledLoss::backward: backward() was already called on this scaled loss. Call "
               "amp::scale_loss again for another backward pass.");
-  DisableCastsGuard no_casts;  // backward never runs under per-op casts
-  scaled_.backward();          // on an exception, the destructor puts the gradients back
+  {
+    DisableCastsGuard no_casts;  // backward never runs under per-op casts
+    scaled_.backward();          // on an exception, the destructor puts the gradients back
+  }
   done_ = true;
-  if (prepared_) overflow_ = optimizer_.post_backward(options_.loss_id(), options_.delay_unscale());
+  if (!prepared_) return;
+  detail::record_scaled_grads(other_leaves_, scale_, options_.loss_id());
+  other_leaves_.clear();
+  const int loss_id = options_.loss_id();
+  const bool delay = options_.delay_unscale();
+  detail::FoundInf found_inf;
+  for (auto* o : optimizers_) o->unscale_grads(loss_id, delay, 1.0 / scale_, found_inf);
+  if (delay) return;
+  overflow_ = found_inf.any();  // the backward's one host sync
+  // One scale update per backward, whatever the number of optimizers (they share the scaler).
+  const bool skip = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)].update_scale(overflow_);
+  for (auto* o : optimizers_) o->finish_backward(loss_id, skip);
 }
 
 bool ScaledLoss::overflow() const {
@@ -41,7 +86,11 @@ bool ScaledLoss::overflow() const {
 }
 
 ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options) {
-  return ScaledLoss(loss, optimizer, options);
+  return ScaledLoss(loss, {&optimizer}, options);
+}
+
+ScaledLoss scale_loss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options) {
+  return ScaledLoss(loss, std::move(optimizers), options);
 }
 
 double loss_scale(const OptimizerBase& optimizer, int loss_id) { return optimizer.loss_scaler(loss_id).loss_scale(); }

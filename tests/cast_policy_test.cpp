@@ -184,3 +184,44 @@ TEST(CastRulesTest, TableIsApexsLists) {
     EXPECT_EQ(r.policy == amp::CastPolicy::Banned, !r.banned_message.empty()) << r.op;
   }
 }
+
+// Every overload of every row is under a policy on both autocast keys: amp's kernel or a native one
+// (the upsample rows once covered only `.vec`, so F::interpolate ran in low precision at O1).
+TEST(CastRulesTest, EveryOverloadOfEveryRowIsCovered) {
+  amp::AutocastGuard register_kernels(torch::kCPU, torch::kBFloat16);  // the first guard registers amp's kernels
+  std::map<std::string, amp::CastPolicy> policy_of_overload;
+  for (const auto& rule : amp::o1_cast_rules()) {
+    const auto overloads = amp::covered_overloads(rule);
+    if (rule.op.find('.') == std::string::npos) {
+      EXPECT_FALSE(overloads.empty()) << rule.op << " is not an operator of this LibTorch";
+    }
+    for (const auto& name : overloads) {
+      const auto dot = name.find('.');
+      const c10::OperatorName op{name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1)};
+      const auto handle = c10::Dispatcher::singleton().findSchema(op);
+      ASSERT_TRUE(handle.has_value()) << name;
+      EXPECT_FALSE(handle->schema().is_mutable()) << name << " writes into its arguments";
+      EXPECT_TRUE(handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU)) << name << " on AutocastCPU";
+      EXPECT_TRUE(handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA)) << name << " on AutocastCUDA";
+      const auto [it, inserted] = policy_of_overload.emplace(name, rule.policy);
+      EXPECT_TRUE(inserted || it->second == rule.policy) << name << " is under two different policies";
+    }
+  }
+  for (const char* op : {"aten::upsample_nearest2d", "aten::upsample_bilinear2d", "aten::upsample_nearest2d.vec"}) {
+    EXPECT_EQ(policy_of_overload.count(op), 1u) << op;
+  }
+}
+
+TEST_P(CastPolicyTest, InterpolateAndUpsampleRunInFp32) {
+  namespace F = torch::nn::functional;
+  if (TORCH_VERSION_MAJOR < 2 && lp == torch::kHalf) GTEST_SKIP() << "CPU autocast is bf16-only in LibTorch 1.13";
+  const auto x = torch::randn({1, 2, 4, 4});
+  amp::AutocastGuard casts(torch::kCPU, lp);
+  const auto input = x.to(lp);
+  EXPECT_EQ(F::interpolate(input, F::InterpolateFuncOptions().size(std::vector<int64_t>{8, 8}).mode(torch::kNearest))
+                .scalar_type(), torch::kFloat);
+  EXPECT_EQ(F::interpolate(input, F::InterpolateFuncOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kBilinear)
+                                      .align_corners(false)).scalar_type(), torch::kFloat);
+  torch::nn::Upsample upsample(torch::nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest));
+  EXPECT_EQ(upsample(input).scalar_type(), torch::kFloat);
+}

@@ -91,3 +91,44 @@ TEST(LossScalerTest, LoadValidates) {
   ASSERT_THROWS_WITH(s.load(256.0, 2000), "unskipped count 2000");
   EXPECT_EQ(s.loss_scale(), 256.0);  // failed loads change nothing
 }
+
+// Issue: a floor above 2^16 started the scaler below its own minimum, and resuming then threw.
+TEST(LossScalerTest, FirstScaleIsClampedIntoMinMax) {
+  EXPECT_EQ(LossScaler(amp::Options("O2").min_loss_scale(1e6).max_loss_scale(1e7).resolve()).loss_scale(), 1e6);
+  EXPECT_EQ(LossScaler(amp::Options("O2").max_loss_scale(1024).resolve()).loss_scale(), 1024.0);
+  EXPECT_EQ(LossScaler(amp::Options("O2").init_scale(8).resolve()).loss_scale(), 8.0);
+  EXPECT_EQ(LossScaler(amp::Options("O2").init_scale(8).min_loss_scale(16).resolve()).loss_scale(), 16.0);
+  LossScaler s(amp::Options("O2").min_loss_scale(1e6).max_loss_scale(1e7).resolve());
+  EXPECT_NO_THROW(s.load(s.loss_scale(), s.unskipped()));
+}
+
+TEST(LossScalerTest, GrowthAndBackoffFactorsAndInterval) {
+  LossScaler s(amp::Options("O2").init_scale(1024).growth_factor(4).backoff_factor(0.25).growth_interval(3).resolve());
+  EXPECT_TRUE(s.update_scale(true));
+  EXPECT_EQ(s.loss_scale(), 256.0);
+  for (int i = 0; i < 2; ++i) EXPECT_FALSE(s.update_scale(false));
+  EXPECT_EQ(s.loss_scale(), 256.0);
+  EXPECT_FALSE(s.update_scale(false));
+  EXPECT_EQ(s.loss_scale(), 1024.0);
+  EXPECT_EQ(s.unskipped(), 0);
+}
+
+// DeepSpeed's delayed shift: every overflow skips, the scale drops from the k-th overflow since the last
+// growth on (DeepSpeed's DynamicLossScaler with consecutive_hysteresis=false).
+TEST(LossScalerTest, HysteresisDelaysTheBackoff) {
+  LossScaler s(amp::Options("O2").hysteresis(3).growth_interval(2).resolve());
+  const double scales[] = {65536, 65536, 32768, 16384};
+  for (double expected : scales) {
+    EXPECT_TRUE(s.update_scale(true));
+    EXPECT_EQ(s.loss_scale(), expected);
+  }
+  EXPECT_EQ(s.hysteresis_left(), 1);
+  EXPECT_FALSE(s.update_scale(false));
+  EXPECT_EQ(s.hysteresis_left(), 1);  // a clean step alone does not refill it
+  EXPECT_FALSE(s.update_scale(false));
+  EXPECT_EQ(s.loss_scale(), 32768.0);  // growth refills
+  EXPECT_EQ(s.hysteresis_left(), 3);
+  EXPECT_TRUE(s.update_scale(true));
+  EXPECT_EQ(s.loss_scale(), 32768.0);
+  ASSERT_THROWS_WITH(s.load(32768.0, 0, 4), "checkpointed hysteresis count 4 is outside [1, 3]");
+}

@@ -102,7 +102,7 @@ TEST(OptionsTest, ApexValidationRules) {
   ASSERT_THROWS_WITH(amp::Options("O2").patch_torch_functions(true).resolve(),
                      "patch_torch_functions=True should only be set by selecting opt_level='O1' (got opt_level O2)");
   ASSERT_THROWS_WITH(amp::Options("O2").cast_model_type(torch::kInt).resolve(), "got torch.int32");
-  ASSERT_THROWS_WITH(amp::Options("O2").num_losses(0).resolve(), "num_losses must be at least 1");
+  ASSERT_THROWS_WITH(amp::Options("O2").num_losses(0).resolve(), "num_losses must be in [1, 1024]");
   ASSERT_THROWS_WITH(amp::Options("O2").min_loss_scale(0.0).resolve(), "min_loss_scale must be positive and finite, got 0.0");
   ASSERT_THROWS_WITH(amp::Options("O2").max_loss_scale(-1.0).resolve(), "max_loss_scale must be positive");
   ASSERT_THROWS_WITH(amp::Options("O2").max_loss_scale(1e39).resolve(), "got 1e+39");
@@ -144,4 +144,46 @@ TEST(PropertiesTest, BannerMatchesApexsLayout) {
   EXPECT_NE(text.find("keep_batchnorm_fp32    : True\n"), std::string::npos) << text;
   EXPECT_NE(text.find("loss_scale             : dynamic\n"), std::string::npos) << text;
   EXPECT_NE(amp::to_string(amp::properties(OptLevel::O1)).find("cast_model_type        : None\n"), std::string::npos);
+}
+
+// Issue: Apex rejects any master_weights value at O1, False included.
+TEST(OptionsTest, MasterWeightsFalseAtO1IsRejectedAsInApex) {
+  ASSERT_THROWS_WITH(amp::Options("O1").master_weights(false).resolve(),
+                     "It doesn't make sense to use master_weights with O1. With O1, your model weights themselves "
+                     "should be FP32. Remove master_weights (it was set to False)");
+  EXPECT_NO_THROW(amp::Options("O2").master_weights(false).resolve());
+}
+
+// Issue: out-of-range scales and loss counts were accepted, then every step was skipped or bad_alloc.
+TEST(OptionsTest, ScalesAndLossCountsOutsideTheirRangesAreRejected) {
+  ASSERT_THROWS_WITH(amp::LossScale::fixed(1e39), "loss_scale 1e+39 is outside the float range");
+  ASSERT_THROWS_WITH(amp::LossScale::fixed(1e39), "in fp32 it would be inf");
+  ASSERT_THROWS_WITH(amp::LossScale::fixed(1e-46), "in fp32 it would be 0 or a denormal");
+  ASSERT_THROWS_WITH(amp::parse_loss_scale("1e-40"), "outside the float range");
+  EXPECT_EQ(amp::LossScale::fixed(3.4028234663852886e+38).value(), 3.4028234663852886e+38);
+  ASSERT_THROWS_WITH(amp::Options("O2").num_losses(2147483647).resolve(),
+                     "num_losses must be in [1, 1024] (one loss scaler per loss), got 2147483647");
+}
+
+TEST(OptionsTest, LossScalerHyperparametersDefaultToApexAndValidate) {
+  const auto p = amp::Options("O2").resolve();
+  EXPECT_EQ(p.init_scale, 65536.0);
+  EXPECT_EQ(p.growth_factor, 2.0);
+  EXPECT_EQ(p.backoff_factor, 0.5);
+  EXPECT_EQ(p.growth_interval, 2000);
+  EXPECT_EQ(p.hysteresis, 1);
+  const auto q = amp::Options("O1").init_scale(1024).growth_factor(4).backoff_factor(0.25).growth_interval(10).hysteresis(3).resolve();
+  EXPECT_EQ(q.init_scale, 1024.0);
+  EXPECT_EQ(q.growth_factor, 4.0);
+  EXPECT_EQ(q.backoff_factor, 0.25);
+  EXPECT_EQ(q.growth_interval, 10);
+  EXPECT_EQ(q.hysteresis, 3);
+  ASSERT_THROWS_WITH(amp::Options("O2").init_scale(0).resolve(), "init_scale must be in [1.1754943508222875e-38");
+  ASSERT_THROWS_WITH(amp::Options("O2").init_scale(1e39).resolve(), "got 1e+39");
+  ASSERT_THROWS_WITH(amp::Options("O2").growth_factor(1.0).resolve(), "growth_factor must be greater than 1.0 (and finite), got 1.0");
+  ASSERT_THROWS_WITH(amp::Options("O2").backoff_factor(1.0).resolve(), "backoff_factor must be in (0, 1), got 1.0");
+  ASSERT_THROWS_WITH(amp::Options("O2").backoff_factor(0.0).resolve(), "backoff_factor must be in (0, 1), got 0.0");
+  ASSERT_THROWS_WITH(amp::Options("O2").growth_interval(0).resolve(), "growth_interval must be at least 1");
+  ASSERT_THROWS_WITH(amp::Options("O2").hysteresis(0).resolve(), "hysteresis must be at least 1");
+  EXPECT_NE(amp::Options("O2").hysteresis(2).describe_overrides().find("hysteresis             : 2"), std::string::npos);
 }

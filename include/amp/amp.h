@@ -21,6 +21,7 @@
 #include "amp/cast_policy.h"
 #include "amp/config.h"
 #include "amp/initialize.h"
+#include "amp/load_weights.h"
 #include "amp/loss_scale.h"
 #include "amp/loss_scaler.h"
 #include "amp/model.h"

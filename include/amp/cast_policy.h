@@ -14,7 +14,9 @@ enum class CastPolicy {
   Banned,          // Refuse: the op is unsafe in low precision; the message says what to use instead.
 };
 
-/// One row of the table: an ATen operator ("aten::softmax.int": name and overload) and its policy.
+/// One row of the table: an ATen operator and its policy. "aten::softmax.int" names one overload;
+/// "aten::upsample_nearest2d" stands for the function, every overload of it that does not write into
+/// its arguments (out= and in-place variants are left alone), as Apex patched the Python function.
 struct CastRule {
   std::string op;
   CastPolicy policy;
@@ -24,6 +26,9 @@ struct CastRule {
 /// Returns Apex's O1 table as amp applies it (opt_levels/o1_cast_lists.cpp). Where LibTorch's native
 /// autocast already has a kernel for an op on a device, the native policy stays in effect for it.
 const std::vector<CastRule>& o1_cast_rules();
+
+/// Returns the operators ("aten::upsample_nearest2d.vec", ...) a row covers in this LibTorch build.
+std::vector<std::string> covered_overloads(const CastRule& rule);
 
 /// Returns "LowerPrecision", "Fp32", "Promote" or "Banned".
 const char* to_string(CastPolicy policy);

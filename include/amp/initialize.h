@@ -107,7 +107,7 @@ InitializedMany<std::tuple<Model<Modules>...>, std::tuple<Optimizer<Opts>...>> i
   }
   auto scalers = std::make_shared<std::vector<LossScaler>>(
       static_cast<size_t>(properties.num_losses),
-      LossScaler(properties.loss_scale, properties.min_loss_scale, properties.max_loss_scale));
+      LossScaler(properties));
   auto patched = std::apply(
       [&](auto&... opt) {
         return std::tuple<Optimizer<Opts>...>(Optimizer<Opts>(std::move(opt), modules, properties, scalers)...);
@@ -116,6 +116,27 @@ InitializedMany<std::tuple<Model<Modules>...>, std::tuple<Optimizer<Opts>...>> i
   for (auto* m : modules) detail::cast_model(*m, properties);
   auto wrapped = detail::make_models(std::move(models), properties, devices, std::index_sequence_for<Modules...>{});
   return {std::move(wrapped), std::move(patched)};
+}
+
+/// Initializes a model alone, for evaluation and inference at an opt level (Apex's `optimizers=None`).
+///
+/// Example:
+///   auto model = amp::initialize(net, amp::Options("O2"));
+///   auto logits = model(images);   // bf16/fp16 compute, fp32 logits
+template <class Module>
+Model<Module> initialize(Module model, const Options& options) {
+  const Properties properties = options.resolve();
+  auto module = detail::module_pointer(model);
+  TORCH_CHECK(module != nullptr, "amp::initialize: the model is empty (a default-constructed holder or null pointer).");
+  const c10::DeviceType device = detail::check_model(*module, options, properties);
+  detail::cast_model(*module, properties);
+  return Model<Module>(std::move(model), properties, device);
+}
+
+/// Initializes a model alone at `level`'s defaults.
+template <class Module>
+Model<Module> initialize(Module model, OptLevel level) {
+  return initialize(std::move(model), Options(level));
 }
 
 /// Initializes at `level`'s defaults.

@@ -14,7 +14,8 @@ class LossScale {
  public:
   /// Returns a dynamic loss scale that starts at min(2^16, max_loss_scale).
   static LossScale dynamic();
-  /// Returns a fixed loss scale; throws std::invalid_argument unless value is positive and finite.
+  /// Returns a fixed loss scale; throws std::invalid_argument unless value is a normal positive float
+  /// (in [2^-126, 3.4028234663852886e+38]).
   static LossScale fixed(double value);
 
   /// Returns whether the scale adapts to overflows.

@@ -5,25 +5,31 @@
 #include <optional>
 
 #include "amp/loss_scale.h"
+#include "amp/properties.h"
 
 namespace amp {
 
-/// One loss scaler (Apex's `LossScaler`). Dynamic scaling starts at min(2^16, max_loss_scale); an
-/// overflow halves the scale (never below min_loss_scale, and never below 2^-126, the smallest normal
-/// float, so it can't reach 0 or a denormal) and skips the step; after `scale_window` (2000) clean
-/// backward passes in a row the scale doubles, never above max_loss_scale (at most the largest float).
-/// A fixed scale never changes; an overflow under it still skips the step.
+/// One loss scaler (Apex's `LossScaler`). Dynamic scaling starts at init_scale (2^16) clamped into
+/// [min_loss_scale, max_loss_scale]; an overflow multiplies the scale by backoff_factor (0.5; never
+/// below min_loss_scale, and never below 2^-126, the smallest normal float, so it can't reach 0 or a
+/// denormal) and skips the step; after growth_interval (2000) clean backward passes in a row the scale
+/// grows by growth_factor (2), never above max_loss_scale (at most the largest float). With hysteresis
+/// k > 1 (DeepSpeed's delayed shift) every overflow still skips its step, but the scale backs off only
+/// from the k-th overflow since the last growth. A fixed scale never changes; an overflow under it
+/// still skips the step.
 ///
 /// Example:
 ///   amp::LossScaler scaler(amp::LossScale::dynamic());
 ///   bool skip = scaler.update_scale(/*overflow=*/true);   // skip == true, scale 32768
 class LossScaler {
  public:
-  static constexpr int64_t kScaleWindow = 2000;
   static constexpr double kSmallestScale = 1.1754943508222875e-38;  // 2^-126
 
+  /// A scaler with Apex's hyperparameters.
   explicit LossScaler(LossScale loss_scale, std::optional<double> min_loss_scale = std::nullopt,
                       double max_loss_scale = 16777216.0);
+  /// A scaler with the loss-scale settings of resolved properties (init_scale, growth_factor, ...).
+  explicit LossScaler(const Properties& properties);
 
   /// Returns the current scale.
   double loss_scale() const noexcept { return scale_; }
@@ -31,12 +37,17 @@ class LossScaler {
   bool dynamic() const noexcept { return dynamic_; }
   /// Returns the number of clean backward passes since the last overflow or growth (Apex's `_unskipped`).
   int64_t unskipped() const noexcept { return unskipped_; }
+  /// Returns how many more overflows the scale tolerates before backing off (1: the next one backs off).
+  int hysteresis_left() const noexcept { return hysteresis_left_; }
+  /// Returns the clean backward passes in a row after which the scale grows.
+  int growth_interval() const noexcept { return growth_interval_; }
 
   /// Applies one backward pass's outcome (Apex's update_scale()); returns whether the step must be skipped.
   bool update_scale(bool overflow);
 
-  /// Restores a saved state; throws std::invalid_argument on a scale outside [min, max] or a negative counter.
-  void load(double loss_scale, int64_t unskipped);
+  /// Restores a saved state; throws std::invalid_argument on a scale outside [min, max] or a counter
+  /// outside its range. `hysteresis_left` nullopt (a checkpoint from before hysteresis) means full.
+  void load(double loss_scale, int64_t unskipped, std::optional<int64_t> hysteresis_left = std::nullopt);
 
  private:
   bool dynamic_;
@@ -44,6 +55,11 @@ class LossScaler {
   int64_t unskipped_ = 0;
   double min_scale_;
   double max_scale_;
+  double growth_factor_ = 2.0;
+  double backoff_factor_ = 0.5;
+  int growth_interval_ = 2000;
+  int hysteresis_ = 1;
+  int hysteresis_left_ = 1;
 };
 
 }  // namespace amp

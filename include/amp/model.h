@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -74,6 +75,11 @@ T cast_result(T value, c10::ScalarType dtype) {
   }
 }
 
+/// Returns the model's float16/bfloat16 parameters and buffers with their names (what initialize cast).
+std::vector<std::pair<std::string, at::Tensor>> low_precision_tensors(torch::nn::Module& module);
+/// Throws if one of them holds fp32 bytes: torch::load into a cast model (see amp::load_weights).
+void check_low_precision_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+
 }  // namespace detail
 
 /// The patched model returned by amp::initialize. model(args...) and model.forward(args...) run the
@@ -87,7 +93,8 @@ class Model {
       : module_(std::move(module)),
         properties_(properties),
         device_(device),
-        float16_bn_statistics_(detail::float16_batchnorm_statistics(*module_pointer())) {}
+        float16_bn_statistics_(detail::float16_batchnorm_statistics(*module_pointer())),
+        low_precision_tensors_(detail::low_precision_tensors(*module_pointer())) {}
 
   /// Runs the module's forward with the opt level's casts.
   template <class... Args>
@@ -97,6 +104,7 @@ class Model {
     if (properties_.enabled) {
       if (properties_.patch_torch_functions) casts.emplace(device_, properties_.low_precision_dtype);
       input_dtype = properties_.cast_model_type;
+      detail::check_low_precision_tensors(low_precision_tensors_);  // a few loads per tensor, no data read
     }
     auto output = impl().forward(detail::cast_input(std::forward<Args>(args), input_dtype)...);
     if (!properties_.enabled) return output;
@@ -135,6 +143,7 @@ class Model {
   Properties properties_;
   c10::DeviceType device_;
   std::vector<at::Tensor> float16_bn_statistics_;  // O3 + float16 only: checked after training forwards
+  std::vector<std::pair<std::string, at::Tensor>> low_precision_tensors_;  // checked before each forward
 };
 
 }  // namespace amp

@@ -7,17 +7,35 @@
 
 #include <memory>
 #include <optional>
+#include <string>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "amp/loss_scaler.h"
 #include "amp/properties.h"
 
+namespace amp::detail {
+class FoundInf;
+}
+
 namespace amp {
 
 class ScaledLoss;
+namespace detail {
+class MasterWeights;
+}
 
 /// What every amp::Optimizer<Opt> is, whatever Opt: the loss scalers, the fp32 master weights and
 /// the skip decision. scale_loss, loss_scale and master_params take it.
+///
+/// It follows what changes after amp::initialize (see NOTE [Masters follow the model] in
+/// src/master_weights.h): parameter groups added with add_param_group are adopted at the next
+/// scale_loss, step or zero_grad (cast where the level casts, fp32 masters at O2, unscaled like the
+/// rest); weights written into the model (torch::load, amp::load_weights, in-place edits) are copied
+/// into the masters before the next step; and a step on gradients still multiplied by a loss scale
+/// throws instead of updating.
 class OptimizerBase {
  public:
   virtual ~OptimizerBase() = default;
@@ -32,6 +50,10 @@ class OptimizerBase {
   bool step_will_be_skipped() const noexcept { return skip_next_step_; }
   /// Returns how many steps were skipped after overflows.
   int64_t skipped_steps() const noexcept { return skipped_steps_; }
+  /// Copies the model's current weights into the fp32 masters. amp does this by itself after any write
+  /// that bumps a tensor's version counter; call it after writes that don't (through `.data()` or raw
+  /// pointers).
+  void refresh_master_params();
 
  protected:
   OptimizerBase() = default;
@@ -59,21 +81,38 @@ class OptimizerBase {
  private:
   friend class ScaledLoss;
 
-  // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward).
+  // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
+  // optimizers share one overflow decision and one scale update.
   void prepare_backward(int loss_id);
-  bool post_backward(int loss_id, bool delay_unscale);  // returns overflow
+  void unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf);
+  void finish_backward(int loss_id, bool skip);
   void abort_backward() noexcept;
   bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
   void check_loss_id(int loss_id) const;
+  bool owns_model_tensor(const c10::TensorImpl* t) const { return model_side_set_.count(t) > 0; }
+  const std::shared_ptr<std::vector<LossScaler>>& scaler_bank() const noexcept { return scalers_; }
+
+  // Brings masters, direct parameters and the model-side index in line with param_groups (adopting
+  // groups added after initialize). `at_initialize`: the model is not cast yet.
+  void sync_param_groups(bool at_initialize = false);
+  bool param_groups_changed() const;
+  std::string model_side_name(size_t i) const;
+  using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+  void check_state_without_master(const StateMap& state, const at::Tensor& p, size_t group,
+                                  const std::string& name, c10::ScalarType lp) const;
 
   Properties properties_;
   bool attached_ = false;
   // Apex skips all scaling bookkeeping for a fixed scale of 1 without master weights (O0, O3).
   bool unscaled_fast_path_ = false;
   std::shared_ptr<std::vector<LossScaler>> scalers_;  // shared by optimizers initialized together
-  std::vector<at::Tensor> model_lp_params_;  // low-precision model params that have masters
-  std::vector<at::Tensor> masters_;          // their fp32 masters, parallel to model_lp_params_
+  std::vector<std::weak_ptr<torch::nn::Module>> modules_;      // the models this optimizer trains
+  std::shared_ptr<detail::MasterWeights> masters_;            // low-precision params and their fp32 masters
   std::vector<at::Tensor> direct_params_;    // params the optimizer updates in place
+  std::vector<std::string> direct_names_;
+  std::vector<std::vector<const c10::TensorImpl*>> known_groups_;  // param_groups as last synced
+  std::vector<at::Tensor> model_side_;       // the model's tensors this optimizer trains (for checks)
+  std::unordered_set<const c10::TensorImpl*> model_side_set_;
   std::vector<at::Tensor> stash_;            // grads of direct_params_ before the current backward
   bool backward_prepared_ = false;
   std::optional<int> scaled_grads_loss_id_;  // grads still scaled after delay_unscale

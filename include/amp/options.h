@@ -36,6 +36,12 @@ class Options {
   Options& min_loss_scale(double value) { return set(min_loss_scale_, value); }
   Options& max_loss_scale(double value) { return set(max_loss_scale_, value); }
   Options& verbosity(int value) { return set(verbosity_, value); }
+  /// Loss-scaler hyperparameters, named as in torch.amp.GradScaler; the defaults are Apex's values.
+  Options& init_scale(double value) { return set(init_scale_, value); }
+  Options& growth_factor(double value) { return set(growth_factor_, value); }
+  Options& backoff_factor(double value) { return set(backoff_factor_, value); }
+  Options& growth_interval(int value) { return set(growth_interval_, value); }
+  Options& hysteresis(int value) { return set(hysteresis_, value); }
   /// Replaces the opt level, keeping the overrides.
   Options& opt_level(OptLevel value) { level_ = value; return *this; }
 
@@ -70,6 +76,11 @@ class Options {
   std::optional<double> min_loss_scale_;
   std::optional<double> max_loss_scale_;
   std::optional<int> verbosity_;
+  std::optional<double> init_scale_;
+  std::optional<double> growth_factor_;
+  std::optional<double> backoff_factor_;
+  std::optional<int> growth_interval_;
+  std::optional<int> hysteresis_;
 };
 
 }  // namespace amp

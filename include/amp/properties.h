@@ -37,6 +37,17 @@ struct Properties {
   int num_losses = 1;
   std::optional<double> min_loss_scale;
   double max_loss_scale = 16777216.0;  // 2^24
+  /// The dynamic scale's first value, clamped into [min_loss_scale, max_loss_scale] (Apex's init_scale).
+  double init_scale = 65536.0;  // 2^16
+  /// The factor the dynamic scale grows by after growth_interval clean steps (> 1).
+  double growth_factor = 2.0;
+  /// The factor the dynamic scale shrinks by on an overflow (in (0, 1)).
+  double backoff_factor = 0.5;
+  /// Clean backward passes in a row before the scale grows (Apex's scale_window).
+  int growth_interval = 2000;
+  /// 1 is Apex: every overflow backs the scale off. k > 1 is DeepSpeed's delayed shift: every overflow
+  /// skips its step, but the scale backs off only at the k-th overflow since the last growth.
+  int hysteresis = 1;
   /// 0 is silent; 1 prints the initialize banner and overflow messages, like Apex.
   int verbosity = 1;
 };

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <initializer_list>
 #include <vector>
 
 #include "amp/optimizer.h"
@@ -50,11 +51,14 @@ class [[nodiscard]] ScaledLoss {
 
  private:
   friend ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options);
-  ScaledLoss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options);
+  friend ScaledLoss scale_loss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options);
+  ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options);
 
-  OptimizerBase& optimizer_;
+  std::vector<OptimizerBase*> optimizers_;
   ScaleLossOptions options_;
   at::Tensor scaled_;
+  double scale_ = 1.0;
+  std::vector<at::Tensor> other_leaves_;  // leaves the loss reaches outside optimizers_ (see scaled_grads.h)
   bool prepared_ = false;
   bool done_ = false;
   bool overflow_ = false;
@@ -66,6 +70,18 @@ class [[nodiscard]] ScaledLoss {
 ///   { auto scaled_loss = amp::scale_loss(loss, optimizer); scaled_loss.backward(); }
 ///   optimizer.step();
 [[nodiscard]] ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options = {});
+
+/// Scales one loss whose gradients reach the parameters of several optimizers (Apex's
+/// `amp.scale_loss(loss, [opt_a, opt_b])`): one backward, every optimizer's gradients unscaled, one
+/// overflow decision and one scale update for all. The optimizers must share one bank of loss scalers,
+/// that is, come from one amp::initialize call; otherwise it throws.
+///
+/// Example:
+///   { auto scaled_loss = amp::scale_loss(loss, {&backbone_optimizer, &head_optimizer}); scaled_loss.backward(); }
+///   backbone_optimizer.step();
+///   head_optimizer.step();
+[[nodiscard]] ScaledLoss scale_loss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers,
+                                    ScaleLossOptions options = {});
 
 /// Returns the current loss scale of scaler `loss_id` (Apex's _amp_state.loss_scalers[id].loss_scale()).
 double loss_scale(const OptimizerBase& optimizer, int loss_id = 0);

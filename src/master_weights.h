@@ -1,0 +1,71 @@
+#pragma once
+// The fp32 master weights of one amp::Optimizer and how they stay in step with the model.
+//
+// NOTE [Masters follow the model]
+// Real scripts write into the model after amp::initialize: Apex's documented order is initialize, then
+// load a checkpoint; fine-tuning loads pretrained weights; users edit weights in place. Masters copied
+// once at initialize would make the next step() write the old weights back. So every master remembers
+// the version counter and storage of its model parameter when the two last agreed; any tracked write
+// since (in-place ops, copy_, torch::load's set_, set_data) shows up as a changed version or storage, and
+// the master is refreshed from the model before it is used (step, master_params, save). A check per
+// parameter is two loads, no pass over the data. Writes through `.data()` or raw pointers bypass version
+// counters, as they bypass autograd: OptimizerBase::refresh_master_params() is the explicit way.
+// amp::load_weights writes fp32 checkpoint values straight into the masters (no rounding through the
+// low-precision copy) through a process-wide lookup from model parameter to master.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+class MasterWeights {
+ public:
+  /// Adds a model parameter (low precision) and its fp32 master; `name` is used in errors.
+  void add(std::string name, at::Tensor model, at::Tensor master);
+  size_t size() const noexcept { return model_.size(); }
+  bool empty() const noexcept { return model_.empty(); }
+  const std::vector<at::Tensor>& model() const noexcept { return model_; }
+  const std::vector<at::Tensor>& master() const noexcept { return master_; }
+  const std::string& name(size_t i) const { return names_[i]; }
+
+  /// Copies the model into the masters wherever the model was written since they last agreed; throws
+  /// if such a write left the parameter unusable (fp32 bytes in a low-precision tensor, a new dtype).
+  void refresh_changed();
+  /// Copies every model parameter into its master.
+  void refresh_all();
+  /// Copies the masters into the model (one fused pass) and records that they agree.
+  void copy_to_model();
+  /// Records that model[i] and master[i] agree now.
+  void mark_synced(size_t i);
+
+ private:
+  void check_usable(size_t i) const;
+
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> model_;
+  std::vector<at::Tensor> master_;
+  std::vector<int64_t> version_;
+  std::vector<const void*> storage_;
+};
+
+/// Makes `table`'s masters findable from their model parameters (replacing earlier entries of the same
+/// table). Throws if a parameter already has a live master in another table: two optimizers would
+/// step two masters of one weight.
+void register_masters(const std::shared_ptr<MasterWeights>& table);
+
+/// Returns the master table and index holding `model_param`'s master, if it has one.
+std::optional<std::pair<std::shared_ptr<MasterWeights>, size_t>> find_master(const at::Tensor& model_param);
+
+/// Returns whether `t`, a 2-byte floating tensor, sits alone on a storage exactly twice its size: what
+/// torch::load (Tensor::set_) leaves when it puts an fp32 tensor's bytes under a float16/bfloat16 one.
+bool holds_float32_bytes(const at::Tensor& t);
+
+/// The error for such a tensor: names it and gives the fix.
+[[noreturn]] void fail_float32_bytes(const std::string& what, const std::string& name, const at::Tensor& t);
+
+}  // namespace amp::detail
