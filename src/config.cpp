@@ -8,11 +8,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 
 namespace po = boost::program_options;
 
@@ -93,6 +95,17 @@ const std::vector<Key>& amp_keys() {
       {"min_loss_scale", "floor of the dynamic loss scale", [](Options& o, const std::string& v) { o.min_loss_scale(parse_double(v)); }},
       {"max_loss_scale", "ceiling of the dynamic loss scale (default 16777216)", [](Options& o, const std::string& v) { o.max_loss_scale(parse_double(v)); }},
       {"verbosity", "0 silent, 1 banner and overflow messages", [](Options& o, const std::string& v) { o.verbosity(parse_small_int(v)); }},
+      // The dynamic loss scaler's hyperparameters, named as in torch.amp.GradScaler.
+      {"init_scale", "first dynamic loss scale (default 65536), clamped into [min_loss_scale, max_loss_scale]",
+       [](Options& o, const std::string& v) { o.init_scale(parse_double(v)); }},
+      {"growth_factor", "factor the dynamic scale grows by after growth_interval clean steps (default 2.0; > 1)",
+       [](Options& o, const std::string& v) { o.growth_factor(parse_double(v)); }},
+      {"backoff_factor", "factor the dynamic scale shrinks by on an overflow (default 0.5; in (0, 1))",
+       [](Options& o, const std::string& v) { o.backoff_factor(parse_double(v)); }},
+      {"growth_interval", "clean steps in a row before the scale grows (default 2000; Apex's scale_window)",
+       [](Options& o, const std::string& v) { o.growth_interval(parse_small_int(v)); }},
+      {"hysteresis", "overflows before the scale backs off (default 1, as Apex; k > 1 is DeepSpeed's delayed shift)",
+       [](Options& o, const std::string& v) { o.hysteresis(parse_small_int(v)); }},
   };
   return keys;
 }
@@ -129,6 +142,21 @@ class KeySet {
     return std::find(all.begin(), all.end(), name) != all.end();
   }
 
+  static bool is_amp_key(const std::string& name) {
+    const auto& keys = amp_keys();
+    return std::any_of(keys.begin(), keys.end(), [&](const Key& k) { return k.name == name; });
+  }
+
+  // Whether `name` (a flag without its leading dashes) is one Boost will be told about, and whether it takes a value.
+  bool knows_flag(const std::string& name, bool& takes_value) const {
+    takes_value = name != "help";
+    if (name == "config" || name == "help") return true;
+    for (const auto& known : names()) {
+      if (dashes(known) == name) return true;
+    }
+    return false;
+  }
+
   // Throws std::invalid_argument with the reason only; callers add where the value came from.
   void apply(const std::string& name, const std::string& value) {
     for (const auto& k : amp_keys()) {
@@ -159,21 +187,79 @@ class KeySet {
   const ProgramFlags* program_;
 };
 
+constexpr char kUtf8Bom[] = "\xEF\xBB\xBF";
+
+bool invisible(unsigned char c) { return c < 0x20 || c == 0x7F || c >= 0x80; }
+
+std::string hex_byte(unsigned char c) {
+  static const char kHex[] = "0123456789ABCDEF";
+  return {kHex[c >> 4], kHex[c & 0xF]};
+}
+
+// Shows text with control, invisible and non-ASCII bytes as \xNN, so that an error message shows them.
+std::string visible(const std::string& text) {
+  std::string out;
+  for (const unsigned char c : text) {
+    if (invisible(c)) out += "\\x" + hex_byte(c);
+    else out += static_cast<char>(c);
+  }
+  return out;
+}
+
+// NOTE [Config file sections]
+// Keys may sit at top level (before any section header) or under one `[amp]` header, which lets a
+// file shared with other tools say whose keys these are. Top level takes amp's keys and, with
+// parse_command_line, the program's own; [amp] takes amp's keys only. Any other section is refused
+// rather than skipped: a key there would otherwise be silently ignored.
 void parse_ini(std::istream& in, const std::string& path, KeySet& keys) {
   std::map<std::string, int> seen;
+  int amp_section_line = 0;  // the line of the [amp] header; 0 while at top level
   std::string line;
-  for (int number = 1; std::getline(in, line); ++number) {
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
     const std::string where = "amp config: " + path + ":" + std::to_string(number) + ": ";
+    // Editors on Windows start UTF-8 files with a byte order mark; it is not part of the first key.
+    if (number == 1 && line.compare(0, 3, kUtf8Bom) == 0) line.erase(0, 3);
     const std::string text = trim(line.substr(0, line.find('#')));
     if (text.empty()) continue;
+    if (text.front() == '[') {
+      if (text.back() != ']') {
+        throw std::invalid_argument(where + "expected a section header such as '[amp]', got '" + visible(text) + "'");
+      }
+      const std::string section = trim(text.substr(1, text.size() - 2));
+      if (section != "amp") {
+        throw std::invalid_argument(where + "unknown section [" + visible(section) +
+                                    "]: amp reads its keys at top level (before any section) or under [amp].");
+      }
+      if (amp_section_line != 0) {
+        throw std::invalid_argument(where + "section [amp] appears twice (first on line " +
+                                    std::to_string(amp_section_line) + "). Keep one [amp] header.");
+      }
+      amp_section_line = number;
+      continue;
+    }
     const auto eq = text.find('=');
     if (eq == std::string::npos) {
-      throw std::invalid_argument(where + "expected 'key = value', got '" + text + "'");
+      throw std::invalid_argument(where + "expected 'key = value', got '" + visible(text) + "'");
     }
     const std::string key = trim(text.substr(0, eq));
     const std::string value = trim(text.substr(eq + 1));
+    for (size_t i = 0; i < key.size(); ++i) {
+      if (invisible(static_cast<unsigned char>(key[i]))) {
+        throw std::invalid_argument(where + "the key '" + visible(key) +
+                                    "' contains a control, invisible or non-ASCII character (byte 0x" +
+                                    hex_byte(static_cast<unsigned char>(key[i])) + " at position " + std::to_string(i + 1) +
+                                    "). Keys are plain ASCII, such as opt_level: retype the key.");
+      }
+    }
     if (!keys.knows(key)) {
       throw std::invalid_argument(where + "unknown key '" + key + "'" + keys.suggestion(key, /*as_flag=*/false));
+    }
+    if (amp_section_line != 0 && !KeySet::is_amp_key(key)) {
+      throw std::invalid_argument(where + "'" + key + "' is the program's key, not amp's: [amp] (line " +
+                                  std::to_string(amp_section_line) +
+                                  ") holds amp's keys only. Move it above the [amp] header, to top level.");
     }
     if (const auto it = seen.find(key); it != seen.end()) {
       throw std::invalid_argument(where + "duplicate key '" + key + "' (value '" + value + "'), already set on line " +
@@ -187,11 +273,29 @@ void parse_ini(std::istream& in, const std::string& path, KeySet& keys) {
       throw std::invalid_argument(where + "bad value '" + value + "' for key '" + key + "': " + e.what());
     }
   }
+  if (in.bad()) {
+    throw std::invalid_argument("amp config: cannot read config file '" + path + "': reading failed after line " +
+                                std::to_string(number) + ". Give a readable INI file.");
+  }
 }
 
 void load_file(const std::string& path, KeySet& keys) {
+  std::error_code ignored;
+  const auto status = std::filesystem::status(path, ignored);
+  // An ifstream opens a directory and then reads nothing from it: without this check a directory
+  // would pass as an empty config file.
+  if (std::filesystem::is_directory(status)) {
+    throw std::invalid_argument("amp config: '" + path +
+                                "' is a directory, not a config file. Give the path of an INI file of `key = value` lines.");
+  }
+  errno = 0;
   std::ifstream in(path);
   if (!in) {
+    const int error = errno;
+    if (std::filesystem::exists(status)) {
+      throw std::invalid_argument("amp config: cannot read config file '" + path + "': " +
+                                  (error != 0 ? std::generic_category().message(error) : "it cannot be opened") + ".");
+    }
     throw std::invalid_argument("amp config: cannot open config file '" + path +
                                 "'. Check the path (relative paths start from the working directory).");
   }
@@ -219,9 +323,57 @@ po::options_description describe(const ProgramFlags* program) {
   return all;
 }
 
+// NOTE [Never format a Boost error]
+// Boost.Program_options builds its messages by replacing placeholders (%canonical_option%,
+// %original_token%, %option%, %value%, %prefix%) with the user's tokens, repeatedly, until none is
+// left: a token that contains a placeholder (`--%original_token%=`) sends what() into an endless loop.
+// So amp never calls what() on a Boost error. Flag names are checked here before Boost sees them,
+// and the errors Boost still raises are described from their accessors (kind, get_option_name()),
+// which copy strings without substituting anything.
+
+// Refuses a `--name` or `--name=value` token whose name is not a declared flag, skipping the token
+// after a flag that takes a separate value (Boost reads that token as the value, whatever it looks like).
+void check_flag_names(int argc, const char* const argv[], const KeySet& keys) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string token = argv[i] ? argv[i] : "";
+    if (token == "--") return;  // what follows is positional, refused after parsing
+    if (token.compare(0, 2, "--") != 0) continue;
+    const auto eq = token.find('=');
+    const std::string name = token.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    bool takes_value = false;
+    if (name.empty() || !keys.knows_flag(name, takes_value)) {
+      const std::string flag = name.empty() ? token : token.substr(0, eq);
+      throw std::invalid_argument("amp: unknown command-line flag '" + flag + "'" + keys.suggestion(name, /*as_flag=*/true));
+    }
+    if (takes_value && eq == std::string::npos) ++i;
+  }
+}
+
+[[noreturn]] void throw_bad_command_line(const po::error& e) {
+  const std::string usage = ". Flags take a value: --opt-level O2 --keep-batchnorm-fp32 false.";
+  if (const auto* syntax = dynamic_cast<const po::invalid_command_line_syntax*>(&e)) {
+    const std::string flag = syntax->get_option_name();
+    switch (syntax->kind()) {
+      case po::invalid_syntax::missing_parameter:
+        throw std::invalid_argument("amp: bad command line: the flag '" + flag + "' needs a value" + usage);
+      case po::invalid_syntax::empty_adjacent_parameter:
+        throw std::invalid_argument("amp: bad command line: the flag '" + flag + "' has no value after '='" + usage);
+      case po::invalid_syntax::extra_parameter:
+        throw std::invalid_argument("amp: bad command line: the flag '" + flag + "' takes no value.");
+      default:
+        throw std::invalid_argument("amp: bad command line: cannot read the flag '" + flag + "'" + usage);
+    }
+  }
+  if (const auto* named = dynamic_cast<const po::error_with_option_name*>(&e)) {
+    throw std::invalid_argument("amp: bad command line: cannot read the flag '" + named->get_option_name() + "'" + usage);
+  }
+  throw std::invalid_argument("amp: bad command line: it cannot be parsed" + usage);
+}
+
 // Returns false when --help was asked for (help text in `help`).
 bool parse(int argc, const char* const argv[], KeySet& keys, const ProgramFlags* program, std::string& help) {
   const po::options_description description = describe(program);
+  check_flag_names(argc, argv, keys);
   po::variables_map vm;
   po::parsed_options parsed(&description);
   try {
@@ -237,8 +389,7 @@ bool parse(int argc, const char* const argv[], KeySet& keys, const ProgramFlags*
   } catch (const po::multiple_occurrences& e) {
     throw std::invalid_argument("amp: the flag '" + e.get_option_name() + "' is given twice; give it once.");
   } catch (const po::error& e) {
-    throw std::invalid_argument(std::string("amp: bad command line: ") + e.what() +
-                                ". Flags take a value: --opt-level O2 --keep-batchnorm-fp32 false.");
+    throw_bad_command_line(e);  // never e.what(): see NOTE [Never format a Boost error]
   }
   for (const auto& option : parsed.options) {
     if (option.position_key != -1 || option.string_key.empty()) {

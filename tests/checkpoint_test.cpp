@@ -158,3 +158,65 @@ TEST(CheckpointTest, RefusesCheckpointsThatDoNotMatch) {
   auto [m3, target] = make(base);
   ASSERT_THROWS_WITH(torch::load(target, c3), "the checkpoint has no amp state");
 }
+
+// Issue: with min_loss_scale above 2^16 the scaler started below its minimum and resuming threw.
+TEST(CheckpointTest, MinLossScaleAboveTheDefaultInitialScaleResumes) {
+  const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).min_loss_scale(1e6)
+                           .max_loss_scale(1e7).verbosity(0);
+  amp_test::Mlp net, fresh_net;
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options);
+  EXPECT_EQ(amp::loss_scale(optimizer), 1e6);
+  std::stringstream checkpoint;
+  torch::save(optimizer, checkpoint);
+  auto [fresh_model, fresh_optimizer] = amp::initialize(fresh_net, torch::optim::SGD(fresh_net->parameters(), 0.1), options);
+  EXPECT_NO_THROW(torch::load(fresh_optimizer, checkpoint));
+  EXPECT_EQ(amp::loss_scale(fresh_optimizer), 1e6);
+}
+
+// The loss-scaler settings travel in the checkpoint: the hysteresis countdown resumes where it was, and
+// resuming with other settings is refused rather than silently changing the schedule.
+TEST(CheckpointTest, LossScalerSettingsAndHysteresisStateRoundTrip) {
+  const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).hysteresis(3).verbosity(0);
+  amp_test::Mlp net;
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options);
+  optimizer.zero_grad();
+  {
+    auto scaled = amp::scale_loss(model(torch::randn({2, 8}) * INFINITY).sum(), optimizer);
+    scaled.backward();
+  }
+  optimizer.step();  // skipped, scale kept (1 of 3)
+  EXPECT_EQ(amp::loss_scale(optimizer), 65536.0);
+  EXPECT_EQ(optimizer.loss_scaler().hysteresis_left(), 2);
+  std::stringstream checkpoint;
+  torch::save(optimizer, checkpoint);
+  const std::string bytes = checkpoint.str();
+
+  amp_test::Mlp fresh_net;
+  auto [fresh_model, fresh_optimizer] = amp::initialize(fresh_net, torch::optim::SGD(fresh_net->parameters(), 0.1), options);
+  std::stringstream c1(bytes);
+  torch::load(fresh_optimizer, c1);
+  EXPECT_EQ(fresh_optimizer.loss_scaler().hysteresis_left(), 2);
+
+  amp_test::Mlp other_net;
+  auto [other_model, other_optimizer] =
+      amp::initialize(other_net, torch::optim::SGD(other_net->parameters(), 0.1), amp::Options(options).hysteresis(2));
+  std::stringstream c2(bytes);
+  ASSERT_THROWS_WITH(torch::load(other_optimizer, c2), "the checkpoint was saved with hysteresis = 3.0, this optimizer has "
+                                                       "hysteresis = 2.0. Resume with the loss-scaler settings");
+}
+
+// A checkpoint taken after loading new weights into an O2 model holds those weights, not the old masters.
+TEST(CheckpointTest, SavingAfterLoadingWeightsSavesTheLoadedWeights) {
+  const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  amp_test::Mlp net, fresh_net;
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters()) p.fill_(0.25);
+  }
+  std::stringstream checkpoint;
+  torch::save(optimizer, checkpoint);
+  auto [fresh_model, fresh_optimizer] = amp::initialize(fresh_net, torch::optim::SGD(fresh_net->parameters(), 0.1), options);
+  torch::load(fresh_optimizer, checkpoint);
+  for (const auto& p : fresh_net->parameters()) EXPECT_TRUE(torch::all(p == 0.25).item<bool>());
+}

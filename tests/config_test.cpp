@@ -1,7 +1,14 @@
 // amp/config.h: INI files and flags, with Apex's keyword names; every bad input names the key,
 // the value, and the file and line.
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <memory>
+#include <thread>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "amp/config.h"
 #include "support.h"
@@ -158,4 +165,164 @@ TEST(ConfigTest, PositionalArgumentsAndBareDashesAreRefused) {
   ASSERT_THROWS_WITH(parse({"--", "--loss-scale", "128"}), "unexpected command-line argument");
   ASSERT_THROWS_WITH(parse({"O2"}), "unexpected command-line argument 'O2'");
   ASSERT_THROWS_WITH(parse({"--opt-level", "O2", "extra"}), "unexpected command-line argument 'extra'");
+}
+
+TEST(ConfigTest, DirectoryOrUnreadableConfigFileIsRefused) {
+  // An ifstream "opens" a directory and reads nothing: this used to return the defaults.
+  const auto dir = std::filesystem::temp_directory_path() / "amp_config_test_dir";
+  std::filesystem::create_directories(dir);
+  ASSERT_THROWS_WITH(amp::load_options(dir.string()),
+                     "amp config: '" + dir.string() +
+                         "' is a directory, not a config file. Give the path of an INI file of `key = value` lines.");
+  ASSERT_THROWS_WITH(parse({"--config", dir.string()}), "'" + dir.string() + "' is a directory, not a config file");
+  // A file that opens but whose reads fail (EIO at address 0) also used to pass as empty.
+  if (std::filesystem::exists("/proc/self/mem")) {
+    ASSERT_THROWS_WITH(amp::load_options("/proc/self/mem"),
+                       "amp config: cannot read config file '/proc/self/mem': reading failed after line 0. "
+                       "Give a readable INI file.");
+  }
+  // A file without read permission (root reads everything, so only checked as another user).
+  const auto locked = write_config("locked", "opt_level = O2\n");
+  ::chmod(locked.c_str(), 0);
+  if (::geteuid() != 0) {
+    ASSERT_THROWS_WITH(amp::load_options(locked), "amp config: cannot read config file '" + locked + "': Permission denied.");
+  }
+  ::chmod(locked.c_str(), 0644);
+}
+
+TEST(ConfigTest, AmpSectionHeaderAndOtherSections) {
+  const auto path = write_config("section", "verbosity = 0   # top level works as before\n\n[amp]  # amp's keys\n"
+                                            "opt_level = O2\n[ amp ]\n");
+  ASSERT_THROWS_WITH(amp::load_options(path), path + ":5: section [amp] appears twice (first on line 3). Keep one [amp] header.");
+  const auto p = amp::load_options(write_config("section_ok", "verbosity = 0\n[amp]\nopt_level = O2\nloss_scale = 64\n")).resolve();
+  EXPECT_EQ(p.opt_level, amp::OptLevel::O2);
+  EXPECT_EQ(p.verbosity, 0);
+  EXPECT_EQ(p.loss_scale, amp::LossScale::fixed(64.0));
+  const auto other = write_config("section_other", "opt_level = O2\n[training]\nepochs = 3\n");
+  ASSERT_THROWS_WITH(amp::load_options(other),
+                     "amp config: " + other +
+                         ":2: unknown section [training]: amp reads its keys at top level (before any section) or under [amp].");
+  ASSERT_THROWS_WITH(amp::load_options(write_config("section_open", "[amp\nopt_level = O2\n")),
+                     ":1: expected a section header such as '[amp]', got '[amp'");
+  // Keys still count once across top level and [amp].
+  ASSERT_THROWS_WITH(amp::load_options(write_config("section_dup", "opt_level = O1\n[amp]\nopt_level = O2\n")),
+                     ":3: duplicate key 'opt_level' (value 'O2'), already set on line 1");
+
+  // With a program's flags: its keys at top level, amp's at top level or under [amp].
+  int epochs = 1;
+  amp::ProgramFlags flags;
+  flags.add("epochs", &epochs, "passes");
+  const auto shared = write_config("section_program", "epochs = 4\n[amp]\nopt_level = O3\n");
+  std::vector<const char*> argv = {"train", "--config", shared.c_str()};
+  std::ostringstream help;
+  const auto options = amp::parse_command_line(3, argv.data(), flags, help);
+  ASSERT_TRUE(options.has_value());
+  EXPECT_EQ(options->opt_level(), amp::OptLevel::O3);
+  EXPECT_EQ(epochs, 4);
+  const auto misplaced = write_config("section_program_bad", "[amp]\nopt_level = O3\nepochs = 4\n");
+  argv[2] = misplaced.c_str();
+  ASSERT_THROWS_WITH(amp::parse_command_line(3, argv.data(), flags, help),
+                     misplaced + ":3: 'epochs' is the program's key, not amp's: [amp] (line 1) holds amp's keys only. "
+                                 "Move it above the [amp] header, to top level.");
+}
+
+TEST(ConfigTest, ByteOrderMarkIsSkippedAndInvisibleCharactersInKeysAreRefused) {
+  const auto bom = write_config("bom", "\xEF\xBB\xBFopt_level = O3\nverbosity = 0\n");
+  EXPECT_EQ(amp::load_options(bom).resolve().opt_level, amp::OptLevel::O3);
+  EXPECT_EQ(amp::load_options(write_config("bom_section", "\xEF\xBB\xBF[amp]\nopt_level = O2\n")).resolve().opt_level,
+            amp::OptLevel::O2);
+  // A zero-width space pasted into a key, a BOM that is not at the start, a control character.
+  const auto zwsp = write_config("zwsp", "opt_level = O2\nloss\xE2\x80\x8B_scale = 128\n");
+  ASSERT_THROWS_WITH(amp::load_options(zwsp),
+                     "amp config: " + zwsp +
+                         ":2: the key 'loss\\xE2\\x80\\x8B_scale' contains a control, invisible or non-ASCII character "
+                         "(byte 0xE2 at position 5). Keys are plain ASCII, such as opt_level: retype the key.");
+  ASSERT_THROWS_WITH(amp::load_options(write_config("bom_late", "verbosity = 0\n\xEF\xBB\xBFopt_level = O2\n")),
+                     ":2: the key '\\xEF\\xBB\\xBFopt_level' contains a control, invisible or non-ASCII character (byte 0xEF at position 1)");
+  ASSERT_THROWS_WITH(amp::load_options(write_config("control", "opt\x01level = O2\n")),
+                     ":1: the key 'opt\\x01level' contains a control, invisible or non-ASCII character (byte 0x01 at position 4)");
+}
+
+TEST(ConfigTest, LossScalerKeysAndFlags) {
+  const auto path = write_config("scaler", "opt_level = O2\ninit_scale = 1024\ngrowth_factor = 4\nbackoff_factor = 0.25\n"
+                                           "growth_interval = 100\nhysteresis = 3\n");
+  const auto p = amp::load_options(path).resolve();
+  EXPECT_EQ(p.init_scale, 1024.0);
+  EXPECT_EQ(p.growth_factor, 4.0);
+  EXPECT_EQ(p.backoff_factor, 0.25);
+  EXPECT_EQ(p.growth_interval, 100);
+  EXPECT_EQ(p.hysteresis, 3);
+  const auto f = parse({"--config", path, "--init-scale", "256", "--growth-factor=1.5", "--backoff-factor", "0.75",
+                        "--growth-interval", "10", "--hysteresis", "2"}).resolve();
+  EXPECT_EQ(f.init_scale, 256.0);
+  EXPECT_EQ(f.growth_factor, 1.5);
+  EXPECT_EQ(f.backoff_factor, 0.75);
+  EXPECT_EQ(f.growth_interval, 10);
+  EXPECT_EQ(f.hysteresis, 2);
+  const auto defaults = parse({}).resolve();
+  EXPECT_EQ(defaults.init_scale, 65536.0);
+  EXPECT_EQ(defaults.growth_interval, 2000);
+  ASSERT_THROWS_WITH(amp::load_options(write_config("scaler_int", "growth_interval = 1e3\n")),
+                     "bad value '1e3' for key 'growth_interval': expected an integer");
+  ASSERT_THROWS_WITH(parse({"--init-scale", "big"}), "bad value 'big' for --init-scale: expected a finite number");
+  ASSERT_THROWS_WITH(parse({"--backoff-factor", "2"}).resolve(), "backoff_factor must be in (0, 1), got 2.0");
+  std::string help;
+  try {
+    parse({"--help"});
+  } catch (const amp::HelpRequested& e) {
+    help = e.what();
+  }
+  for (const char* flag : {"--init-scale", "--growth-factor", "--backoff-factor", "--growth-interval", "--hysteresis"}) {
+    EXPECT_NE(help.find(flag), std::string::npos) << flag << " missing from\n" << help;
+  }
+}
+
+namespace {
+
+// Starts parse_options on `args` on a detached thread; the future gets the error message. A parse
+// that never returns leaves its thread behind, so a hang fails the test instead of stalling the suite.
+std::future<std::string> parse_error_on_a_thread(std::vector<std::string> args) {
+  auto result = std::make_shared<std::promise<std::string>>();
+  auto message = result->get_future();
+  std::thread([args = std::move(args), result] {
+    try {
+      parse(args);
+      result->set_value("(no error)");
+    } catch (const std::invalid_argument& e) {
+      result->set_value(e.what());
+    } catch (...) {
+      result->set_value("(an exception other than std::invalid_argument)");
+    }
+  }).detach();
+  return message;
+}
+
+}  // namespace
+
+TEST(ConfigTest, BoostMessagePlaceholdersInFlagsNeitherHangNorLeak) {
+  // Boost formats its messages by replacing %placeholders% with the user's tokens until none is left:
+  // these arguments used to loop forever inside its what() (found by fuzzing).
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--%original_token%="}, "amp: unknown command-line flag '--%original_token%'. Valid flags: --config, --help, --opt-level"},
+      {{"--%canonical_option%="}, "amp: unknown command-line flag '--%canonical_option%'"},
+      {{"--%option%="}, "amp: unknown command-line flag '--%option%'"},
+      {{"---%option%="}, "amp: unknown command-line flag '---%option%'"},
+      {{"--%value%="}, "amp: unknown command-line flag '--%value%'"},
+      {{"--%prefix%="}, "amp: unknown command-line flag '--%prefix%'"},
+      {{"-%original_token%"}, "amp: unknown command-line flag '-%original_token%'"},
+      {{"--help=%original_token%"}, "amp: bad command line: the flag '--help' takes no value."},
+      {{"--opt-level="}, "amp: bad command line: the flag '--opt-level' has no value after '='. Flags take a value"},
+      {{"--opt-level"}, "amp: bad command line: the flag '--opt-level' needs a value. Flags take a value"},
+      {{"--opt-level=%original_token%"}, "bad value '%original_token%' for --opt-level"},
+  };
+  std::vector<std::future<std::string>> running;
+  for (const auto& c : cases) running.push_back(parse_error_on_a_thread(c.first));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].first.front());
+    ASSERT_EQ(running[i].wait_until(deadline), std::future_status::ready)
+        << "parse_options did not return within 20 s on '" << cases[i].first.front() << "'";
+    const std::string message = running[i].get();
+    EXPECT_NE(message.find(cases[i].second), std::string::npos) << "message: " << message;
+  }
 }

@@ -3,10 +3,22 @@
 //
 // Keys are Apex's keyword names: opt_level, enabled, cast_model_type, patch_torch_functions,
 // keep_batchnorm_fp32, master_weights, loss_scale ("dynamic" or a number), low_precision_dtype
-// ("float16" | "bfloat16"), cast_model_outputs, num_losses, min_loss_scale, max_loss_scale, verbosity.
-// Files are INI (`key = value`, `#` comments); flags use dashes (--opt-level O2 --config FILE) and
-// override the file. Unknown keys, bad values and duplicates throw std::invalid_argument naming the
-// key, the value, and the file and line.
+// ("float16" | "bfloat16"), cast_model_outputs, num_losses, min_loss_scale, max_loss_scale, verbosity,
+// and the loss scaler's init_scale, growth_factor, backoff_factor, growth_interval, hysteresis
+// (torch.amp.GradScaler's names). Flags use dashes (--opt-level O2 --init-scale 1024 --config FILE)
+// and override the file. Unknown keys, bad values and duplicates throw std::invalid_argument naming
+// the key, the value, and the file and line.
+//
+// Files are INI: `key = value` lines, `#` comments, an optional UTF-8 byte order mark. Keys sit at
+// top level or under an `[amp]` section header:
+//
+//   epochs = 10          # top level: amp's keys and the program's own (ProgramFlags)
+//   [amp]                # [amp]: amp's keys only
+//   opt_level = O2
+//   init_scale = 1024
+//
+// Any other section name throws (file:line, the section), as does a key holding a control, invisible
+// or non-ASCII character. A directory or an unreadable file throws naming the path.
 
 #include <exception>
 #include <functional>
