@@ -9,16 +9,20 @@ thread_local bool amp_casts = false;
 
 bool detail::amp_casts_active() noexcept { return amp_casts; }
 
-AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype)
+AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype) : AutocastGuard(device, dtype, true, true) {}
+
+AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled, bool cache_enabled)
     : device_(device),
       prev_enabled_(detail::autocast::is_enabled(device)),
       prev_dtype_(detail::autocast::get_dtype(device)),
-      prev_amp_casts_(amp_casts) {
+      prev_amp_casts_(amp_casts),
+      prev_cache_enabled_(detail::autocast::is_cache_enabled()) {
   detail::register_cast_kernels();
-  detail::autocast::set_dtype(device, dtype);  // throws before any state changed
-  detail::autocast::set_enabled(device, true);
+  if (enabled) detail::autocast::set_dtype(device, dtype);  // throws before any state changed
+  detail::autocast::set_enabled(device, enabled);
+  detail::autocast::set_cache_enabled(cache_enabled);
   detail::autocast::increment_nesting();
-  amp_casts = true;
+  amp_casts = enabled;
 }
 
 AutocastGuard::~AutocastGuard() {
@@ -30,6 +34,7 @@ AutocastGuard::~AutocastGuard() {
   } catch (...) {
     // prev_dtype_ was valid when read; a failure here can't leave a worse state than keeping ours.
   }
+  detail::autocast::set_cache_enabled(prev_cache_enabled_);
   amp_casts = prev_amp_casts_;
 }
 

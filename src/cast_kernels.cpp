@@ -16,10 +16,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string_view>
 
 #include "amp/autocast_guard.h"
 #include "amp/cast_policy.h"
@@ -144,9 +147,100 @@ void register_cast_kernels() {
   });
 }
 
+namespace {
+
+// User registrations (Apex's register_half_function family): their policy per operator, and the
+// dispatcher libraries that hold their kernels (one per namespace and key, alive for the process).
+std::mutex user_mutex;
+std::map<std::string, CastPolicy> user_policies;
+std::vector<std::unique_ptr<torch::Library>> user_libraries;
+std::atomic<bool> any_initialize{false};
+
+const char* policy_word(CastPolicy policy) {
+  switch (policy) {
+    case CastPolicy::LowerPrecision: return "a half function (low precision)";
+    case CastPolicy::Fp32: return "a float function (fp32)";
+    case CastPolicy::Promote: return "a promote function (widest input dtype)";
+    case CastPolicy::Banned: return "banned";
+  }
+  return "?";
+}
+
+}  // namespace
+
+void note_initialize() { any_initialize.store(true); }
+
+void register_user_function(std::string_view text, CastPolicy policy, const char* api) {
+  const std::string op_text(text);
+  TORCH_CHECK(!any_initialize.load(), "amp::", api, "('", op_text, "'): called after amp::initialize. As in Apex, "
+              "register functions before amp::initialize, at the start of the program.");
+  const auto colons = op_text.find("::");
+  TORCH_CHECK(colons != std::string::npos && colons > 0 && colons + 2 < op_text.size(), "amp::", api, ": '", op_text,
+              "' is not an operator name. Give the dispatcher's full name, namespace::name[.overload], such as "
+              "'aten::grid_sampler' or 'myops::fused_gelu'.");
+  register_cast_kernels();  // amp's table first, so conflicts with it are seen
+  const CastRule requested{op_text, policy};
+  const auto ops = covered_operators(requested);
+  TORCH_CHECK(!ops.empty(), "amp::", api, ": no operator '", op_text, "' is registered with the dispatcher (or it has "
+              "only out= and in-place overloads). Check the spelling (namespace::name[.overload], e.g. "
+              "'aten::grid_sampler'), and load the library that defines a custom op (TORCH_LIBRARY) first.");
+
+  std::map<std::string, CastPolicy> table;  // amp's own rows, by operator
+  for (const CastRule& rule : o1_cast_rules()) {
+    for (const auto& op : covered_operators(rule)) table.emplace(c10::toString(op), rule.policy);
+  }
+  std::lock_guard<std::mutex> lock(user_mutex);
+  std::vector<c10::OperatorName> to_register;
+  for (const auto& op : ops) {  // check everything first: a refused call registers nothing
+    const std::string name = c10::toString(op);
+    if (const auto it = user_policies.find(name); it != user_policies.end()) {
+      TORCH_CHECK(it->second == policy, "amp::", api, ": '", name, "' is already registered as ", policy_word(it->second),
+                  "; registering it as ", policy_word(policy), " conflicts. Register each function once.");
+      continue;
+    }
+    if (const auto it = table.find(name); it != table.end()) {
+      TORCH_CHECK(it->second == policy, "amp::", api, ": '", name, "' is in amp's O1 table as ", policy_word(it->second),
+                  " (Apex's lists, opt_levels/o1_cast_lists.cpp); registering it as ", policy_word(policy),
+                  " conflicts.");
+      continue;
+    }
+    const auto handle = c10::Dispatcher::singleton().findSchema(op);
+    TORCH_CHECK(!handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU) &&
+                    !handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA),
+                "amp::", api, ": '", name, "' already has a cast policy in LibTorch's native autocast lists; amp does "
+                "not override native policies.");
+    to_register.push_back(op);
+  }
+  const std::pair<c10::DispatchKey, c10::DeviceType> keys[] = {
+      {c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU}, {c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA}};
+  for (const auto& op : to_register) {
+    const auto colon = op.name.find("::");
+    const std::string ns = op.name.substr(0, colon);
+    const std::string op_name = op.name.substr(colon + 2) + (op.overload_name.empty() ? "" : "." + op.overload_name);
+    for (const auto& [key, device] : keys) {
+      auto library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+      library->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CastKernel>(policy, device, "")));
+      user_libraries.push_back(std::move(library));
+    }
+    user_policies.emplace(c10::toString(op), policy);
+  }
+}
+
 }  // namespace amp::detail
 
 namespace amp {
+
+void register_half_function(std::string_view op) {
+  detail::register_user_function(op, CastPolicy::LowerPrecision, "register_half_function");
+}
+
+void register_float_function(std::string_view op) {
+  detail::register_user_function(op, CastPolicy::Fp32, "register_float_function");
+}
+
+void register_promote_function(std::string_view op) {
+  detail::register_user_function(op, CastPolicy::Promote, "register_promote_function");
+}
 
 std::vector<std::string> covered_overloads(const CastRule& rule) {
   std::vector<std::string> out;

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "amp/batchnorm.h"
+#include "cpu_features.h"
 #include "master_weights.h"
 #include "model_casting.h"
 #include "opt_levels/spec.h"
@@ -202,6 +203,7 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
 }
 
 c10::DeviceType check_model(torch::nn::Module& module, const Options& options, const Properties& properties) {
+  note_initialize();
   TORCH_CHECK(!already_initialized(module),
               "amp::initialize: this model (", module.name(), ") has already been passed through amp::initialize. "
               "Call amp::initialize once per model and keep using the Model it returned.");
@@ -219,6 +221,9 @@ c10::DeviceType check_model(torch::nn::Module& module, const Options& options, c
   const c10::DeviceType device_type = device ? device->type() : c10::DeviceType::CPU;
   if (properties.enabled && properties.verbosity >= 1) print_banner(options, properties);
   probe_dtype(device_type, properties);
+  if (device_type == c10::DeviceType::CPU && uses_low_precision(properties) && properties.verbosity >= 1) {
+    if (auto notice = slow_dtype_notice(properties.low_precision_dtype, cpu_features())) std::cout << *notice << std::endl;
+  }
   probe_layers(module, device_type, properties);
   probe_recurrent_layers(module, device_type, properties);
   return device_type;

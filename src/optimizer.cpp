@@ -8,6 +8,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
 
+#include <algorithm>
 #include <iostream>
 #include <sstream>
 #include <type_traits>
@@ -55,6 +56,15 @@ std::optional<double> denominator_eps(const torch::optim::OptimizerOptions& opti
   if (auto* o = dynamic_cast<const torch::optim::RMSpropOptions*>(&options)) return o->eps();
   if (auto* o = dynamic_cast<const torch::optim::AdagradOptions*>(&options)) return o->eps();
   return std::nullopt;
+}
+
+// "a, b, c and 4 more": the first few names of a list.
+std::string describe_parameters(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 3;
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > kShown) out += " and " + std::to_string(names.size() - kShown) + " more";
+  return out;
 }
 
 // The loss-scaler hyperparameters a checkpoint records and a resume must match, as doubles (init_scale
@@ -317,7 +327,9 @@ bool OptimizerBase::begin_step() {
   if (skip_next_step_) {
     if (properties_.verbosity >= 1) {
       std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
-                << detail::format_float(loss_scaler(skip_loss_id_).loss_scale()) << std::endl;
+              << detail::format_float(loss_scaler(skip_loss_id_).loss_scale());
+    if (last_overflow_ && !last_overflow_->parameters.empty()) std::cout << " (non-finite gradients: " << describe_parameters(last_overflow_->parameters) << ")";
+    std::cout << std::endl;
     }
     // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
     zero_all_grads(/*set_to_none=*/true);
@@ -409,6 +421,30 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_sc
   }
   stash_.clear();
   scaled_grads_loss_id_.reset();
+}
+
+void OptimizerBase::record_overflow(int loss_id, double loss_scale) {
+  // Only overflowing backward passes get here, so a host read per gradient is affordable.
+  std::unordered_map<const c10::TensorImpl*, size_t> model_order;
+  for (const auto& weak : modules_) {
+    if (const auto module = weak.lock()) {
+      for (const auto& p : module->parameters()) model_order.emplace(p.unsafeGetTensorImpl(), model_order.size());
+    }
+  }
+  std::vector<std::pair<size_t, std::string>> bad;
+  auto check = [&](const at::Tensor& model_param, const at::Tensor& grad, const std::string& name) {
+    if (!grad.defined() || at::isfinite(grad).all().item<bool>()) return;
+    const auto it = model_order.find(model_param.unsafeGetTensorImpl());
+    bad.emplace_back(it == model_order.end() ? model_order.size() : it->second, name);
+  };
+  for (size_t i = 0; i < masters_->size(); ++i) check(masters_->model()[i], masters_->master()[i].grad(), masters_->name(i));
+  for (size_t i = 0; i < direct_params_.size(); ++i) check(direct_params_[i], direct_params_[i].grad(), direct_names_[i]);
+  std::sort(bad.begin(), bad.end());
+  OverflowReport report;
+  report.loss_id = loss_id;
+  report.loss_scale = loss_scale;
+  for (auto& [order, name] : bad) report.parameters.push_back(std::move(name));
+  last_overflow_ = std::move(report);
 }
 
 void OptimizerBase::finish_backward(int loss_id, bool skip) {

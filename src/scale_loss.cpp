@@ -1,8 +1,10 @@
 #include "amp/scale_loss.h"
 
 #include <algorithm>
+#include <iostream>
 
 #include "amp/autocast_guard.h"
+#include "format.h"
 #include "multi_tensor.h"
 #include "scaled_grads.h"
 
@@ -75,9 +77,36 @@ void ScaledLoss::backward() {
   for (auto* o : optimizers_) o->unscale_grads(loss_id, delay, 1.0 / scale_, found_inf);
   if (delay) return;
   overflow_ = found_inf.any();  // the backward's one host sync
+  if (overflow_) {
+    for (auto* o : optimizers_) o->record_overflow(loss_id, scale_);
+  }
   // One scale update per backward, whatever the number of optimizers (they share the scaler).
-  const bool skip = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)].update_scale(overflow_);
+  LossScaler& scaler = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)];
+  const bool skip = scaler.update_scale(overflow_);
   for (auto* o : optimizers_) o->finish_backward(loss_id, skip);
+  if (overflow_ && scaler.dynamic() && scale_ <= scaler.min_loss_scale()) warn_overflow_at_minimum();
+}
+
+// The scale can't fall any further and the gradients still overflow: the inf/NaN does not come from
+// scaling. Said once per optimizer and loss, at verbosity >= 1.
+void ScaledLoss::warn_overflow_at_minimum() const {
+  OptimizerBase& first = *optimizers_[0];
+  const auto loss_id = static_cast<size_t>(options_.loss_id());
+  if (first.properties().verbosity < 1) return;
+  auto& warned = first.warned_at_min_scale_;
+  if (warned.size() <= loss_id) warned.resize(loss_id + 1, false);
+  if (warned[loss_id]) return;
+  warned[loss_id] = true;
+  std::string names;
+  if (first.last_overflow() && !first.last_overflow()->parameters.empty()) {
+    for (const auto& n : first.last_overflow()->parameters) names += (names.empty() ? "" : ", ") + n;
+  }
+  std::cout << "amp: loss scaler " << loss_id << " is at its minimum (" << detail::format_float(scale_)
+            << ") and the gradients still hold inf/NaN" << (names.empty() ? "" : " (in " + names + ")")
+            << ". Lowering the scale can't fix this: look for a NaN or inf produced in the forward or the loss "
+               "(bad inputs, log of 0, division by 0), a diverging learning rate, or an op that overflows in low "
+               "precision (amp::register_float_function). Steps stay skipped until the gradients are finite."
+            << std::endl;
 }
 
 bool ScaledLoss::overflow() const {
@@ -96,5 +125,7 @@ ScaledLoss scale_loss(const at::Tensor& loss, std::vector<OptimizerBase*> optimi
 double loss_scale(const OptimizerBase& optimizer, int loss_id) { return optimizer.loss_scaler(loss_id).loss_scale(); }
 
 std::vector<at::Tensor> master_params(OptimizerBase& optimizer) { return optimizer.master_params(); }
+
+std::optional<OverflowReport> last_overflow(const OptimizerBase& optimizer) { return optimizer.last_overflow(); }
 
 }  // namespace amp

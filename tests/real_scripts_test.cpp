@@ -368,8 +368,9 @@ TEST(RealScriptsTest, AdagradAtO0IsBitwisePlainLibTorch) {
 
 TEST(RealScriptsTest, SeparatelyInitializedOptimizersCannotShareALoss) {
   BackboneHead a, b;
-  auto [model_a, opt_a] = amp::initialize(a, torch::optim::SGD(a->parameters(), 0.1), amp::Options("O2").verbosity(0));
-  auto [model_b, opt_b] = amp::initialize(b, torch::optim::SGD(b->parameters(), 0.1), amp::Options("O2").verbosity(0));
+  const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto [model_a, opt_a] = amp::initialize(a, torch::optim::SGD(a->parameters(), 0.1), options);
+  auto [model_b, opt_b] = amp::initialize(b, torch::optim::SGD(b->parameters(), 0.1), options);
   auto x = torch::randn({4, 8});
   auto loss = model_a(x).sum() + model_b(x).sum();
   ASSERT_THROWS_WITH(amp::scale_loss(loss, {&opt_a, &opt_b}), "optimizer 1 was initialized separately from optimizer 0");
@@ -383,7 +384,7 @@ TEST(RealScriptsTest, OneParameterInTwoOptimizersWithMastersIsRefused) {
   torch::optim::SGD all(net->parameters(), 0.1);
   torch::optim::SGD head(params_of(*net->head), 0.1);
   ASSERT_THROWS_WITH(amp::initialize(std::tuple(net), std::tuple(std::move(all), std::move(head)),
-                                     amp::Options("O2").verbosity(0)),
+                                     amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                      "parameter 'head.weight' is already stepped by another amp::Optimizer with fp32 master weights");
 }
 

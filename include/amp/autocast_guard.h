@@ -18,6 +18,15 @@ namespace amp {
 class AutocastGuard {
  public:
   AutocastGuard(c10::DeviceType device, c10::ScalarType dtype);
+  /// torch.autocast(device, dtype, enabled, cache_enabled): `enabled` false turns autocast (and amp's
+  /// casts) off in the scope, e.g. to run a numerically sensitive part in fp32 inside an autocast region;
+  /// `cache_enabled` false stops caching casts of fp32 weights in the scope.
+  ///
+  /// Example:
+  ///   amp::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  ///   auto features = backbone(x);                                   // bf16 GEMMs
+  ///   { amp::AutocastGuard fp32(torch::kCPU, torch::kBFloat16, /*enabled=*/false); loss = head(features.to(torch::kFloat)); }
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled, bool cache_enabled = true);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
@@ -29,6 +38,7 @@ class AutocastGuard {
   bool prev_enabled_;
   c10::ScalarType prev_dtype_;
   bool prev_amp_casts_;
+  bool prev_cache_enabled_;
 };
 
 /// A RAII, thread local (!) guard that turns every per-op cast off in its scope (Apex's

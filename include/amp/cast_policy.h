@@ -2,6 +2,7 @@
 // O1's per-op cast policies: Apex's FP16_FUNCS / FP32_FUNCS / CASTS / SEQUENCE_CASTS / BANNED lists.
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace amp {
@@ -29,6 +30,20 @@ const std::vector<CastRule>& o1_cast_rules();
 
 /// Returns the operators ("aten::upsample_nearest2d.vec", ...) a row covers in this LibTorch build.
 std::vector<std::string> covered_overloads(const CastRule& rule);
+
+/// Apex's amp.register_half_function / register_float_function / register_promote_function: puts a
+/// dispatcher operator under O1's per-op casts, through the same mechanism as the built-in table. `op` is
+/// the full name, "namespace::name" (every overload that does not write into its arguments) or
+/// "namespace::name.overload", of an ATen op or the user's own TORCH_LIBRARY op. "Half" means the run's
+/// low-precision dtype (float16 or bfloat16). Call before amp::initialize (Apex's rule). Throws on an
+/// unknown name, a call after initialize, and a policy that conflicts with an earlier registration,
+/// amp's table or LibTorch's native autocast lists; registering the same policy again does nothing.
+///
+/// Example:
+///   amp::register_float_function("myops::fused_softmax");   // before amp::initialize
+void register_half_function(std::string_view op);
+void register_float_function(std::string_view op);
+void register_promote_function(std::string_view op);
 
 /// Returns "LowerPrecision", "Fp32", "Promote" or "Banned".
 const char* to_string(CastPolicy policy);

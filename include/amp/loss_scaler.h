@@ -39,6 +39,8 @@ class LossScaler {
   int64_t unskipped() const noexcept { return unskipped_; }
   /// Returns how many more overflows the scale tolerates before backing off (1: the next one backs off).
   int hysteresis_left() const noexcept { return hysteresis_left_; }
+  /// Returns the floor of the dynamic scale (min_loss_scale, at least 2^-126).
+  double min_loss_scale() const noexcept { return min_scale_; }
   /// Returns the clean backward passes in a row after which the scale grows.
   int growth_interval() const noexcept { return growth_interval_; }
 

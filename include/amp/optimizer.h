@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "amp/loss_scaler.h"
+#include "amp/overflow_report.h"
 #include "amp/properties.h"
 
 namespace amp::detail {
@@ -23,6 +24,7 @@ class FoundInf;
 namespace amp {
 
 class ScaledLoss;
+class PythonCheckpoint;
 namespace detail {
 class MasterWeights;
 }
@@ -50,6 +52,9 @@ class OptimizerBase {
   bool step_will_be_skipped() const noexcept { return skip_next_step_; }
   /// Returns how many steps were skipped after overflows.
   int64_t skipped_steps() const noexcept { return skipped_steps_; }
+  /// Returns the last backward that overflowed, with the parameters whose gradients were non-finite
+  /// (nullopt before any overflow). amp::last_overflow(optimizer) is the same.
+  const std::optional<OverflowReport>& last_overflow() const noexcept { return last_overflow_; }
   /// Copies the model's current weights into the fp32 masters. amp does this by itself after any write
   /// that bumps a tensor's version counter; call it after writes that don't (through `.data()` or raw
   /// pointers).
@@ -80,12 +85,15 @@ class OptimizerBase {
 
  private:
   friend class ScaledLoss;
+  friend class PythonCheckpoint;  // reads and writes optimizer state, masters and scalers in Python's formats
 
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.
   void prepare_backward(int loss_id);
   void unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf);
   void finish_backward(int loss_id, bool skip);
+  // On an overflowing backward only: records which of this optimizer's gradients are non-finite.
+  void record_overflow(int loss_id, double loss_scale);
   void abort_backward() noexcept;
   bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
   void check_loss_id(int loss_id) const;
@@ -119,6 +127,8 @@ class OptimizerBase {
   bool skip_next_step_ = false;
   int skip_loss_id_ = 0;
   int64_t skipped_steps_ = 0;
+  std::optional<OverflowReport> last_overflow_;
+  std::vector<bool> warned_at_min_scale_;  // per loss_id: the "still overflowing at the minimum" notice, once
 };
 
 /// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with

@@ -53,6 +53,7 @@ class [[nodiscard]] ScaledLoss {
   friend ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options);
   friend ScaledLoss scale_loss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options);
   ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options);
+  void warn_overflow_at_minimum() const;
 
   std::vector<OptimizerBase*> optimizers_;
   ScaleLossOptions options_;
@@ -85,6 +86,10 @@ class [[nodiscard]] ScaledLoss {
 
 /// Returns the current loss scale of scaler `loss_id` (Apex's _amp_state.loss_scalers[id].loss_scale()).
 double loss_scale(const OptimizerBase& optimizer, int loss_id = 0);
+
+/// Returns the last backward that overflowed for this optimizer: the loss, the scale and the parameters
+/// whose gradients were inf/NaN, in model order (nullopt before any overflow).
+std::optional<OverflowReport> last_overflow(const OptimizerBase& optimizer);
 
 /// Returns the parameters the optimizer steps (fp32 masters at O2): clip these, after backward().
 ///

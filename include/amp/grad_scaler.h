@@ -1,0 +1,119 @@
+#pragma once
+// torch.amp's front door: the C++ GradScaler that LibTorch lacks (pytorch #44710), for scripts written
+// with torch.autocast + torch.amp.GradScaler rather than Apex.
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace amp {
+
+namespace detail {
+class FoundInf;
+}
+
+/// GradScaler's constructor arguments, with torch.amp's defaults.
+struct GradScalerOptions {
+  /// The first scale (65536).
+  GradScalerOptions& init_scale(double value) { init_scale_ = value; return *this; }
+  /// The factor the scale grows by after growth_interval clean steps (2.0; > 1).
+  GradScalerOptions& growth_factor(double value) { growth_factor_ = value; return *this; }
+  /// The factor the scale shrinks by after a step with inf/NaN gradients (0.5; in (0, 1)).
+  GradScalerOptions& backoff_factor(double value) { backoff_factor_ = value; return *this; }
+  /// Clean steps in a row before the scale grows (2000).
+  GradScalerOptions& growth_interval(int value) { growth_interval_ = value; return *this; }
+  /// false makes every method a pass-through (scale returns its input, step just steps).
+  GradScalerOptions& enabled(bool value) { enabled_ = value; return *this; }
+
+  double init_scale() const noexcept { return init_scale_; }
+  double growth_factor() const noexcept { return growth_factor_; }
+  double backoff_factor() const noexcept { return backoff_factor_; }
+  int growth_interval() const noexcept { return growth_interval_; }
+  bool enabled() const noexcept { return enabled_; }
+
+ private:
+  double init_scale_ = 65536.0;
+  double growth_factor_ = 2.0;
+  double backoff_factor_ = 0.5;
+  int growth_interval_ = 2000;
+  bool enabled_ = true;
+};
+
+/// torch.amp.GradScaler with its exact semantics, defaults, state_dict keys and errors, for any
+/// torch::optim optimizer (no amp::initialize needed). Per optimizer and iteration: unscale_ at most
+/// once (optional, e.g. before clipping), step once, then update once for all optimizers. Unscaling is
+/// one fused pass per (device, dtype) and step reads its inf/NaN flag back to the host once. The scale
+/// lives on the host as a float, updated with torch's rule (`_amp_update_scale_`): no floor, growth only
+/// while the grown scale is finite.
+///
+/// Example (the AMP tutorials' loop):
+///   amp::GradScaler scaler;
+///   for (auto& batch : *loader) {
+///     optimizer.zero_grad();
+///     torch::Tensor loss;
+///     { amp::AutocastGuard autocast(torch::kCPU, torch::kBFloat16); loss = criterion(model(batch.data), batch.target); }
+///     scaler.scale(loss).backward();
+///     scaler.unscale_(optimizer);                                   // optional: clip unscaled gradients
+///     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+///     scaler.step(optimizer);                                       // skipped after inf/NaN gradients
+///     scaler.update();
+///   }
+class GradScaler {
+ public:
+  /// Throws std::invalid_argument on torch's invalid values (growth factor <= 1, backoff factor >= 1)
+  /// and on a non-positive or non-finite init_scale or a growth_interval below 1.
+  explicit GradScaler(GradScalerOptions options = {});
+  ~GradScaler();
+  GradScaler(GradScaler&&) noexcept;
+  GradScaler& operator=(GradScaler&&) noexcept;
+
+  /// Returns outputs * scale (outputs untouched when disabled).
+  torch::Tensor scale(const torch::Tensor& outputs);
+  /// Divides the optimizer's gradients by the scale in place and records inf/NaN, without a host sync.
+  /// Throws if called twice for an optimizer before update(), or after step().
+  void unscale_(torch::optim::Optimizer& optimizer);
+  /// Unscales (unless unscale_ ran), then steps the optimizer unless its gradients held inf/NaN.
+  /// Returns the optimizer's step result, or nullopt when the step was skipped.
+  std::optional<torch::Tensor> step(torch::optim::Optimizer& optimizer);
+  /// Backs the scale off if any optimizer stepped (or unscaled) this iteration saw inf/NaN, else counts a
+  /// clean step and grows the scale every growth_interval of them. `new_scale` sets the scale instead.
+  void update(std::optional<double> new_scale = std::nullopt);
+
+  /// Returns the scale (init_scale before the first scale(), 1.0 when disabled).
+  double get_scale() const;
+  double get_growth_factor() const noexcept { return growth_factor_; }
+  double get_backoff_factor() const noexcept { return backoff_factor_; }
+  int get_growth_interval() const noexcept { return growth_interval_; }
+  void set_growth_factor(double value);
+  void set_backoff_factor(double value);
+  void set_growth_interval(int value);
+  bool is_enabled() const noexcept { return enabled_; }
+
+  /// torch's keys: scale, growth_factor, backoff_factor, growth_interval, _growth_tracker (empty when disabled).
+  c10::Dict<std::string, c10::IValue> state_dict() const;
+  /// Restores state_dict(); throws on an empty dict or a missing or mistyped key, changing nothing.
+  void load_state_dict(const c10::Dict<std::string, c10::IValue>& state);
+
+ private:
+  enum class Stage { kReady, kUnscaled, kStepped };
+  struct OptimizerState;
+
+  OptimizerState& state_of(torch::optim::Optimizer& optimizer);
+
+  bool enabled_;
+  double init_scale_;
+  double growth_factor_;
+  double backoff_factor_;
+  int growth_interval_;
+  std::optional<float> scale_;  // created by the first scale(), as torch's lazily created _scale
+  int growth_tracker_ = 0;
+  std::map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerState>> per_optimizer_;
+};
+
+}  // namespace amp
