@@ -411,7 +411,7 @@ TEST(GradScalerTest, MisuseGetsTorchsErrors) {
   ASSERT_THROWS_WITH(scaler.load_state_dict(GradScaler(GradScalerOptions().enabled(false)).state_dict()),
                      "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.");
   auto state = GradScaler().state_dict();
-  state.erase("_growth_tracker");
+  (void)state.erase("_growth_tracker");
   const double before = scaler.get_scale();
   ASSERT_THROWS_WITH(scaler.load_state_dict(state), "the state dict has no '_growth_tracker'");
   EXPECT_EQ(scaler.get_scale(), before) << "a refused load changes nothing";

@@ -15,10 +15,11 @@ using amp_test::dtype_label;
 struct Case {
   const char* level;
   c10::ScalarType dtype;
+  c10::DeviceType device = torch::kCPU;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return std::string(info.param.level) + "_" + dtype_label(info.param.dtype);
+  return std::string(info.param.level) + "_" + dtype_label(info.param.dtype) + amp_test::device_suffix(info.param.device);
 }
 
 // A backbone (two Linear layers) and a head: the shape of fine-tuning scripts.
@@ -78,7 +79,16 @@ void expect_same_update(const std::vector<torch::Tensor>& before, const std::vec
 
 class RealScriptsTest : public ::testing::TestWithParam<Case> {
  protected:
-  void SetUp() override { SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype); }
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(GetParam().device);
+    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
+  }
+  torch::Device device() const { return GetParam().device; }
+  BackboneHead make_net() const {
+    BackboneHead net;
+    net->to(device());
+    return net;
+  }
   amp::Options options() const {
     return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
   }
@@ -87,9 +97,9 @@ class RealScriptsTest : public ::testing::TestWithParam<Case> {
 
 TEST_P(RealScriptsTest, OneLossTwoOptimizersMatchesReference) {
   torch::manual_seed(1);
-  BackboneHead reference, net;
+  BackboneHead reference = make_net(), net = make_net();
   copy_weights(*net, *reference);
-  auto x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
 
   torch::optim::SGD ref_backbone(params_of(*reference->backbone), torch::optim::SGDOptions(0.1));
   // eps 1: Adam's first step is then linear in the gradient, so rounding shows as rounding (with a tiny
@@ -120,14 +130,14 @@ TEST_P(RealScriptsTest, OneLossTwoOptimizersMatchesReference) {
 
 TEST_P(RealScriptsTest, StepOnGradientsOfAnotherOptimizersScaledLossThrows) {
   torch::manual_seed(2);
-  BackboneHead net;
+  BackboneHead net = make_net();
   torch::optim::SGD backbone_opt(params_of(*net->backbone), torch::optim::SGDOptions(0.1));
   torch::optim::SGD head_opt(params_of(*net->head), torch::optim::SGDOptions(0.1));
   auto [models, optimizers] =
       amp::initialize(std::tuple(net), std::tuple(std::move(backbone_opt), std::move(head_opt)), options());
   auto& [model] = models;
   auto& [ob, oh] = optimizers;
-  auto x = torch::randn({16, 8});
+  auto x = torch::randn({16, 8}, device());
   {
     auto scaled = amp::scale_loss(model(x).sum(), ob);  // forgot the head's optimizer
     scaled.backward();
@@ -156,12 +166,12 @@ TEST_P(RealScriptsTest, StepOnGradientsOfAnotherOptimizersScaledLossThrows) {
 TEST_P(RealScriptsTest, AddParamGroupAfterInitializeIsAdopted) {
   // Progressive unfreezing: train the head, then unfreeze the backbone into a new param group.
   torch::manual_seed(3);
-  BackboneHead reference, net;
+  BackboneHead reference = make_net(), net = make_net();
   copy_weights(*net, *reference);
   for (auto* m : {&reference, &net}) {
     for (auto& p : (*m)->backbone->parameters()) p.set_requires_grad(false);
   }
-  auto x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
 
   torch::optim::SGD ref_opt(params_of(*reference->head), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto [model, optimizer] = amp::initialize(
@@ -208,9 +218,9 @@ TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
   // Apex's documented order: initialize, then load. A checkpoint of the amp model itself (same dtypes).
   const std::string path = ::testing::TempDir() + "amp_model_ckpt_" + GetParam().level + dtype_label(GetParam().dtype) + ".pt";
   torch::manual_seed(4);
-  auto x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
   {
-    BackboneHead net;
+    BackboneHead net = make_net();
     auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options());
     for (int i = 0; i < 3; ++i) {
       optimizer.zero_grad();
@@ -220,10 +230,10 @@ TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
     }
     torch::save(net, path);
   }
-  BackboneHead fresh;
+  BackboneHead fresh = make_net();
   auto [model, optimizer] = amp::initialize(fresh, torch::optim::SGD(fresh->parameters(), 0.0), options());
   torch::load(fresh, path);
-  BackboneHead saved;
+  BackboneHead saved = make_net();
   amp::initialize(saved, options());
   torch::load(saved, path);
   // lr = 0: the step must leave the loaded weights exactly as loaded (it used to write the old masters back).
@@ -241,7 +251,7 @@ TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
 
 TEST_P(RealScriptsTest, InPlaceEditAfterInitializeIsKept) {
   torch::manual_seed(5);
-  BackboneHead net;
+  BackboneHead net = make_net();
   auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.0), options());
   {
     torch::NoGradGuard no_grad;
@@ -249,7 +259,7 @@ TEST_P(RealScriptsTest, InPlaceEditAfterInitializeIsKept) {
     net->backbone->parameters()[0].zero_();
   }
   const auto edited = snapshot(net->parameters());
-  auto x = torch::randn({16, 8});
+  auto x = torch::randn({16, 8}, device());
   optimizer.zero_grad();
   {
     auto scaled = amp::scale_loss(model(x).pow(2).mean(), optimizer);
@@ -263,18 +273,18 @@ TEST_P(RealScriptsTest, InPlaceEditAfterInitializeIsKept) {
 TEST_P(RealScriptsTest, Fp32PretrainedWeightsLoadIntoCastModel) {
   const std::string path = ::testing::TempDir() + "amp_pretrained_" + GetParam().level + dtype_label(GetParam().dtype) + ".pt";
   torch::manual_seed(6);
-  BackboneHead pretrained;
+  BackboneHead pretrained = make_net();
   torch::save(pretrained, path);
-  auto x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
 
-  BackboneHead reference;
+  BackboneHead reference = make_net();
   copy_weights(*reference, *pretrained);
   torch::optim::SGD ref_opt(reference->parameters(), 0.1);
   const auto ref_before = snapshot(reference->parameters());
   torch::nn::functional::cross_entropy(reference->forward(x), y).backward();
   ref_opt.step();
 
-  BackboneHead net;
+  BackboneHead net = make_net();
   auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options());
   amp::load_weights(*net, path);
   if (std::string(GetParam().level) == "O2") {  // the masters hold the fp32 checkpoint exactly
@@ -297,27 +307,27 @@ TEST_P(RealScriptsTest, TorchLoadOfFp32WeightsIntoCastModelFailsLoudly) {
   if (std::string(GetParam().level) == "O1") GTEST_SKIP() << "O1 keeps the model fp32: torch::load is right there";
   const std::string path = ::testing::TempDir() + "amp_fp32_" + GetParam().level + dtype_label(GetParam().dtype) + ".pt";
   torch::manual_seed(7);
-  BackboneHead pretrained, net;
+  BackboneHead pretrained = make_net(), net = make_net();
   torch::save(pretrained, path);
   auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options());
   torch::load(net, path);  // reinterprets the fp32 bytes
-  ASSERT_THROWS_WITH(model(torch::randn({4, 8})), "holds the bytes of 128 float32 values");
-  ASSERT_THROWS_WITH(model(torch::randn({4, 8})), "amp::load_weights(*model, path)");
+  ASSERT_THROWS_WITH(model(torch::randn({4, 8}, device())), "holds the bytes of 128 float32 values");
+  ASSERT_THROWS_WITH(model(torch::randn({4, 8}, device())), "amp::load_weights(*model, path)");
   ASSERT_THROWS_WITH(optimizer.step(), "an fp32 tensor was loaded into it with torch::load");
   amp::load_weights(*net, path);  // the right way repairs it
-  EXPECT_NO_THROW(model(torch::randn({4, 8})));
+  EXPECT_NO_THROW(model(torch::randn({4, 8}, device())));
   std::remove(path.c_str());
 }
 
 TEST_P(RealScriptsTest, AdagradMatchesReference) {
   // LibTorch's Adagrad builds its state in its constructor; at O3 that state follows the parameters' cast.
   torch::manual_seed(8);
-  BackboneHead reference, net;
+  BackboneHead reference = make_net(), net = make_net();
   copy_weights(*net, *reference);
-  auto x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
   if (GetParam().dtype == torch::kHalf && std::string(GetParam().level) == "O3") {
     // Adagrad's default eps (1e-10) is 0 in float16 without masters: refused with the reason.
-    BackboneHead other;
+    BackboneHead other = make_net();
     ASSERT_THROWS_WITH(amp::initialize(other, torch::optim::Adagrad(other->parameters(), 0.05), options()),
                        "eps=1e-10 rounds to 0");
   }
@@ -339,11 +349,17 @@ TEST_P(RealScriptsTest, AdagradMatchesReference) {
                      GetParam().dtype, "Adagrad");
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, RealScriptsTest,
-                         ::testing::Values(Case{"O1", torch::kBFloat16}, Case{"O1", torch::kHalf},
-                                           Case{"O2", torch::kBFloat16}, Case{"O2", torch::kHalf},
-                                           Case{"O3", torch::kBFloat16}, Case{"O3", torch::kHalf}),
-                         case_name);
+std::vector<Case> all_cases() {
+  std::vector<Case> out;
+  for (const auto device : amp_test::test_devices()) {
+    for (const char* level : {"O1", "O2", "O3"}) {
+      for (const auto dtype : amp_test::low_precision_dtypes()) out.push_back({level, dtype, device});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, RealScriptsTest, ::testing::ValuesIn(all_cases()), case_name);
 
 TEST(RealScriptsTest, AdagradAtO0IsBitwisePlainLibTorch) {
   torch::manual_seed(9);

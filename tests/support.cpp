@@ -49,4 +49,6 @@ std::pair<torch::Tensor, torch::Tensor> quadrant_images(int64_t n, uint64_t seed
   return {images, labels};
 }
 
+bool built_with_cuda() { return at::hasCUDA(); }
+
 }  // namespace amp_test

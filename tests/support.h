@@ -28,7 +28,23 @@
                    << c10::toString(dtype) << " (fp16 CPU kernels arrived in LibTorch 2.x)";        \
   } while (0)
 
+/// Skips the test where `device` is CUDA and this machine has none (the same test runs on a GPU
+/// machine: scripts/gpu-check.sh).
+#define SKIP_WITHOUT_DEVICE(device)                                                                  \
+  do {                                                                                               \
+    if ((device) == torch::kCUDA && !torch::cuda::is_available())                                    \
+      GTEST_SKIP() << "no CUDA device here (torch::cuda::is_available() is false; "                  \
+                   << (amp_test::built_with_cuda() ? "CUDA build" : "CPU-only build")               \
+                   << "): the CUDA variant runs on a GPU machine, see scripts/gpu-check.sh";        \
+  } while (0)
+
 namespace amp_test {
+
+/// The devices behavioural tests are parametrized over: the CPU and CUDA (skipped where absent).
+inline std::vector<c10::DeviceType> test_devices() { return {torch::kCPU, torch::kCUDA}; }
+inline std::string device_suffix(c10::DeviceType d) { return d == torch::kCUDA ? "_cuda" : ""; }
+/// Returns whether this LibTorch was built with CUDA (the `cuda` build flavor), GPU or not.
+bool built_with_cuda();
 
 std::string message(const std::exception& e);
 
