@@ -23,4 +23,10 @@ if ! python3 -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("
   echo "setup: installing torch==2.13.0 (CPU wheel; its bundled LibTorch is what amp builds against)"
   python3 -m pip install --quiet torch==2.13.0
 fi
+# Python's tensorboard reads back the event files amp::SummaryWriter writes (tests/tensorboard_test.cpp,
+# examples/tests/check_tensorboard.sh). It does not depend on torch, so the wheel above stays as it is.
+if ! python3 -c 'import tensorboard, sys; sys.exit(0 if tensorboard.__version__ == "2.21.0" else 1)' 2>/dev/null; then
+  echo "setup: installing tensorboard==2.21.0 (TensorBoard's reader, for the event-file tests)"
+  python3 -m pip install --quiet tensorboard==2.21.0
+fi
 echo "setup: done"

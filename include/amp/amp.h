@@ -32,3 +32,4 @@
 #include "amp/overflow_report.h"
 #include "amp/properties.h"
 #include "amp/scale_loss.h"
+#include "amp/tensorboard.h"
