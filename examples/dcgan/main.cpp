@@ -53,11 +53,13 @@ int main(int argc, char** argv) {
   int64_t batch_size = 256;
   int64_t seed = 0;
   int report_every = 500;
+  std::string tensorboard;
   amp::ProgramFlags flags("dcgan: a generator and a discriminator trained with three amp loss scalers");
   flags.add("steps", &steps, "training steps (one discriminator and one generator update each)")
       .add("batch_size", &batch_size, "samples per step")
       .add("seed", &seed, "random seed")
       .add("report_every", &report_every, "print a line every this many steps");
+  flags.add("tensorboard", &tensorboard, "TensorBoard run directory: losses and loss scales per step, modes per report");
   try {
     auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
@@ -80,6 +82,8 @@ int main(int argc, char** argv) {
       return torch::binary_cross_entropy_with_logits(logits, torch::full_like(logits, target));
     };
     const auto fixed_noise = torch::randn({2000, kLatent});
+    std::optional<amp::SummaryWriter> writer;  // --tensorboard
+    if (!tensorboard.empty()) writer.emplace(tensorboard);
 
     double start_close;
     int start_modes;
@@ -120,6 +124,16 @@ int main(int argc, char** argv) {
       errD_sum += (errD_real + errD_fake).item<double>();
       errG_sum += errG.item<double>();
       dx_sum += torch::sigmoid(real_logits).mean().item<double>();
+      if (writer) {  // Apex DCGAN's losses and D(x), then amp's: one loss scale per loss_id, skipped steps per optimizer
+        writer->add_scalar("errD", (errD_real + errD_fake).item<double>(), step);
+        writer->add_scalar("errG", errG.item<double>(), step);
+        writer->add_scalar("D_x", torch::sigmoid(real_logits).mean().item<double>(), step);
+        writer->add_scalar("amp/loss_scale/0", amp::loss_scale(optimizerD, 0), step);
+        writer->add_scalar("amp/loss_scale/1", amp::loss_scale(optimizerD, 1), step);
+        writer->add_scalar("amp/loss_scale/2", amp::loss_scale(optimizerG, 2), step);
+        writer->add_scalar("amp/skipped_steps/D", static_cast<double>(optimizerD.skipped_steps()), step);
+        writer->add_scalar("amp/skipped_steps/G", static_cast<double>(optimizerG.skipped_steps()), step);
+      }
       if (step % report_every == 0 || step == steps) {
         const int n = step % report_every == 0 ? report_every : step % report_every;
         torch::NoGradGuard no_grad;
@@ -128,6 +142,13 @@ int main(int argc, char** argv) {
                     dx_sum / n, 100 * close, modes, amp::loss_scale(optimizerD, 0), amp::loss_scale(optimizerD, 1),
                     amp::loss_scale(optimizerG, 2));
         std::fflush(stdout);
+        if (writer) {
+          writer->add_scalar("near_mode", close, step);
+          writer->add_scalar("modes_covered", modes, step);
+          writer->add_scalar("lr/D", static_cast<torch::optim::AdamOptions&>(optimizerD.param_groups()[0].options()).lr(), step);
+          writer->add_scalar("lr/G", static_cast<torch::optim::AdamOptions&>(optimizerG.param_groups()[0].options()).lr(), step);
+          writer->flush();
+        }
         errD_sum = errG_sum = dx_sum = 0;
       }
     }

@@ -11,7 +11,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <optional>
 
 #include "../common/memory_meter.h"
 #include "../common/progress.h"
@@ -100,6 +102,20 @@ std::pair<torch::Tensor, torch::Tensor> make_scenes(int64_t n, int64_t size) {
   return {images, labels};
 }
 
+// Mean intersection over union over the classes present in the prediction or the labels.
+double mean_iou(const torch::Tensor& predicted, const torch::Tensor& labels, int64_t classes) {
+  double sum = 0;
+  int present = 0;
+  for (int64_t c = 0; c < classes; ++c) {
+    const auto p = predicted.eq(c), l = labels.eq(c);
+    const auto united = (p | l).sum().item<int64_t>();
+    if (united == 0) continue;
+    sum += static_cast<double>((p & l).sum().item<int64_t>()) / static_cast<double>(united);
+    ++present;
+  }
+  return present ? sum / present : 0.0;
+}
+
 struct Result {
   std::string mode;
   bool ran = false;
@@ -108,8 +124,11 @@ struct Result {
   std::vector<double> losses;  // per step
 };
 
-Result run(const std::string& mode, const amp::Options& options, const torch::Tensor& x, const torch::Tensor& y,
-           const torch::Tensor& val_x, const torch::Tensor& val_y, int epochs, int64_t batch_size, MemoryMeter& meter) {
+// One configuration's training. `options` is an Apex-style level, or nullopt for the AMP tutorials' own
+// torch.amp loop (an fp32 model, autocast around forward and loss, GradScaler) in `autocast_dtype`.
+Result run(const std::string& mode, const std::optional<amp::Options>& options, c10::ScalarType autocast_dtype,
+           const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& val_x, const torch::Tensor& val_y,
+           int epochs, int64_t batch_size, MemoryMeter& meter, const std::string& tensorboard_dir) {
   Result result;
   result.mode = mode;
   torch::manual_seed(1);
@@ -118,31 +137,90 @@ Result run(const std::string& mode, const amp::Options& options, const torch::Te
   ErfNet net(3);
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(2e-3).eps(1e-4));  // fp16-safe at O3
   try {
-    auto [model, optimizer] = amp::initialize(net, std::move(adam), amp::Options(options).verbosity(0));
+    // The two front doors, behind one training step and one forward for validation.
+    std::optional<amp::Initialized<ErfNet, torch::optim::Adam>> apex;
+    std::optional<amp::GradScaler> scaler;
+    std::function<double(const torch::Tensor&, const torch::Tensor&)> train_step;
+    std::function<torch::Tensor(const torch::Tensor&)> forward;
+    torch::optim::Optimizer* optimizer = &adam;
+    if (options) {
+      apex.emplace(amp::initialize(net, std::move(adam), amp::Options(*options).verbosity(0)));
+      auto& [model, amp_optimizer] = *apex;
+      optimizer = &amp_optimizer;
+      train_step = [&model = model, &amp_optimizer = amp_optimizer](const torch::Tensor& xb, const torch::Tensor& yb) {
+        amp_optimizer.zero_grad();
+        auto loss = torch::nn::functional::cross_entropy(model(xb), yb);
+        {
+          auto scaled = amp::scale_loss(loss, amp_optimizer);
+          scaled.backward();
+        }
+        amp_optimizer.step();
+        return loss.item<double>();
+      };
+      forward = [&model = model](const torch::Tensor& xb) { return model(xb); };
+    } else {
+      scaler.emplace();
+      train_step = [&](const torch::Tensor& xb, const torch::Tensor& yb) {
+        adam.zero_grad();
+        torch::Tensor loss;
+        {
+          amp::AutocastGuard autocast(torch::kCPU, autocast_dtype);
+          loss = torch::nn::functional::cross_entropy(net(xb), yb);
+        }
+        scaler->scale(loss).backward();
+        scaler->step(adam);
+        scaler->update();
+        return loss.item<double>();
+      };
+      forward = [&](const torch::Tensor& xb) {
+        amp::AutocastGuard autocast(torch::kCPU, autocast_dtype);
+        return net(xb).to(torch::kFloat);
+      };
+    }
+    // --tensorboard: one run per configuration (DIR/O0, DIR/O2_bf16, ...), so TensorBoard overlays them.
+    std::optional<amp::SummaryWriter> writer;
+    if (!tensorboard_dir.empty()) writer.emplace(tensorboard_dir + "/" + mode);
     const int64_t steps = x.size(0) / batch_size;
     double total_seconds = 0;
     for (int epoch = 0; epoch < epochs; ++epoch) {
-      model.train();
+      net->train();
+      if (apex) apex->model.train();  // keeps frozen BatchNorm frozen
       ProgressBar progress(mode + " epoch " + std::to_string(epoch + 1), steps);
       const auto order = torch::randperm(x.size(0));
       for (int64_t step = 0; step < steps; ++step) {
         const auto index = order.narrow(0, step * batch_size, batch_size);
-        optimizer.zero_grad();
-        auto loss = torch::nn::functional::cross_entropy(model(x.index_select(0, index)), y.index_select(0, index));
-        {
-          auto scaled = amp::scale_loss(loss, optimizer);
-          scaled.backward();
-        }
-        optimizer.step();
-        result.losses.push_back(loss.item<double>());
+        result.losses.push_back(train_step(x.index_select(0, index), y.index_select(0, index)));
         progress.step(batch_size, result.losses.back());
+        if (writer) writer->add_scalar("train_loss_step", result.losses.back(), epoch * steps + step + 1);
       }
       progress.finish();
       total_seconds += progress.seconds();
+      if (writer) {  // the tutorial's per-epoch curves (validation outside the timed loop), then amp's signals
+        const int64_t logged_epoch = epoch + 1;
+        net->eval();
+        {
+          torch::NoGradGuard no_grad;
+          const auto logits = forward(val_x);
+          const auto predicted = logits.argmax(1);
+          writer->add_scalar("val_loss", torch::nn::functional::cross_entropy(logits, val_y).item<double>(), logged_epoch);
+          writer->add_scalar("val_acc", predicted.eq(val_y).to(torch::kFloat).mean().item<double>(), logged_epoch);
+          writer->add_scalar("val_miou", mean_iou(predicted, val_y, 3), logged_epoch);
+        }
+        writer->add_scalar("train_loss", progress.mean_loss(), logged_epoch);
+        writer->add_scalar("lr", static_cast<torch::optim::AdamOptions&>(optimizer->param_groups()[0].options()).lr(),
+                           logged_epoch);
+        writer->add_scalar("seconds_per_epoch", progress.seconds(), logged_epoch);
+        if (apex) {
+          amp::add_amp_scalars(*writer, apex->optimizer, logged_epoch);
+        } else {
+          writer->add_scalar("amp/loss_scale/0", scaler->get_scale(), logged_epoch);
+        }
+        writer->flush();
+      }
     }
-    model.eval();
+    net->eval();
     torch::NoGradGuard no_grad;
-    auto logits = model(val_x);
+    auto logits = forward(val_x);
     result.final_loss = torch::nn::functional::cross_entropy(logits, val_y).item<double>();
     result.pixel_accuracy = logits.argmax(1).eq(val_y).to(torch::kFloat).mean().item<double>();
     result.seconds_per_epoch = total_seconds / epochs;
@@ -151,6 +229,8 @@ Result run(const std::string& mode, const amp::Options& options, const torch::Te
   } catch (const c10::Error& e) {
     result.why_not = e.what_without_backtrace();
     result.why_not = result.why_not.substr(0, result.why_not.find('\n'));
+  } catch (const std::invalid_argument& e) {  // e.g. LibTorch 1.13's CPU autocast refusing float16
+    result.why_not = e.what();
   }
   return result;
 }
@@ -185,14 +265,17 @@ int main(int argc, char** argv) {
   int epochs = 4;
   int64_t images = 384, batch_size = 32, size = 32;
   std::string plot_file;
-  std::string levels = "O0,O1_bf16,O1_fp16,O2_bf16,O2_fp16,O3_bf16,O3_fp16";
+  std::string tensorboard;
+  std::string levels = "O0,O1_bf16,O1_fp16,O2_bf16,O2_fp16,O3_bf16,O3_fp16,autocast_bf16,autocast_fp16";
   amp::ProgramFlags flags("segmentation: one network trained at every opt level and dtype, compared");
   flags.add("epochs", &epochs, "epochs per configuration")
       .add("images", &images, "training images (validation: a quarter as many)")
       .add("batch_size", &batch_size, "images per step")
       .add("size", &size, "image side in pixels (a multiple of 8)")
-      .add("modes", &levels, "comma-separated LEVEL or LEVEL_bf16/LEVEL_fp16 configurations")
+      .add("modes", &levels, "comma-separated configurations: LEVEL or LEVEL_bf16/LEVEL_fp16 (Apex-style amp::initialize), "
+                             "autocast_bf16/autocast_fp16 (the torch.amp loop: AutocastGuard + GradScaler)")
       .add("plot", &plot_file, "PNG file for the loss curves (empty: no plot)");
+  flags.add("tensorboard", &tensorboard, "TensorBoard log directory: one run per configuration (DIR/O0, DIR/O2_bf16, ...)");
   try {
     const auto base = amp::parse_command_line(argc, argv, flags);
     if (!base) return 0;
@@ -206,29 +289,35 @@ int main(int argc, char** argv) {
     std::vector<Result> results;
     std::stringstream list(levels);
     for (std::string mode; std::getline(list, mode, ',');) {
-      amp::Options options = *base;
-      options.opt_level(amp::parse_opt_level(mode.substr(0, 2)));
-      if (mode.size() > 2) {
-        const std::string dtype = mode.substr(3);
-        if (dtype != "bf16" && dtype != "fp16") throw std::invalid_argument("segmentation: bad mode '" + mode + "'");
-        options.low_precision_dtype(dtype == "bf16" ? torch::kBFloat16 : torch::kHalf);
+      const bool autocast = mode.rfind("autocast_", 0) == 0;
+      const std::string dtype = autocast ? mode.substr(9) : (mode.size() > 2 ? mode.substr(3) : "bf16");
+      if ((!autocast && mode.size() != 2 && mode.size() != 7) || (dtype != "bf16" && dtype != "fp16")) {
+        throw std::invalid_argument("segmentation: bad mode '" + mode + "'; use O0..O3, O1_bf16 style or autocast_bf16");
       }
-      results.push_back(run(mode, options, x, y, val_x, val_y, epochs, batch_size, meter));
+      const auto lp = dtype == "bf16" ? torch::kBFloat16 : torch::kHalf;
+      std::optional<amp::Options> options;
+      if (!autocast) {
+        options = *base;
+        options->opt_level(amp::parse_opt_level(mode.substr(0, 2)));
+        if (mode.size() > 2) options->low_precision_dtype(lp);
+      }
+      results.push_back(run(mode, options, lp, x, y, val_x, val_y, epochs, batch_size, meter, tensorboard));
     }
     const Result* baseline = nullptr;
     for (const auto& r : results) if (r.ran && r.mode == "O0") baseline = &r;
-    std::printf("\n%-9s %10s %9s %10s %11s %10s %10s\n", "mode", "s/epoch", "speedup", "peak MiB", "final loss",
+    std::printf("\n%-13s %10s %9s %10s %11s %10s %10s\n", "mode", "s/epoch", "speedup", "peak MiB", "final loss",
                 "pixel acc", "vs O0 MiB");
     for (const auto& r : results) {
       if (!r.ran) {
-        std::printf("%-9s skipped: %s\n", r.mode.c_str(), r.why_not.c_str());
+        std::printf("%-13s skipped: %s\n", r.mode.c_str(), r.why_not.c_str());
         continue;
       }
-      std::printf("%-9s %10.3f %8.2fx %10.2f %11.4f %9.2f%% %9.2fx\n", r.mode.c_str(), r.seconds_per_epoch,
+      std::printf("%-13s %10.3f %8.2fx %10.2f %11.4f %9.2f%% %9.2fx\n", r.mode.c_str(), r.seconds_per_epoch,
                   baseline ? baseline->seconds_per_epoch / r.seconds_per_epoch : 1.0, r.peak_mib, r.final_loss,
                   100 * r.pixel_accuracy, baseline ? r.peak_mib / baseline->peak_mib : 1.0);
     }
     if (!plot_file.empty()) plot(results, plot_file);
+    if (!tensorboard.empty()) std::cout << "TensorBoard runs: " << tensorboard << " (tensorboard --logdir " << tensorboard << ")\n";
   } catch (const std::exception& e) {
     return report_error(e);
   }
