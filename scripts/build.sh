@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Configures and builds amp against one LibTorch: scripts/build.sh [2.13|1.13|2.13-sanitize|custom] [cmake args...]
+# Configures and builds amp against one LibTorch: scripts/build.sh [2.13|1.13|2.13-sanitize|cuda|custom] [cmake args...]
 #   2.13           the torch==2.13.0 wheel's bundled LibTorch (build/torch-2.13)
+#   cuda           the CUDA 13.0 build of torch==2.13.0 (PyPI's default wheel, in a venv: scripts/setup-cuda.sh)
+#                  with CUDA code on; builds and runs without a GPU (CUDA tests skip) (build/torch-cuda)
 #   1.13           Debian's libtorch-dev 1.13.1 (build/torch-1.13)
 #   2.13-sanitize  2.13 with AddressSanitizer + UndefinedBehaviorSanitizer (build/torch-2.13-sanitize)
 #   custom         the LibTorch named by $Torch_DIR or $CMAKE_PREFIX_PATH, e.g. the official zip (build/torch-custom)
@@ -17,8 +19,16 @@ case "$version" in
   2.13|2.13-sanitize) torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch" ;;
   1.13) torch_dir=/usr/lib/x86_64-linux-gnu/cmake/Torch
         [ -d "$torch_dir" ] || torch_dir="$(dirname "$(dpkg -L libtorch-dev | grep '/TorchConfig.cmake$' | head -n1)")" ;;
+  cuda) venv=$(./scripts/setup-cuda.sh)
+        site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+        torch_dir="$site/torch/share/cmake/Torch"
+        cu="$site/nvidia/cu13"
+        # TorchConfig -> Caffe2's cuda.cmake wants an nvcc of torch's CUDA version (no GPU needed), and
+        # Caffe2Config pinned next to TorchConfig (Debian's 1.13 one is on the system paths too).
+        cuda_args=(-DCaffe2_DIR="$torch_dir/../Caffe2" -DCUDA_TOOLKIT_ROOT_DIR="$cu" -DCUDAToolkit_ROOT="$cu"
+                   -DCMAKE_CUDA_COMPILER="$cu/bin/nvcc") ;;
   custom) torch_dir="${Torch_DIR:-}" ;;
-  *) echo "usage: scripts/build.sh [2.13|1.13|2.13-sanitize|custom] [cmake args...]" >&2; exit 2 ;;
+  *) echo "usage: scripts/build.sh [2.13|1.13|2.13-sanitize|cuda|custom] [cmake args...]" >&2; exit 2 ;;
 esac
 
 build_dir="build/torch-$version"
@@ -26,5 +36,6 @@ mkdir -p build
 args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON)
 [ -n "$torch_dir" ] && args+=(-DTorch_DIR="$torch_dir")
 [ "$version" = 2.13-sanitize ] && args+=(-DAMP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+[ "$version" = cuda ] && args+=("${cuda_args[@]}")
 cmake "${args[@]}" "$@" > "$build_dir.configure.log" 2>&1 || { mkdir -p build; cat "$build_dir.configure.log"; exit 1; }
 cmake --build "$build_dir" -j "${AMP_JOBS:-2}"

@@ -6,7 +6,7 @@
 set -euo pipefail
 
 apt_packages=(libtorch-dev libgtest-dev libgmock-dev libbenchmark-dev libboost-program-options-dev
-              ccache cmake g++ make python3-sklearn gnuplot-nox clang libclang-rt-14-dev)
+              ccache cmake g++ make python3-sklearn gnuplot-nox clang libclang-rt-14-dev libgloo-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

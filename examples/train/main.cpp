@@ -1,7 +1,8 @@
 // The main job: the C++ port of an Apex ImageNet-style `main_amp.py`, scaled to scikit-learn's 8x8
 // handwritten digits (generated digits-like images if the file is absent): a conv + BatchNorm
 // classifier, a data loader, SGD with a step LR schedule, amp at the opt level a config file picks,
-// validation each epoch, a live progress bar, a metrics CSV, and checkpoints that resume bitwise.
+// validation each epoch, a live progress bar, a metrics CSV, and checkpoints that resume bitwise, in
+// amp's format (--checkpoint, --resume) or Python's (--save-python, --resume-python: torch.load reads it).
 //
 //   build/torch-2.13/examples/train --config examples/configs/O2_bf16.ini --data build/data/digits.csv
 
@@ -54,6 +55,18 @@ class DigitsDataset : public torch::data::datasets::Dataset<DigitsDataset> {
   torch::Tensor images_, labels_;
 };
 
+// log10 |gradient| of every fp32 master parameter after the epoch's last step (zeros left out), for
+// TensorBoard: how far the gradients sit above float16's underflow (2^-24, about 10^-7.2).
+std::vector<double> log10_grad_magnitudes(amp::OptimizerBase& optimizer) {
+  std::vector<double> out;
+  for (const auto& p : amp::master_params(optimizer)) {
+    if (!p.grad().defined()) continue;
+    const auto g = p.grad().detach().abs().log10().flatten().to(torch::kDouble).contiguous();
+    out.insert(out.end(), g.data_ptr<double>(), g.data_ptr<double>() + g.numel());
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -64,7 +77,10 @@ int main(int argc, char** argv) {
   std::string data;
   std::string checkpoint;
   std::string metrics;
+  std::string tensorboard;
   bool resume = false;
+  std::string resume_python;
+  std::string save_python;
   amp::ProgramFlags flags("train: a digits classifier trained with amp at the opt level from --config");
   flags.add("epochs", &epochs, "train until this epoch (counting resumed ones)")
       .add("batch_size", &batch_size, "examples per step")
@@ -73,11 +89,19 @@ int main(int argc, char** argv) {
       .add("data", &data, "digits.csv from scikit-learn (empty or missing: generated data)")
       .add("checkpoint", &checkpoint, "file saved after each epoch: model, optimizer, fp32 masters, loss scalers")
       .add("resume", &resume, "load --checkpoint and continue from its epoch")
-      .add("metrics", &metrics, "CSV file with one row per epoch (appended to on --resume)");
+      .add("metrics", &metrics, "CSV file with one row per epoch (appended to on --resume)")
+      .add("resume_python", &resume_python, "continue a Python run: a torch.save'd dict with 'model', 'optimizer', "
+           "'amp' (Apex) or 'scaler' (GradScaler), 'epoch'")
+      .add("save_python", &save_python, "file saved after each epoch for Python's torch.load: 'model' (fp32), "
+           "'optimizer', 'amp' (Apex's format), 'epoch'");
+  flags.add("tensorboard", &tensorboard, "TensorBoard run directory: one point per epoch (tensorboard --logdir DIR)");
   try {
     const auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
     if (resume && checkpoint.empty()) throw std::invalid_argument("train: --resume true needs --checkpoint FILE");
+    if (resume && !resume_python.empty()) {
+      throw std::invalid_argument("train: --resume true and --resume-python both say where to continue from; give one");
+    }
     torch::manual_seed(static_cast<uint64_t>(seed));
 
     torch::Tensor images, labels;
@@ -111,12 +135,27 @@ int main(int argc, char** argv) {
       start_epoch = static_cast<int>(epoch.toInt());
       std::cout << "resumed from " << checkpoint << " after epoch " << start_epoch << "\n";
     }
+    if (!resume_python.empty()) {  // the keys of torch.save({'model': ..., 'optimizer': ..., 'amp': ..., 'epoch': ...})
+      const auto python = amp::PythonCheckpoint::load(resume_python);
+      python.load_model(*model);
+      python.load_optimizer(optimizer);  // state (into the fp32 masters at O2) and hyperparameters
+      if (python.contains("amp")) {
+        python.load_amp(optimizer, "amp");  // Apex's amp.state_dict()
+      } else if (python.contains("scaler")) {
+        python.load_amp(optimizer, "scaler");  // torch.amp.GradScaler's state_dict()
+      }
+      start_epoch = python.contains("epoch") ? static_cast<int>(python.get("epoch").toInt()) : 0;
+      std::cout << "resumed from Python checkpoint " << resume_python << " after epoch " << start_epoch << "\n";
+      resume = true;  // append to --metrics
+    }
     std::ofstream csv;
     if (!metrics.empty()) {
       csv.open(metrics, resume ? std::ios::app : std::ios::trunc);
       if (!csv) throw std::invalid_argument("train: cannot write --metrics file '" + metrics + "'");
       if (!resume) csv << "epoch,lr,train_loss,val_loss,val_accuracy,loss_scale,skipped_steps,seconds,images_per_second\n";
     }
+    std::optional<amp::SummaryWriter> writer;  // --tensorboard; a resumed run adds a file to the same run
+    if (!tensorboard.empty()) writer.emplace(tensorboard);
 
     std::printf("%5s %9s %10s %9s %8s %11s %7s %7s %9s\n", "epoch", "lr", "train_loss", "val_loss", "val_acc",
                 "loss_scale", "skipped", "sec", "img/s");
@@ -158,6 +197,17 @@ int main(int argc, char** argv) {
                       static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
         csv << row << std::flush;
       }
+      if (writer) {  // the tutorial's curves, then amp's: loss scale per loss_id, skipped steps
+        const int64_t step = epoch + 1;
+        writer->add_scalar("train_loss", progress.mean_loss(), step);
+        writer->add_scalar("val_loss", val_loss, step);
+        writer->add_scalar("val_acc", accuracy, step);
+        writer->add_scalar("lr", epoch_lr, step);
+        writer->add_scalar("images_per_second", progress.items_per_second(), step);
+        amp::add_amp_scalars(*writer, optimizer, step);
+        writer->add_histogram("grad_log10_magnitude", log10_grad_magnitudes(optimizer), step);
+        writer->flush();
+      }
       if (!checkpoint.empty()) {
         torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
         net->save(model_archive);
@@ -166,6 +216,14 @@ int main(int argc, char** argv) {
         archive.write("optimizer", optimizer_archive);
         archive.write("epoch", c10::IValue(static_cast<int64_t>(epoch + 1)));
         archive.save_to(checkpoint);
+      }
+      if (!save_python.empty()) {
+        amp::PythonCheckpoint python;
+        python.put_model("model", *model);  // fp32: the masters' values at O2
+        python.put_optimizer("optimizer", optimizer);
+        python.put_amp("amp", optimizer);
+        python.put("epoch", static_cast<int64_t>(epoch + 1));
+        python.save(save_python);
       }
     }
   } catch (const std::exception& e) {

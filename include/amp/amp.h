@@ -30,6 +30,8 @@
 #include "amp/optimizer.h"
 #include "amp/options.h"
 #include "amp/overflow_report.h"
+#include "amp/parallel.h"
 #include "amp/properties.h"
+#include "amp/python_checkpoint.h"
 #include "amp/scale_loss.h"
 #include "amp/tensorboard.h"

@@ -1,0 +1,172 @@
+#pragma once
+// Data-parallel training on c10d (Apex's apex.parallel.DistributedDataParallel, torch's DDP).
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "amp/model.h"
+#include "amp/parallel/process_group.h"
+
+namespace amp::parallel {
+
+/// Options of make_distributed; defaults as Apex's and torch's DistributedDataParallel.
+///
+/// Example:
+///   auto ddp = amp::parallel::make_distributed(model, group,
+///       amp::parallel::DistributedDataParallelOptions().bucket_cap_mb(10).delay_allreduce(true));
+struct DistributedDataParallelOptions {
+  /// Sets the size of a gradient bucket in MiB (torch's bucket_cap_mb; the first bucket is at most 1 MiB).
+  DistributedDataParallelOptions& bucket_cap_mb(double value) { bucket_cap_mb_ = value; return *this; }
+  /// Reduces bf16/fp16 gradients in fp32 (Apex's allreduce_always_fp32): twice the bytes, one rounding.
+  DistributedDataParallelOptions& allreduce_always_fp32(bool value) { allreduce_always_fp32_ = value; return *this; }
+  /// Reduces all gradients once, after backward, instead of bucket by bucket during it (Apex's delay_allreduce).
+  /// Also lifts the overlapped mode's rule that every backward reaches every trainable parameter.
+  DistributedDataParallelOptions& delay_allreduce(bool value) { delay_allreduce_ = value; return *this; }
+  /// Broadcasts the buffers (BatchNorm statistics) from rank 0 before every forward (torch's default).
+  DistributedDataParallelOptions& broadcast_buffers(bool value) { broadcast_buffers_ = value; return *this; }
+  /// Divides gradients by this factor before the all-reduce and by world_size / factor after it (Apex's
+  /// gradient_predivide_factor), to keep large sums of fp16 gradients in range.
+  DistributedDataParallelOptions& gradient_predivide_factor(double value) { gradient_predivide_factor_ = value; return *this; }
+
+  double bucket_cap_mb() const noexcept { return bucket_cap_mb_; }
+  bool allreduce_always_fp32() const noexcept { return allreduce_always_fp32_; }
+  bool delay_allreduce() const noexcept { return delay_allreduce_; }
+  bool broadcast_buffers() const noexcept { return broadcast_buffers_; }
+  double gradient_predivide_factor() const noexcept { return gradient_predivide_factor_; }
+
+ private:
+  double bucket_cap_mb_ = 25.0;
+  bool allreduce_always_fp32_ = false;
+  bool delay_allreduce_ = false;
+  bool broadcast_buffers_ = true;
+  double gradient_predivide_factor_ = 1.0;
+};
+
+/// What a DistributedDataParallel sent, counted since make_distributed.
+struct CommunicationStats {
+  int64_t allreduce_calls = 0;   // gradient buckets reduced
+  int64_t allreduce_bytes = 0;   // bytes of gradients put on the wire (in the dtype they travel in)
+  int64_t broadcast_bytes = 0;   // bytes broadcast from rank 0 (parameters at wrap time, buffers per forward)
+  int64_t synced_backwards = 0;  // backward passes whose gradients were reduced
+};
+
+namespace detail {
+
+/// The engine behind DistributedDataParallel<Module>, independent of the module type: broadcasts from
+/// rank 0, a c10d::Reducer (or the delayed reduction) on the parameters' gradient accumulators, checks.
+class DistributedCore {
+ public:
+  DistributedCore(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DistributedDataParallelOptions options);
+  ~DistributedCore();
+  DistributedCore(const DistributedCore&) = delete;
+  DistributedCore& operator=(const DistributedCore&) = delete;
+
+  /// Runs before each forward: buffer broadcast, checks of the last backward, bucket rebuilding.
+  void before_forward();
+  /// Turns the reduction of the next backward passes on or off (no_sync).
+  void set_sync(bool sync);
+  bool sync() const;
+  CommunicationStats stats() const;
+  const ProcessGroup& group() const;
+  const DistributedDataParallelOptions& options() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace detail
+
+/// Turns off gradient reduction while it lives (torch DDP's `with ddp.no_sync():`): backward passes
+/// then accumulate each rank's own gradients, and the next backward outside the guard reduces the sum.
+/// Under amp's dynamic loss scaling (O1, O2) the micro-batches inside must keep their gradients scaled:
+/// pass amp::ScaleLossOptions().delay_unscale(true) to their scale_loss (the last, synchronized micro-batch
+/// without it), as in Apex's gradient accumulation; otherwise the next forward throws. Not copyable or movable.
+class [[nodiscard]] NoSyncGuard {
+ public:
+  explicit NoSyncGuard(std::shared_ptr<detail::DistributedCore> core)
+      : core_(std::move(core)), previous_(core_->sync()) {
+    core_->set_sync(false);
+  }
+  ~NoSyncGuard() { core_->set_sync(previous_); }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard(NoSyncGuard&&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+
+ private:
+  std::shared_ptr<detail::DistributedCore> core_;
+  bool previous_;
+};
+
+/// Data-parallel training of a model returned by amp::initialize. Construction broadcasts parameters,
+/// fp32 master weights and buffers from rank 0 after checking that every rank has the same shapes.
+/// ddp(args...) runs the model's forward (amp's casts included); the backward of a loss computed from it
+/// averages the gradients over the ranks in their own dtype (bf16/fp16 at O2/O3), overlapped with backward
+/// in buckets (c10d::Reducer) or, with delay_allreduce, once after it; either way before amp::scale_loss
+/// unscales them, so every rank sees the same gradients, takes the same overflow decision and keeps the
+/// same loss scale. Parameters that don't require grad at construction (frozen) are not reduced. Copies
+/// share the model and the engine.
+///
+/// Example:
+///   auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2"));
+///   auto ddp = amp::parallel::make_distributed(model, group);
+///   auto loss = torch::nll_loss(ddp(batch.data), batch.target);
+///   { auto scaled_loss = amp::scale_loss(loss, optimizer); scaled_loss.backward(); }
+///   optimizer.step();
+template <class Module>
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(Model<Module> model, ProcessGroup group, DistributedDataParallelOptions options = {})
+      : model_(std::move(model)),
+        core_(std::make_shared<detail::DistributedCore>(amp::detail::module_pointer(model_.module()), std::move(group),
+                                                        options)) {}
+
+  /// Runs the model's forward (with amp's casts), after broadcasting buffers from rank 0.
+  template <class... Args>
+  auto forward(Args&&... args) {
+    core_->before_forward();
+    return model_.forward(std::forward<Args>(args)...);
+  }
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  /// Returns a guard under which backward passes don't reduce gradients (gradient accumulation).
+  NoSyncGuard no_sync() { return NoSyncGuard(core_); }
+
+  /// Returns the wrapped amp model (Apex's and torch's `ddp.module`).
+  Model<Module>& module() noexcept { return model_; }
+  const Model<Module>& module() const noexcept { return model_; }
+  /// Returns the module itself (no casts), as amp::Model does.
+  auto operator->() const { return model_.operator->(); }
+  auto& operator*() const { return *model_; }
+
+  /// Sets training mode (frozen BatchNorm layers stay frozen).
+  void train(bool on = true) { model_.train(on); }
+  void eval() { model_.eval(); }
+  bool is_training() const { return model_.is_training(); }
+
+  /// Returns the process group the gradients are reduced over.
+  const ProcessGroup& process_group() const { return core_->group(); }
+  const DistributedDataParallelOptions& options() const { return core_->options(); }
+  /// Returns what was communicated so far (gradient bytes per dtype show amp's bandwidth win at O2).
+  CommunicationStats communication_stats() const { return core_->stats(); }
+
+ private:
+  Model<Module> model_;
+  std::shared_ptr<detail::DistributedCore> core_;
+};
+
+/// Wraps the Model that amp::initialize returned (Apex's order: initialize, then DDP).
+template <class Module>
+DistributedDataParallel<Module> make_distributed(Model<Module> model, ProcessGroup group,
+                                                 DistributedDataParallelOptions options = {}) {
+  return DistributedDataParallel<Module>(std::move(model), std::move(group), options);
+}
+
+}  // namespace amp::parallel

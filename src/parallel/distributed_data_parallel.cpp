@@ -1,0 +1,448 @@
+#include "amp/parallel/distributed_data_parallel.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/version.h>
+// LibTorch 1.13 as Debian ships it lacks a header reducer.hpp includes (torch/csrc/distributed/autograd/context/
+// context.h), so there the gradients are reduced after backward (delay_allreduce's path), which computes the same
+// averages bit for bit (tests/parallel_worker.cpp checks delay_allreduce against the overlapped path on 2.x).
+#if TORCH_VERSION_MAJOR >= 2
+#define AMP_HAS_C10D_REDUCER 1
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#else
+#define AMP_HAS_C10D_REDUCER 0
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "collectives.h"
+#include "master_weights.h"
+
+// NOTE [How gradients are reduced]
+// The reduction hangs off each trainable parameter's gradient accumulator (the AccumulateGrad node), as
+// torch's DDP does: c10d::Reducer registers a post hook there that copies the gradient into its bucket and
+// starts the bucket's all-reduce as soon as the bucket is full, while backward goes on; a callback queued on
+// the autograd engine waits for every bucket and copies the averages back into .grad before backward()
+// returns. amp::scale_loss unscales only after backward() returns, so it always sees reduced (still scaled)
+// gradients, identical on every rank: every rank finds the same inf/NaN, skips the same steps and moves its
+// loss scale the same way. Buckets hold one dtype, so at O2 the bf16/fp16 gradients travel in bf16/fp16.
+//
+// Torch's DDP arms the Reducer in forward (prepare_for_backward) for exactly one backward. amp's scripts run
+// several backward passes per forward (one scale_loss per loss), so our own post hook, registered before the
+// Reducer's and so run before it, arms the Reducer at the first gradient of every backward instead. With
+// delay_allreduce, the same hook only records which parameters received a gradient, and the end-of-backward
+// callback reduces those (Apex's delay_allreduce), which also allows a backward that reaches only some of them.
+
+namespace amp::parallel::detail {
+namespace {
+
+using Accumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+class ReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit ReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    on_ready_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> on_ready_;
+};
+
+struct Counters {
+  std::atomic<int64_t> allreduce_calls{0};
+  std::atomic<int64_t> allreduce_bytes{0};
+  std::atomic<int64_t> broadcast_bytes{0};
+  std::atomic<int64_t> synced_backwards{0};
+};
+
+#if AMP_HAS_C10D_REDUCER
+// The Reducer's communication: amp's average (predivide, fp32 on request, sum, divide) instead of c10d's
+// divide-then-sum, so the overlapped and the delayed paths compute bit for bit the same thing.
+class AverageHook final : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  AverageHook(const GroupState& group, AverageSettings settings, Counters& counters)
+      : CppCommHookInterface(group.group), group_(group), settings_(settings), counters_(counters) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor& buffer = bucket.getBufferRef();
+    counters_.allreduce_calls.fetch_add(1);
+    counters_.allreduce_bytes.fetch_add(buffer.numel() *
+                                        static_cast<int64_t>(c10::elementSize(wire_dtype(buffer.scalar_type(), settings_))));
+    return average_async(group_, buffer, settings_);
+  }
+
+ private:
+  const GroupState& group_;
+  AverageSettings settings_;
+  Counters& counters_;
+};
+#endif
+
+std::string list_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > 4) out += " and " + std::to_string(names.size() - 4) + " more";
+  return out;
+}
+
+constexpr const char* kWhere = "amp::parallel::DistributedDataParallel";
+
+}  // namespace
+
+struct DistributedCore::Impl {
+  Impl(std::shared_ptr<torch::nn::Module> m, ProcessGroup g, DistributedDataParallelOptions o)
+      : module(std::move(m)), group(std::move(g)), state(state_of(group)), options(o) {}
+
+  std::shared_ptr<torch::nn::Module> module;
+  ProcessGroup group;
+  const GroupState& state;
+  DistributedDataParallelOptions options;
+  AverageSettings average;
+  int64_t bucket_bytes = 0;
+
+  std::vector<at::Tensor> params;  // trainable (requires_grad at construction), model order, no duplicates
+  std::vector<std::string> names;
+  std::vector<at::Tensor> frozen;  // the others, watched so that unfreezing later is caught
+  std::vector<std::string> frozen_names;
+  std::vector<at::Tensor> buffers;
+  std::vector<Accumulator> accumulators;
+  std::vector<uintptr_t> hook_keys;
+#if AMP_HAS_C10D_REDUCER
+  std::unique_ptr<c10d::Reducer> reducer;  // overlapped mode
+#else
+  std::unique_ptr<int> reducer;  // never set: 1.13 always reduces after backward
+#endif
+  std::vector<std::vector<size_t>> delay_buckets;  // delay_allreduce: indices into params, one dtype each
+  Counters counters;
+
+  std::mutex mutex;
+  bool sync = true;
+  bool in_backward = false;
+  bool backward_synced = false;
+  std::vector<bool> fired;
+  struct GradSnapshot {
+    bool defined = false;
+    const c10::TensorImpl* impl = nullptr;
+    uint32_t version = 0;
+  };
+  std::vector<GradSnapshot> unsynced;  // gradients a no_sync() backward left, awaiting a synchronized backward
+  std::vector<std::string> last_missing;
+
+  void on_ready(size_t i);
+  void end_of_backward();
+  void reduce_delayed(const std::vector<bool>& reached);
+  void check_unsynced() const;
+};
+
+void DistributedCore::Impl::on_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!in_backward) {
+    in_backward = true;
+    backward_synced = sync;
+    fired.assign(params.size(), false);
+#if AMP_HAS_C10D_REDUCER
+    if (backward_synced && reducer) reducer->prepare_for_backward({});
+#endif
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+  }
+  fired[i] = true;
+}
+
+void DistributedCore::Impl::end_of_backward() {
+  std::vector<bool> reached;
+  bool synced = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    in_backward = false;
+    synced = backward_synced;
+    reached = fired;
+  }
+  if (!synced) {
+    // Remember the accumulated gradients: the next forward checks that amp left them scaled (see NoSyncGuard).
+    unsynced.assign(params.size(), GradSnapshot{});
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& g = params[i].grad();
+      if (g.defined()) unsynced[i] = {true, g.unsafeGetTensorImpl(), g._version()};
+    }
+    return;
+  }
+  counters.synced_backwards.fetch_add(1);
+  unsynced.clear();
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!reached[i]) missing.push_back(names[i]);
+  }
+  last_missing = missing;
+  if (reducer) {
+    // The Reducer's own callback, queued after this one, waits for the buckets and writes .grad.
+    TORCH_CHECK(missing.empty(), kWhere, ": this backward produced no gradient for ", missing.size(),
+                " trainable parameter(s) (", list_names(missing), "), so their buckets were never reduced. The "
+                "overlapped all-reduce needs every backward to reach every trainable parameter (as torch's DDP without "
+                "find_unused_parameters). Freeze unused parameters before make_distributed (requires_grad false), "
+                "sum the losses into one backward, or use DistributedDataParallelOptions().delay_allreduce(true), "
+                "which reduces whatever each backward reached.");
+    return;
+  }
+  reduce_delayed(reached);
+}
+
+void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& reached) {
+  c10::NoGradGuard no_grad;
+  struct Pending {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    at::Tensor flat;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Pending> pending;
+  for (const auto& bucket : delay_buckets) {
+    Pending p;
+    std::vector<at::Tensor> pieces;
+    for (size_t i : bucket) {
+      if (!reached[i] || !params[i].grad().defined()) continue;
+      p.grads.push_back(params[i].grad());
+      pieces.push_back(params[i].grad().reshape({-1}));
+    }
+    if (pieces.empty()) continue;
+    p.flat = at::cat(pieces);
+    counters.allreduce_calls.fetch_add(1);
+    counters.allreduce_bytes.fetch_add(p.flat.numel() *
+                                       static_cast<int64_t>(c10::elementSize(wire_dtype(p.flat.scalar_type(), average))));
+    p.future = average_async(state, p.flat, average);
+    pending.push_back(std::move(p));
+  }
+  for (auto& p : pending) {
+    p.future->wait();
+    if (p.future->hasError()) std::rethrow_exception(p.future->exception_ptr());
+    int64_t offset = 0;
+    for (auto& g : p.grads) {
+      g.copy_(p.flat.narrow(0, offset, g.numel()).view(g.sizes()));
+      offset += g.numel();
+    }
+  }
+}
+
+void DistributedCore::Impl::check_unsynced() const {
+  std::vector<std::string> unscaled;
+  for (size_t i = 0; i < unsynced.size(); ++i) {
+    if (!unsynced[i].defined) continue;
+    const at::Tensor& g = params[i].grad();
+    if (const auto master = amp::detail::find_master(params[i])) {
+      // O2: amp moved the gradient into the fp32 master (unscaled) and cleared the model's.
+      if (!g.defined() && master->first->master()[master->second].grad().defined()) unscaled.push_back(names[i]);
+      continue;
+    }
+    if (!g.defined() || (g.unsafeGetTensorImpl() == unsynced[i].impl && g._version() == unsynced[i].version)) continue;
+    if (g.count_nonzero().item<int64_t>() > 0) unscaled.push_back(names[i]);  // changed, and not by zero_grad
+  }
+  TORCH_CHECK(unscaled.empty(), kWhere, ": the gradients accumulated under no_sync() were unscaled by amp::scale_loss "
+              "(", list_names(unscaled), "), so they could no longer be all-reduced with the next micro-batch's: every "
+              "rank would keep its own gradients and take its own overflow decision. Inside no_sync(), keep them scaled: "
+              "amp::scale_loss(loss, optimizer, amp::ScaleLossOptions().delay_unscale(true)); the last micro-batch, "
+              "outside no_sync(), uses a plain scale_loss, which reduces and then unscales the sum (Apex's gradient "
+              "accumulation).");
+}
+
+DistributedCore::DistributedCore(std::shared_ptr<torch::nn::Module> module, ProcessGroup group,
+                                 DistributedDataParallelOptions options)
+    : impl_(std::make_unique<Impl>(std::move(module), std::move(group), options)) {
+  Impl& d = *impl_;
+  TORCH_CHECK(d.module, "amp::parallel::make_distributed: the model is empty.");
+  TORCH_CHECK(options.bucket_cap_mb() > 0 && std::isfinite(options.bucket_cap_mb()),
+              "amp::parallel::make_distributed: bucket_cap_mb must be positive, got ", options.bucket_cap_mb(), ".");
+  TORCH_CHECK(options.gradient_predivide_factor() > 0 && std::isfinite(options.gradient_predivide_factor()),
+              "amp::parallel::make_distributed: gradient_predivide_factor must be positive and finite, got ",
+              options.gradient_predivide_factor(), ".");
+  d.average.always_fp32 = options.allreduce_always_fp32();
+  d.average.predivide = options.gradient_predivide_factor();
+  d.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024));
+  const std::string where = "amp::parallel::make_distributed";
+
+  // Every parameter and buffer, in model order, shared ones once.
+  std::vector<at::Tensor> all;
+  std::vector<std::string> all_names, kinds;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : d.module->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    all.push_back(p);
+    all_names.push_back(item.key());
+    kinds.emplace_back("parameter");
+    if (p.requires_grad()) {
+      d.params.push_back(p);
+      d.names.push_back(item.key());
+    } else {
+      d.frozen.push_back(p);
+      d.frozen_names.push_back(item.key());
+    }
+  }
+  std::vector<at::Tensor> buffer_list;
+  for (const auto& item : d.module->named_buffers()) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    all.push_back(item.value());
+    all_names.push_back(item.key());
+    kinds.emplace_back("buffer");
+    d.buffers.push_back(item.value());
+  }
+  TORCH_CHECK(!d.params.empty(), where, ": the model has no parameter that requires grad, so there is nothing to "
+              "reduce.");
+  for (const auto& p : all) {
+    TORCH_CHECK(p.device().type() == all.front().device().type(), where, ": the model's tensors live on several "
+                "device types (", all.front().device(), " and ", p.device(), "); one process trains one device.");
+  }
+
+  // Same shapes everywhere, then rank 0's values everywhere: parameters, buffers and, at O2, the fp32 masters
+  // (broadcast too, so masters stay bit-identical; writes into the model alone would make the masters
+  // copy the rounded low-precision values).
+  verify_same_shapes(d.state, all, all_names, kinds, where);
+  std::vector<at::Tensor> outgoing = all;
+  std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>> masters;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (kinds[i] != "parameter") continue;
+    if (auto m = amp::detail::find_master(all[i])) masters.push_back(std::move(*m));
+  }
+  if (d.state.rank == 0) {
+    std::unordered_set<amp::detail::MasterWeights*> refreshed;
+    for (auto& [table, index] : masters) {
+      if (refreshed.insert(table.get()).second) table->refresh_changed();  // masters follow writes into the model
+    }
+  }
+  for (auto& [table, index] : masters) outgoing.push_back(table->master()[index]);
+  d.counters.broadcast_bytes.fetch_add(
+      broadcast_from_rank0(d.state, outgoing, int64_t{250} * 1024 * 1024, where + " (broadcasting rank 0's weights)"));
+  for (auto& [table, index] : masters) table->mark_synced(index);
+
+  // Our hook first, then the Reducer's on the same accumulators (post hooks run in registration order).
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(d.params[i]);
+    TORCH_CHECK(accumulator, where, ": parameter '", d.names[i], "' has no gradient accumulator; it must be a leaf "
+                "tensor that requires grad.");
+    d.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>([&d, i] { d.on_ready(i); })));
+    d.accumulators.push_back(std::move(accumulator));
+  }
+
+#if AMP_HAS_C10D_REDUCER
+  const int64_t first_bucket = std::min<int64_t>(c10d::kDefaultFirstBucketBytes, d.bucket_bytes);
+  if (!options.delay_allreduce()) {
+    std::vector<bool> sparse(d.params.size(), false);
+    auto assignment = c10d::compute_bucket_assignment_by_size(
+        d.params, {static_cast<size_t>(first_bucket), static_cast<size_t>(d.bucket_bytes)}, sparse);
+    auto buckets = std::get<0>(assignment);
+    // Buckets come out in parameter order; gradients arrive in reverse order, so reduce the last layers'
+    // bucket first (as Python's DDP does), or nothing would start until backward has ended.
+    std::reverse(buckets.begin(), buckets.end());
+    std::unordered_map<size_t, std::string> param_names;
+    for (size_t i = 0; i < d.names.size(); ++i) param_names.emplace(i, d.names[i]);
+    d.reducer = std::make_unique<c10d::Reducer>(d.params, buckets, d.state.group, sparse, d.bucket_bytes,
+                                                /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
+                                                param_names, first_bucket, /*skip_all_reduce_unused_params=*/false,
+                                                /*use_python_reducer=*/false, std::vector<int64_t>{});
+    d.reducer->register_comm_hook(std::make_unique<AverageHook>(d.state, d.average, d.counters));
+  } else
+#endif
+  {
+    // One flat buffer per dtype and device, split at bucket_cap_mb.
+    std::vector<std::pair<std::pair<c10::ScalarType, std::string>, std::vector<size_t>>> groups;
+    std::vector<int64_t> filled;
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const auto key = std::make_pair(d.params[i].scalar_type(), d.params[i].device().str());
+      const int64_t bytes = d.params[i].numel() * static_cast<int64_t>(d.params[i].element_size());
+      size_t g = 0;
+      for (; g < groups.size(); ++g) {
+        if (groups[g].first == key && filled[g] + bytes <= d.bucket_bytes) break;
+      }
+      if (g == groups.size()) {
+        groups.push_back({key, {}});
+        filled.push_back(0);
+      }
+      groups[g].second.push_back(i);
+      filled[g] += bytes;
+    }
+    for (auto& g : groups) d.delay_buckets.push_back(std::move(g.second));
+  }
+}
+
+DistributedCore::~DistributedCore() {
+  if (!impl_) return;
+  try {
+    impl_->reducer.reset();
+    for (size_t i = 0; i < impl_->accumulators.size(); ++i) impl_->accumulators[i]->del_post_hook(impl_->hook_keys[i]);
+  } catch (...) {
+    // A destructor never throws; the hooks die with the accumulators anyway.
+  }
+}
+
+void DistributedCore::before_forward() {
+  Impl& d = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    d.in_backward = false;  // a backward that threw before its end: start afresh
+  }
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    TORCH_CHECK(torch::autograd::impl::try_get_grad_accumulator(d.params[i]) == d.accumulators[i], kWhere,
+                ": parameter '", d.names[i], "' was replaced or changed dtype or device after make_distributed (its "
+                "gradients would no longer be reduced). Finish changing the model (amp::initialize, .to(), loading "
+                "weights with amp::load_weights) before make_distributed.");
+  }
+  for (size_t i = 0; i < d.frozen.size(); ++i) {
+    TORCH_CHECK(!d.frozen[i].requires_grad(), kWhere, ": parameter '", d.frozen_names[i], "' did not require grad "
+                "when make_distributed ran, so its gradients are not reduced, but it requires grad now. Unfreeze "
+                "parameters before make_distributed (and wrap the model again after changing which are frozen).");
+  }
+  if (!d.unsynced.empty()) d.check_unsynced();
+  if (d.options.broadcast_buffers() && d.state.world_size > 1 && !d.buffers.empty()) {
+    d.counters.broadcast_bytes.fetch_add(
+        broadcast_from_rank0(d.state, d.buffers, int64_t{250} * 1024 * 1024, std::string(kWhere) + " (broadcasting buffers)"));
+  }
+#if AMP_HAS_C10D_REDUCER
+  if (d.reducer && d.sync && c10::GradMode::is_enabled()) {
+    try {
+      d.reducer->rebuild_buckets();
+    } catch (const c10::Error& e) {
+      std::string cause = e.what_without_backtrace();
+      cause = cause.substr(0, cause.find('\n'));
+      TORCH_CHECK(false, kWhere, ": the previous backward left gradients unreduced",
+                  d.last_missing.empty() ? std::string() : " (no gradient for " + list_names(d.last_missing) + ")",
+                  ". Every backward must reach every trainable parameter, or use delay_allreduce(true). (c10d: ",
+                  cause, ")");
+    }
+    d.reducer->prepare_for_forward();
+  }
+#endif
+}
+
+void DistributedCore::set_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->sync = sync;
+}
+
+bool DistributedCore::sync() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->sync;
+}
+
+CommunicationStats DistributedCore::stats() const {
+  CommunicationStats s;
+  s.allreduce_calls = impl_->counters.allreduce_calls.load();
+  s.allreduce_bytes = impl_->counters.allreduce_bytes.load();
+  s.broadcast_bytes = impl_->counters.broadcast_bytes.load();
+  s.synced_backwards = impl_->counters.synced_backwards.load();
+  return s;
+}
+
+const ProcessGroup& DistributedCore::group() const { return impl_->group; }
+
+const DistributedDataParallelOptions& DistributedCore::options() const { return impl_->options; }
+
+}  // namespace amp::parallel::detail

@@ -1,0 +1,1645 @@
+#include "amp/python_checkpoint.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "amp/optimizer.h"
+#include "format.h"
+#include "master_weights.h"
+
+// NOTE [Reading Python pickles without LibTorch's unpickler]
+// torch.save writes a zip whose data.pkl is a pickle (protocol 2 by default) and whose data/<key>
+// records hold the tensor storages. LibTorch's torch::pickle_load / torch::jit::Unpickler cannot read a
+// real checkpoint: every state_dict is a collections.OrderedDict, which that unpickler special-cases
+// (before any type resolver is asked) into None, so the SETITEMS that fills it fails ("Expected
+// GenericDict but got None"), and its BUILD (the OrderedDict's _metadata) is treated as a call. It also
+// accepts protocol 2 only. Rewriting the pickle's bytes would need the same stack tracking as an
+// unpickler. So amp reads the pickle itself: a data-only machine (no Python code runs; like torch.load's
+// weights_only=True) that knows dicts, lists, tuples, scalars, strings, OrderedDict and torch's tensor
+// rebuild functions, and keeps any other Python object as an opaque placeholder, so an `args` entry
+// holding an argparse.Namespace does not make the model unreadable. The zip itself is read and written
+// with caffe2's PyTorchStreamReader/Writer, as torch.save does. Same code on LibTorch 1.13 and 2.x.
+// Writing mirrors it: a protocol-2 pickle of plain dicts, lists and tensors (_rebuild_tensor_v2 over
+// typed storages), which torch.load accepts with weights_only=True.
+
+namespace amp {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// Reading: the pickle as a tree of Python values.
+
+struct Node;
+using NodePtr = std::shared_ptr<Node>;
+
+struct Node {
+  enum class Kind { kNone, kBool, kInt, kFloat, kString, kBytes, kTensor, kStorage, kList, kTuple, kDict, kGlobal, kObject };
+  explicit Node(Kind k) : kind(k) {}
+  Kind kind;
+  bool boolean = false;
+  int64_t integer = 0;
+  double number = 0.0;
+  std::string text;            // string, bytes; "module.name" of a global or an object's type
+  at::Tensor tensor;           // tensor; storage (1-D, all its elements)
+  std::vector<NodePtr> items;  // list and tuple elements; dict keys and values, interleaved
+};
+
+NodePtr make(Node::Kind kind) { return std::make_shared<Node>(kind); }
+
+const char* kind_name(Node::Kind kind) {
+  switch (kind) {
+    case Node::Kind::kNone: return "None";
+    case Node::Kind::kBool: return "a bool";
+    case Node::Kind::kInt: return "an int";
+    case Node::Kind::kFloat: return "a float";
+    case Node::Kind::kString: return "a str";
+    case Node::Kind::kBytes: return "bytes";
+    case Node::Kind::kTensor: return "a tensor";
+    case Node::Kind::kStorage: return "a storage";
+    case Node::Kind::kList: return "a list";
+    case Node::Kind::kTuple: return "a tuple";
+    case Node::Kind::kDict: return "a dict";
+    case Node::Kind::kGlobal: return "a Python class or function";
+    case Node::Kind::kObject: return "a Python object";
+  }
+  return "?";
+}
+
+std::optional<c10::ScalarType> storage_dtype(const std::string& name) {
+  static const std::map<std::string, c10::ScalarType> types = {
+      {"torch.FloatStorage", at::kFloat},          {"torch.DoubleStorage", at::kDouble},
+      {"torch.HalfStorage", at::kHalf},            {"torch.BFloat16Storage", at::kBFloat16},
+      {"torch.LongStorage", at::kLong},            {"torch.IntStorage", at::kInt},
+      {"torch.ShortStorage", at::kShort},          {"torch.CharStorage", at::kChar},
+      {"torch.ByteStorage", at::kByte},            {"torch.BoolStorage", at::kBool},
+      {"torch.ComplexFloatStorage", at::kComplexFloat}, {"torch.ComplexDoubleStorage", at::kComplexDouble},
+      {"torch.UntypedStorage", at::kByte}};
+  const auto it = types.find(name);
+  if (it == types.end()) return std::nullopt;
+  return it->second;
+}
+
+// Reads one storage record: key, dtype, number of elements.
+using StorageLoader = std::function<at::Tensor(const std::string&, c10::ScalarType, int64_t)>;
+
+class Unpickler {
+ public:
+  Unpickler(const char* data, size_t size, StorageLoader load_storage)
+      : data_(data), size_(size), load_storage_(std::move(load_storage)) {}
+
+  NodePtr run() {
+    while (true) {
+      const size_t at = pos_;
+      const uint8_t op = u8();
+      if (op == '.') {  // STOP
+        check(stack_.size() == 1 && marks_.empty(), "STOP with ", stack_.size(), " values on the stack");
+        return stack_.back();
+      }
+      step(op, at);
+    }
+  }
+
+ private:
+  template <class... Args>
+  void check(bool ok, const Args&... what) const {
+    if (!ok) fail(what...);
+  }
+  template <class... Args>
+  [[noreturn]] void fail(const Args&... what) const {
+    std::ostringstream out;
+    (out << ... << what);
+    out << " (data.pkl byte " << pos_ << ")";
+    throw std::runtime_error(out.str());
+  }
+
+  const char* bytes(size_t n) {
+    check(n <= size_ - pos_, "the pickle ends in the middle of a value");
+    const char* p = data_ + pos_;
+    pos_ += n;
+    return p;
+  }
+  uint8_t u8() { return static_cast<uint8_t>(*bytes(1)); }
+  uint64_t little(size_t n) {
+    const auto* p = reinterpret_cast<const uint8_t*>(bytes(n));
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+    return v;
+  }
+  std::string text(size_t n) { return std::string(bytes(n), n); }
+  std::string line() {
+    const char* start = data_ + pos_;
+    const void* end = std::memchr(start, '\n', size_ - pos_);
+    check(end != nullptr, "a GLOBAL without its newline");
+    const size_t n = static_cast<const char*>(end) - start;
+    pos_ += n + 1;
+    return std::string(start, n);
+  }
+
+  void push(NodePtr node) { stack_.push_back(std::move(node)); }
+  NodePtr pop() {
+    check(stack_.size() > (marks_.empty() ? 0 : marks_.back()), "an opcode needs a value the stack does not have");
+    NodePtr top = std::move(stack_.back());
+    stack_.pop_back();
+    return top;
+  }
+  NodePtr& top() {
+    check(!stack_.empty(), "an opcode needs a value the stack does not have");
+    return stack_.back();
+  }
+  std::vector<NodePtr> pop_mark() {
+    check(!marks_.empty(), "an opcode needs a MARK the stack does not have");
+    const size_t mark = marks_.back();
+    marks_.pop_back();
+    std::vector<NodePtr> items(std::make_move_iterator(stack_.begin() + static_cast<std::ptrdiff_t>(mark)),
+                               std::make_move_iterator(stack_.end()));
+    stack_.resize(mark);
+    return items;
+  }
+  void memo_put(uint64_t id) {
+    check(!stack_.empty(), "memoizing an empty stack");
+    check(id < (uint64_t{1} << 32), "memo index out of range");
+    memo_[id] = stack_.back();
+  }
+  NodePtr memo_get(uint64_t id) {
+    const auto it = memo_.find(id);
+    check(it != memo_.end(), "memo entry ", id, " read before it was written");
+    return it->second;
+  }
+
+  NodePtr integer(int64_t v) {
+    auto n = make(Node::Kind::kInt);
+    n->integer = v;
+    return n;
+  }
+  NodePtr long_integer(size_t n) {
+    check(n <= 8, "an integer of ", n, " bytes, larger than int64");
+    if (n == 0) return integer(0);
+    uint64_t v = little(n);
+    if (n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);  // sign-extend
+    return integer(static_cast<int64_t>(v));
+  }
+  NodePtr string(Node::Kind kind, size_t n) {
+    check(n <= size_ - pos_, "a string longer than the pickle");
+    auto node = make(kind);
+    node->text = text(n);
+    return node;
+  }
+
+  void append(const NodePtr& list, std::vector<NodePtr> items) {
+    if (list->kind == Node::Kind::kObject) return;  // a list subclass C++ does not rebuild
+    check(list->kind == Node::Kind::kList, "APPEND to ", kind_name(list->kind));
+    for (auto& item : items) list->items.push_back(std::move(item));
+  }
+  void set_items(const NodePtr& dict, std::vector<NodePtr> items) {
+    if (dict->kind == Node::Kind::kObject) return;  // a dict subclass C++ does not rebuild
+    check(dict->kind == Node::Kind::kDict, "SETITEM on ", kind_name(dict->kind));
+    check(items.size() % 2 == 0, "SETITEMS with an odd number of values");
+    for (auto& item : items) dict->items.push_back(std::move(item));
+  }
+  NodePtr tuple(std::vector<NodePtr> items) {
+    auto t = make(Node::Kind::kTuple);
+    t->items = std::move(items);
+    return t;
+  }
+
+  std::vector<int64_t> int_tuple(const NodePtr& node, const char* what) {
+    check(node->kind == Node::Kind::kTuple || node->kind == Node::Kind::kList, "a tensor's ", what, " is ",
+          kind_name(node->kind), ", not a tuple");
+    std::vector<int64_t> out;
+    for (const auto& item : node->items) {
+      check(item->kind == Node::Kind::kInt && item->integer >= 0, "a tensor's ", what, " holds a non-integer");
+      out.push_back(item->integer);
+    }
+    return out;
+  }
+
+  NodePtr rebuild_tensor(const std::vector<NodePtr>& args) {
+    check(args.size() >= 4, "_rebuild_tensor with ", args.size(), " arguments");
+    check(args[0]->kind == Node::Kind::kStorage, "_rebuild_tensor over ", kind_name(args[0]->kind));
+    check(args[1]->kind == Node::Kind::kInt && args[1]->integer >= 0, "a tensor's storage offset is not an int");
+    const at::Tensor& storage = args[0]->tensor;
+    const int64_t offset = args[1]->integer;
+    const auto sizes = int_tuple(args[2], "size");
+    const auto strides = int_tuple(args[3], "stride");
+    check(sizes.size() == strides.size(), "a tensor with ", sizes.size(), " sizes and ", strides.size(), " strides");
+    // The last element the view reaches must lie inside the storage.
+    const int64_t available = storage.numel();
+    bool empty = false;
+    int64_t last = offset, numel = 1;
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] == 0) empty = true;
+      check(!__builtin_mul_overflow(numel, sizes[d], &numel), "a tensor with more elements than int64 counts");
+    }
+    for (size_t d = 0; d < sizes.size() && !empty; ++d) {
+      const int64_t reach = sizes[d] - 1;
+      check(reach == 0 || strides[d] <= (available - std::min(last, available)) / reach, "a tensor of size ",
+            c10::IntArrayRef(sizes), " and stride ", c10::IntArrayRef(strides), " at offset ", offset,
+            " past the end of its storage of ", available, " elements");
+      last += reach * strides[d];
+    }
+    check(empty || last < available, "a tensor of size ", c10::IntArrayRef(sizes), " at offset ", offset,
+          " past the end of its storage of ", available, " elements");
+    auto node = make(Node::Kind::kTensor);
+    node->tensor = at::empty({0}, storage.options()).set_(storage.storage(), offset, sizes, strides);
+    return node;
+  }
+
+  NodePtr call(const NodePtr& callable, const NodePtr& args_node) {
+    if (callable->kind == Node::Kind::kObject) return callable;
+    check(callable->kind == Node::Kind::kGlobal, "REDUCE on ", kind_name(callable->kind));
+    const std::string& name = callable->text;
+    if (args_node->kind != Node::Kind::kTuple) {
+      auto object = make(Node::Kind::kObject);
+      object->text = name;
+      return object;
+    }
+    const auto& args = args_node->items;
+    if (name == "collections.OrderedDict" || name == "builtins.dict") {
+      auto dict = make(Node::Kind::kDict);
+      if (!args.empty() && (args[0]->kind == Node::Kind::kList || args[0]->kind == Node::Kind::kTuple)) {
+        for (const auto& pair : args[0]->items) {
+          check((pair->kind == Node::Kind::kTuple || pair->kind == Node::Kind::kList) && pair->items.size() == 2,
+                "OrderedDict built from something else than pairs");
+          dict->items.push_back(pair->items[0]);
+          dict->items.push_back(pair->items[1]);
+        }
+      }
+      return dict;
+    }
+    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") return rebuild_tensor(args);
+    if (name == "torch._utils._rebuild_parameter" || name == "torch._utils._rebuild_parameter_with_state") {
+      check(!args.empty() && args[0]->kind == Node::Kind::kTensor, "_rebuild_parameter without a tensor");
+      return args[0];
+    }
+    if (name == "torch._tensor._rebuild_from_type_v2") {  // a tensor subclass or a tensor with Python attributes
+      check(args.size() >= 3, "_rebuild_from_type_v2 with ", args.size(), " arguments");
+      NodePtr inner = call(args[0], args[2]);
+      if (inner->kind == Node::Kind::kTensor) return inner;
+    }
+    if (name == "torch.torch_version.TorchVersion" && args.size() == 1 && args[0]->kind == Node::Kind::kString) {
+      return args[0];  // torch.__version__, a str subclass scripts like to save
+    }
+    if (name == "torch.Size" && !args.empty() && args[0]->kind == Node::Kind::kList) {
+      return tuple(args[0]->items);
+    }
+    auto object = make(Node::Kind::kObject);  // anything else: kept as an opaque placeholder
+    object->text = name;
+    return object;
+  }
+
+  NodePtr persistent_load(const NodePtr& pid) {
+    check(pid->kind == Node::Kind::kTuple && pid->items.size() == 5 && pid->items[0]->kind == Node::Kind::kString &&
+              pid->items[0]->text == "storage",
+          "a persistent id that is not torch.save's ('storage', type, key, location, numel)");
+    const auto& type = pid->items[1];
+    const auto& key = pid->items[2];
+    const auto& numel = pid->items[4];
+    check(type->kind == Node::Kind::kGlobal, "a storage whose type is ", kind_name(type->kind));
+    const auto dtype = storage_dtype(type->text);
+    check(dtype.has_value(), "a storage of type ", type->text, ", which amp does not read");
+    check(key->kind == Node::Kind::kString && numel->kind == Node::Kind::kInt && numel->integer >= 0,
+          "a malformed storage reference");
+    auto& cached = storages_[key->text];
+    if (!cached) {
+      cached = make(Node::Kind::kStorage);
+      cached->tensor = load_storage_(key->text, *dtype, numel->integer);
+    }
+    check(cached->tensor.scalar_type() == *dtype, "storage '", key->text, "' read with two dtypes");
+    return cached;
+  }
+
+  void step(uint8_t op, size_t at) {
+    switch (op) {
+      case 0x80: {  // PROTO
+        const uint8_t protocol = u8();
+        check(protocol <= 5, "pickle protocol ", int(protocol));
+        break;
+      }
+      case 0x95: bytes(8); break;  // FRAME
+      case '(': marks_.push_back(stack_.size()); break;  // MARK
+      case '0':  // POP
+        if (!marks_.empty() && marks_.back() == stack_.size()) {
+          marks_.pop_back();
+        } else {
+          pop();
+        }
+        break;
+      case '1': pop_mark(); break;  // POP_MARK
+      case '2': push(top()); break;  // DUP
+      case 'N': push(make(Node::Kind::kNone)); break;
+      case 0x88:
+      case 0x89: {  // NEWTRUE, NEWFALSE
+        auto b = make(Node::Kind::kBool);
+        b->boolean = op == 0x88;
+        push(b);
+        break;
+      }
+      case 'J': push(integer(static_cast<int32_t>(static_cast<uint32_t>(little(4))))); break;  // BININT
+      case 'K': push(integer(u8())); break;                                                   // BININT1
+      case 'M': push(integer(static_cast<int64_t>(little(2)))); break;                        // BININT2
+      case 0x8a: push(long_integer(u8())); break;                                             // LONG1
+      case 0x8b: push(long_integer(little(4))); break;                                        // LONG4
+      case 'G': {  // BINFLOAT, big-endian
+        const auto* p = reinterpret_cast<const uint8_t*>(bytes(8));
+        uint64_t bits = 0;
+        for (int i = 0; i < 8; ++i) bits = (bits << 8) | p[i];
+        auto f = make(Node::Kind::kFloat);
+        std::memcpy(&f->number, &bits, sizeof(double));
+        push(f);
+        break;
+      }
+      case 'X': push(string(Node::Kind::kString, little(4))); break;     // BINUNICODE
+      case 0x8c: push(string(Node::Kind::kString, u8())); break;         // SHORT_BINUNICODE
+      case 0x8d: push(string(Node::Kind::kString, little(8))); break;    // BINUNICODE8
+      case 'T': push(string(Node::Kind::kString, little(4))); break;     // BINSTRING (Python 2 str)
+      case 'U': push(string(Node::Kind::kString, u8())); break;          // SHORT_BINSTRING
+      case 'B': push(string(Node::Kind::kBytes, little(4))); break;      // BINBYTES
+      case 'C': push(string(Node::Kind::kBytes, u8())); break;           // SHORT_BINBYTES
+      case 0x8e: push(string(Node::Kind::kBytes, little(8))); break;     // BINBYTES8
+      case ']': push(make(Node::Kind::kList)); break;                    // EMPTY_LIST
+      case ')': push(make(Node::Kind::kTuple)); break;                   // EMPTY_TUPLE
+      case '}': push(make(Node::Kind::kDict)); break;                    // EMPTY_DICT
+      case 0x8f: {                                                       // EMPTY_SET
+        auto set = make(Node::Kind::kObject);
+        set->text = "builtins.set";
+        push(set);
+        break;
+      }
+      case 0x90: pop_mark(); break;  // ADDITEMS (into a set, kept opaque)
+      case 0x91: {                   // FROZENSET
+        pop_mark();
+        auto set = make(Node::Kind::kObject);
+        set->text = "builtins.frozenset";
+        push(set);
+        break;
+      }
+      case 'a': {  // APPEND
+        NodePtr v = pop();
+        append(top(), {v});
+        break;
+      }
+      case 'e': {  // APPENDS
+        auto items = pop_mark();
+        append(top(), std::move(items));
+        break;
+      }
+      case 'l': {  // LIST
+        auto list = make(Node::Kind::kList);
+        list->items = pop_mark();
+        push(list);
+        break;
+      }
+      case 't': push(tuple(pop_mark())); break;  // TUPLE
+      case 0x85: push(tuple({pop()})); break;    // TUPLE1
+      case 0x86: {                               // TUPLE2
+        NodePtr b = pop(), a = pop();
+        push(tuple({a, b}));
+        break;
+      }
+      case 0x87: {  // TUPLE3
+        NodePtr c = pop(), b = pop(), a = pop();
+        push(tuple({a, b, c}));
+        break;
+      }
+      case 'd': {  // DICT
+        auto dict = make(Node::Kind::kDict);
+        set_items(dict, pop_mark());
+        push(dict);
+        break;
+      }
+      case 's': {  // SETITEM
+        NodePtr value = pop(), key = pop();
+        set_items(top(), {key, value});
+        break;
+      }
+      case 'u': {  // SETITEMS
+        auto items = pop_mark();
+        set_items(top(), std::move(items));
+        break;
+      }
+      case 'c': {  // GLOBAL
+        auto global = make(Node::Kind::kGlobal);
+        const std::string module = line();
+        global->text = module + "." + line();
+        push(global);
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        NodePtr name = pop(), module = pop();
+        check(name->kind == Node::Kind::kString && module->kind == Node::Kind::kString, "STACK_GLOBAL without names");
+        auto global = make(Node::Kind::kGlobal);
+        global->text = module->text + "." + name->text;
+        push(global);
+        break;
+      }
+      case 'R': {  // REDUCE
+        NodePtr args = pop(), callable = pop();
+        push(call(callable, args));
+        break;
+      }
+      case 0x81: {  // NEWOBJ: cls.__new__(cls, *args); its state follows in BUILD
+        NodePtr args = pop(), cls = pop();
+        push(call(cls, args));
+        break;
+      }
+      case 0x92: {  // NEWOBJ_EX
+        pop();
+        NodePtr args = pop(), cls = pop();
+        push(call(cls, args));
+        break;
+      }
+      case 'b': {  // BUILD: an object's state (an OrderedDict's _metadata, ...), not needed in C++
+        pop();
+        top();
+        break;
+      }
+      case 'Q': push(persistent_load(pop())); break;  // BINPERSID
+      case 'q': memo_put(u8()); break;                // BINPUT
+      case 'r': memo_put(little(4)); break;           // LONG_BINPUT
+      case 0x94: memo_put(memo_.size()); break;       // MEMOIZE
+      case 'h': push(memo_get(u8())); break;          // BINGET
+      case 'j': push(memo_get(little(4))); break;     // LONG_BINGET
+      default:
+        pos_ = at;
+        fail("unsupported pickle opcode 0x", std::hex, int(op),
+             " (torch.save writes binary protocols 2 and up; text protocols 0 and 1 are not read)");
+    }
+  }
+
+  const char* data_;
+  size_t size_;
+  size_t pos_ = 0;
+  StorageLoader load_storage_;
+  std::vector<NodePtr> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, NodePtr> memo_;
+  std::unordered_map<std::string, NodePtr> storages_;
+};
+
+// Converts the tree into IValues; throws (with the path inside the entry) on what C++ cannot hold.
+class ToIValue {
+ public:
+  c10::IValue convert(const NodePtr& node, const std::string& path, int depth = 0) {
+    if (depth > 200) throw std::runtime_error(path + " is nested more than 200 levels deep (or refers to itself)");
+    const auto cached = done_.find(node.get());
+    if (cached != done_.end()) return cached->second;
+    c10::IValue out;
+    switch (node->kind) {
+      case Node::Kind::kNone: break;
+      case Node::Kind::kBool: out = node->boolean; break;
+      case Node::Kind::kInt: out = node->integer; break;
+      case Node::Kind::kFloat: out = node->number; break;
+      case Node::Kind::kString:
+      case Node::Kind::kBytes: out = node->text; break;
+      case Node::Kind::kTensor:
+      case Node::Kind::kStorage: out = node->tensor; break;
+      case Node::Kind::kTuple: {
+        std::vector<c10::IValue> items;
+        for (size_t i = 0; i < node->items.size(); ++i) {
+          items.push_back(convert(node->items[i], path + "[" + std::to_string(i) + "]", depth + 1));
+        }
+        out = c10::ivalue::Tuple::create(std::move(items));
+        break;
+      }
+      case Node::Kind::kList: {
+        std::vector<c10::IValue> items;
+        for (size_t i = 0; i < node->items.size(); ++i) {
+          items.push_back(convert(node->items[i], path + "[" + std::to_string(i) + "]", depth + 1));
+        }
+        c10::impl::GenericList list(element_type(items));
+        for (auto& item : items) list.push_back(std::move(item));
+        out = list;
+        break;
+      }
+      case Node::Kind::kDict: {
+        std::vector<c10::IValue> keys, values;
+        for (size_t i = 0; i + 1 < node->items.size(); i += 2) {
+          c10::IValue key = convert(node->items[i], path + " key", depth + 1);
+          if (!(key.isString() || key.isInt() || key.isDouble() || key.isBool())) {
+            throw std::runtime_error(path + " has a key that is " + kind_name(node->items[i]->kind) +
+                                     "; C++ dicts take str, int, float and bool keys");
+          }
+          const std::string item_path = path + "[" + (key.isString() ? "'" + key.toStringRef() + "'" : describe(key)) + "]";
+          keys.push_back(std::move(key));
+          values.push_back(convert(node->items[i + 1], item_path, depth + 1));
+        }
+        c10::impl::GenericDict dict(element_type(keys), element_type(values));
+        for (size_t i = 0; i < keys.size(); ++i) dict.insert_or_assign(std::move(keys[i]), std::move(values[i]));
+        out = dict;
+        break;
+      }
+      case Node::Kind::kGlobal:
+      case Node::Kind::kObject:
+        throw std::runtime_error(path + " holds a Python object of type " + node->text +
+                                 ", which C++ cannot rebuild (it reads dict, list, tuple, str, int, float, bool, None "
+                                 "and tensors). Save a plain value in Python (vars(args), float(x), x.tolist()) if "
+                                 "C++ needs it.");
+    }
+    done_.emplace(node.get(), out);
+    return out;
+  }
+
+  static std::string describe(const c10::IValue& v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  }
+
+ private:
+  static c10::TypePtr element_type(const std::vector<c10::IValue>& items) {
+    if (items.empty()) return c10::AnyType::get();
+    auto all = [&](auto pred) { return std::all_of(items.begin(), items.end(), pred); };
+    if (all([](const c10::IValue& v) { return v.isString(); })) return c10::StringType::get();
+    if (all([](const c10::IValue& v) { return v.isInt(); })) return c10::IntType::get();
+    if (all([](const c10::IValue& v) { return v.isDouble(); })) return c10::FloatType::get();
+    if (all([](const c10::IValue& v) { return v.isBool(); })) return c10::BoolType::get();
+    if (all([](const c10::IValue& v) { return v.isTensor(); })) return c10::TensorType::get();
+    return c10::AnyType::get();
+  }
+
+  std::unordered_map<const Node*, c10::IValue> done_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Writing: a protocol-2 pickle of IValues, tensors as torch.save writes them.
+
+const char* storage_name(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "FloatStorage";
+    case at::kDouble: return "DoubleStorage";
+    case at::kHalf: return "HalfStorage";
+    case at::kBFloat16: return "BFloat16Storage";
+    case at::kLong: return "LongStorage";
+    case at::kInt: return "IntStorage";
+    case at::kShort: return "ShortStorage";
+    case at::kChar: return "CharStorage";
+    case at::kByte: return "ByteStorage";
+    case at::kBool: return "BoolStorage";
+    case at::kComplexFloat: return "ComplexFloatStorage";
+    case at::kComplexDouble: return "ComplexDoubleStorage";
+    default: return nullptr;
+  }
+}
+
+class Pickler {
+ public:
+  Pickler() { op(0x80), op(2); }  // PROTO 2
+
+  void value(const c10::IValue& v, const std::string& path) {
+    if (v.isNone()) {
+      op('N');
+    } else if (v.isBool()) {
+      op(v.toBool() ? 0x88 : 0x89);
+    } else if (v.isInt()) {
+      integer(v.toInt());
+    } else if (v.isDouble()) {
+      floating(v.toDouble());
+    } else if (v.isString()) {
+      string(v.toStringRef());
+    } else if (v.isTensor()) {
+      tensor(v.toTensor(), path);
+    } else if (v.isTuple()) {
+      const auto& items = v.toTupleRef().elements();
+      if (items.empty()) {
+        op(')');
+      } else {
+        op('(');
+        for (size_t i = 0; i < items.size(); ++i) value(items[i], path + "[" + std::to_string(i) + "]");
+        op('t');
+      }
+    } else if (v.isList()) {
+      const auto list = v.toList();
+      op(']');
+      if (!list.empty()) {
+        op('(');
+        for (size_t i = 0; i < list.size(); ++i) value(list.get(i), path + "[" + std::to_string(i) + "]");
+        op('e');
+      }
+    } else if (v.isGenericDict()) {
+      const auto dict = v.toGenericDict();
+      op('}');
+      if (!dict.empty()) {
+        op('(');
+        for (const auto& item : dict) {
+          const c10::IValue& key = item.key();
+          TORCH_CHECK(key.isString() || key.isInt() || key.isDouble() || key.isBool(), "amp::PythonCheckpoint::save: ",
+                      path, " has a key of type ", key.tagKind(), "; Python checkpoints take str, int, float and bool keys.");
+          value(key, path);
+          value(item.value(), path + "[" + (key.isString() ? "'" + key.toStringRef() + "'" : ToIValue::describe(key)) + "]");
+        }
+        op('u');
+      }
+    } else {
+      TORCH_CHECK(false, "amp::PythonCheckpoint::save: ", path, " is a ", v.tagKind(), ", which a Python checkpoint "
+                  "cannot hold. Put dicts, lists, tuples, strings, ints, floats, bools, None and tensors.");
+    }
+  }
+
+  std::string finish() {
+    op('.');
+    return std::move(out_);
+  }
+  const std::vector<at::Tensor>& storages() const { return storages_; }
+
+ private:
+  void op(int code) { out_.push_back(static_cast<char>(code)); }
+  void raw(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  void little(uint64_t v, size_t n) {
+    for (size_t i = 0; i < n; ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
+  void integer(int64_t v) {
+    if (v >= 0 && v < 256) {
+      op('K');
+      little(static_cast<uint64_t>(v), 1);
+    } else if (v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max()) {
+      op('J');
+      little(static_cast<uint32_t>(static_cast<int32_t>(v)), 4);
+    } else {
+      op(0x8a);  // LONG1, 8 bytes two's complement
+      little(8, 1);
+      little(static_cast<uint64_t>(v), 8);
+    }
+  }
+  void floating(double v) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    op('G');
+    for (int i = 7; i >= 0; --i) out_.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+  }
+  void string(const std::string& s) {
+    op('X');
+    little(s.size(), 4);
+    raw(s.data(), s.size());
+  }
+  void global(const char* module, const char* name) {
+    op('c');
+    out_ += module;
+    out_ += '\n';
+    out_ += name;
+    out_ += '\n';
+  }
+  void tensor(const at::Tensor& t, const std::string& path) {
+    TORCH_CHECK(t.defined(), "amp::PythonCheckpoint::save: ", path, " is an undefined tensor.");
+    TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized(), "amp::PythonCheckpoint::save: ", path,
+                " is a sparse or quantized tensor; Python checkpoints written by amp hold dense tensors.");
+    const char* storage = storage_name(t.scalar_type());
+    TORCH_CHECK(storage != nullptr, "amp::PythonCheckpoint::save: ", path, " has dtype ", t.scalar_type(),
+                ", which amp does not write.");
+    const at::Tensor data = t.detach().to(at::kCPU).contiguous();
+    const std::string key = std::to_string(storages_.size());
+    storages_.push_back(data);
+    global("torch._utils", "_rebuild_tensor_v2");
+    op('(');
+    op('(');  // the persistent id: ('storage', torch.<Type>Storage, key, location, numel)
+    string("storage");
+    global("torch", storage);
+    string(key);
+    string("cpu");
+    integer(data.numel());
+    op('t');
+    op('Q');       // BINPERSID
+    integer(0);    // storage offset
+    op('(');
+    for (const auto s : data.sizes()) integer(s);
+    op('t');
+    op('(');
+    for (const auto s : data.strides()) integer(s);
+    op('t');
+    op(0x89);  // requires_grad False
+    global("collections", "OrderedDict");  // backward hooks: an empty OrderedDict
+    op(')');
+    op('R');
+    op('t');
+    op('R');
+  }
+
+  std::string out_;
+  std::vector<at::Tensor> storages_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Helpers for the load_* and put_* methods.
+
+// torch::optim keys per-parameter state by TensorImpl: a void* from LibTorch 2.0, a string of the
+// pointer before (as in src/optimizer.cpp).
+template <class Map>
+typename Map::key_type state_key(const Map&, const at::Tensor& t) {
+  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+    std::ostringstream key;
+    key << t.unsafeGetTensorImpl();
+    return key.str();
+  } else {
+    return t.unsafeGetTensorImpl();
+  }
+}
+
+std::string quoted_list(const std::vector<std::string>& names, size_t limit = 12) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > limit) out += ", ... (" + std::to_string(names.size() - limit) + " more)";
+  return out;
+}
+
+std::string type_of(const c10::IValue& v) {
+  if (v.isNone()) return "None";
+  if (v.isTensor()) return "a tensor";
+  if (v.isGenericDict()) return "a dict";
+  if (v.isList()) return "a list";
+  if (v.isTuple()) return "a tuple";
+  if (v.isString()) return "a str";
+  if (v.isInt()) return "an int";
+  if (v.isDouble()) return "a float";
+  if (v.isBool()) return "a bool";
+  return std::string("a ") + v.tagKind();
+}
+
+// The module's parameters and buffers under their qualified names, in Python's state_dict order
+// (each module's own parameters, then its buffers, then its children).
+void named_state(torch::nn::Module& module, const std::string& prefix,
+                 std::vector<std::pair<std::string, at::Tensor>>& out) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& child : module.named_children()) named_state(*child.value(), prefix + child.key() + ".", out);
+}
+
+std::optional<double> as_number(const c10::IValue& v) {
+  if (v.isDouble()) return v.toDouble();
+  if (v.isInt()) return static_cast<double>(v.toInt());
+  if (v.isBool()) return v.toBool() ? 1.0 : 0.0;
+  if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<double>();
+  return std::nullopt;
+}
+
+enum class OptimizerType { kSGD, kAdam, kAdamW, kRMSprop, kAdagrad };
+
+const char* optimizer_type_name(OptimizerType t) {
+  switch (t) {
+    case OptimizerType::kSGD: return "SGD";
+    case OptimizerType::kAdam: return "Adam";
+    case OptimizerType::kAdamW: return "AdamW";
+    case OptimizerType::kRMSprop: return "RMSprop";
+    case OptimizerType::kAdagrad: return "Adagrad";
+  }
+  return "?";
+}
+
+std::optional<OptimizerType> cpp_optimizer_type(const torch::optim::Optimizer& opt) {
+  if (dynamic_cast<const torch::optim::SGD*>(&opt)) return OptimizerType::kSGD;
+  if (dynamic_cast<const torch::optim::Adam*>(&opt)) return OptimizerType::kAdam;
+  if (dynamic_cast<const torch::optim::AdamW*>(&opt)) return OptimizerType::kAdamW;
+  if (dynamic_cast<const torch::optim::RMSprop*>(&opt)) return OptimizerType::kRMSprop;
+  if (dynamic_cast<const torch::optim::Adagrad*>(&opt)) return OptimizerType::kAdagrad;
+  return std::nullopt;
+}
+
+// Which torch.optim class wrote a param group, from its hyperparameter keys.
+std::optional<OptimizerType> python_optimizer_type(const c10::impl::GenericDict& group) {
+  auto has = [&](const char* key) { return group.contains(c10::IValue(std::string(key))); };
+  if (has("betas") && has("amsgrad")) {
+    if (has("decoupled_weight_decay")) {
+      const auto decoupled = as_number(group.at(c10::IValue(std::string("decoupled_weight_decay"))));
+      return decoupled && *decoupled != 0.0 ? OptimizerType::kAdamW : OptimizerType::kAdam;
+    }
+    // Before torch 2.7 Adam and AdamW wrote the same keys; the weight decay default tells them apart best.
+    return std::nullopt;
+  }
+  if (has("dampening") && has("nesterov")) return OptimizerType::kSGD;
+  if (has("alpha") && has("centered")) return OptimizerType::kRMSprop;
+  if (has("lr_decay") && has("initial_accumulator_value")) return OptimizerType::kAdagrad;
+  return std::nullopt;
+}
+
+std::vector<std::string> required_group_keys(OptimizerType t) {
+  switch (t) {
+    case OptimizerType::kSGD: return {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW: return {"lr", "betas", "eps", "weight_decay", "amsgrad"};
+    case OptimizerType::kRMSprop: return {"lr", "alpha", "eps", "weight_decay", "momentum", "centered"};
+    case OptimizerType::kAdagrad: return {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"};
+  }
+  return {};
+}
+
+// A hyperparameter group's values, read from the file (numbers as doubles).
+using Hyperparameters = std::map<std::string, double>;
+
+// One parameter's state, read and checked, ready to be installed.
+struct PendingState {
+  at::Tensor param;  // the tensor in param_groups (the fp32 master at O2)
+  std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: no state
+};
+
+// Returns the tensors as a Python state_dict for put_optimizer.
+c10::IValue cpu_copy(const at::Tensor& t) { return t.detach().to(at::kCPU).clone(); }
+
+c10::IValue step_tensor(int64_t step) { return at::scalar_tensor(static_cast<double>(step), at::kFloat); }
+
+std::string key_text(std::string_view key) { return std::string(key); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// PythonCheckpointLoadOptions
+
+PythonCheckpointLoadOptions& PythonCheckpointLoadOptions::strip_prefix(std::string prefix) {
+  return replace_prefix(std::move(prefix), "");
+}
+
+PythonCheckpointLoadOptions& PythonCheckpointLoadOptions::replace_prefix(std::string from, std::string to) {
+  TORCH_CHECK(!from.empty(), "amp::PythonCheckpointLoadOptions: the prefix to strip or replace is empty; name it "
+              "(\"module.\" for a checkpoint of a DistributedDataParallel model).");
+  rules_.emplace_back(std::move(from), std::move(to));
+  return *this;
+}
+
+PythonCheckpointLoadOptions& PythonCheckpointLoadOptions::strict(bool strict) {
+  strict_ = strict;
+  return *this;
+}
+
+std::string PythonCheckpointLoadOptions::map_key(const std::string& key) const {
+  std::string out = key;
+  for (const auto& [from, to] : rules_) {
+    if (out.compare(0, from.size(), from) == 0) out = to + out.substr(from.size());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// PythonCheckpoint: reading
+
+PythonCheckpoint PythonCheckpoint::load(const std::string& path) {
+  {
+    std::ifstream probe(path, std::ios::binary);
+    TORCH_CHECK(probe.good(), "amp::PythonCheckpoint::load: cannot open '", path, "'. Check the path.");
+    char magic[2] = {0, 0};
+    probe.read(magic, 2);
+    TORCH_CHECK(!(probe.gcount() == 2 && static_cast<uint8_t>(magic[0]) == 0x80 && magic[1] == 2),
+                "amp::PythonCheckpoint::load: '", path, "' was written by torch.save's legacy format "
+                "(_use_new_zipfile_serialization=False or torch < 1.6). Re-save it in Python with "
+                "torch.save(torch.load(path), path) under torch >= 1.6.");
+  }
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "amp::PythonCheckpoint::load: '", path, "' is not a file written by Python's torch.save (not "
+                "a zip archive: ", e.what_without_backtrace(), "). PythonCheckpoint reads what torch.save({...}, path) "
+                "writes; for torch::save archives of C++ modules use torch::load or amp::load_weights.");
+  }
+  TORCH_CHECK(reader->hasRecord("data.pkl") && !reader->hasRecord("constants.pkl"), "amp::PythonCheckpoint::load: '",
+              path, "' is a TorchScript module or a C++ torch::save archive, not a file written by Python's torch.save. "
+              "Load C++ archives with torch::load or amp::load_weights, TorchScript with torch::jit::load.");
+  if (reader->hasRecord("byteorder")) {
+    auto [data, size] = reader->getRecord("byteorder");
+    const std::string order(static_cast<const char*>(data.get()), size);
+    TORCH_CHECK(order == "little", "amp::PythonCheckpoint::load: '", path, "' was written on a ", order,
+                "-endian machine; amp reads little-endian checkpoints.");
+  }
+  auto [pickle, pickle_size] = reader->getRecord("data.pkl");
+  auto load_storage = [&](const std::string& key, c10::ScalarType dtype, int64_t numel) {
+    const std::string record = "data/" + key;
+    if (!reader->hasRecord(record)) {
+      throw std::runtime_error("the tensor data '" + record + "' is missing from the archive");
+    }
+    auto [data, size] = reader->getRecord(record);
+    const size_t item = c10::elementSize(dtype);
+    if (static_cast<uint64_t>(numel) > size / item) {
+      throw std::runtime_error("the tensor data '" + record + "' has " + std::to_string(size) + " bytes, less than " +
+                               std::to_string(numel) + " elements of " + std::to_string(item) + " bytes");
+    }
+    const size_t need = static_cast<size_t>(numel) * item;
+    c10::Storage storage(c10::Storage::use_byte_size_t(), need, std::move(data), /*allocator=*/nullptr,
+                         /*resizable=*/false);
+    return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
+  };
+  NodePtr root;
+  try {
+    root = Unpickler(static_cast<const char*>(pickle.get()), pickle_size, load_storage).run();
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "amp::PythonCheckpoint::load: '", path, "' is not a valid torch.save checkpoint: ",
+                (c10_error ? c10_error->what_without_backtrace() : e.what()), ".");
+  }
+  TORCH_CHECK(root->kind == Node::Kind::kDict, "amp::PythonCheckpoint::load: '", path, "' holds ",
+              kind_name(root->kind), (root->kind == Node::Kind::kObject ? " (" + root->text + ")" : std::string()),
+              ", not a dict. PythonCheckpoint reads files written by torch.save of a dict: torch.save({'model': "
+              "model.state_dict(), 'optimizer': optimizer.state_dict(), ...}, path), or torch.save(model.state_dict(), path).");
+
+  PythonCheckpoint checkpoint;
+  checkpoint.path_ = path;
+  ToIValue converter;
+  for (size_t i = 0; i + 1 < root->items.size(); i += 2) {
+    const NodePtr& key = root->items[i];
+    TORCH_CHECK(key->kind == Node::Kind::kString, "amp::PythonCheckpoint::load: '", path, "' is a dict with a key "
+                "that is ", kind_name(key->kind), "; PythonCheckpoint reads dicts with str keys.");
+    Entry entry{key->text, c10::IValue(), ""};
+    try {
+      entry.value = converter.convert(root->items[i + 1], "entry '" + key->text + "'");
+    } catch (const std::runtime_error& e) {
+      entry.unreadable = e.what();
+    }
+    // A key written twice: the last value wins, as in Python.
+    auto same = std::find_if(checkpoint.entries_.begin(), checkpoint.entries_.end(),
+                             [&](const Entry& x) { return x.key == entry.key; });
+    if (same != checkpoint.entries_.end()) {
+      *same = std::move(entry);
+    } else {
+      checkpoint.entries_.push_back(std::move(entry));
+    }
+  }
+  return checkpoint;
+}
+
+std::string PythonCheckpoint::where() const { return path_.empty() ? "the checkpoint" : "'" + path_ + "'"; }
+
+const PythonCheckpoint::Entry* PythonCheckpoint::find(std::string_view key) const {
+  for (const auto& e : entries_) {
+    if (e.key == key) return &e;
+  }
+  return nullptr;
+}
+
+bool PythonCheckpoint::contains(std::string_view key) const { return find(key) != nullptr; }
+
+std::vector<std::string> PythonCheckpoint::keys() const {
+  std::vector<std::string> out;
+  for (const auto& e : entries_) out.push_back(e.key);
+  return out;
+}
+
+const c10::IValue& PythonCheckpoint::value_of(std::string_view key, const char* method) const {
+  const Entry* e = find(key);
+  TORCH_CHECK(e != nullptr, "amp::PythonCheckpoint::", method, ": ", where(), " has no entry '", key, "' (it has ",
+              (entries_.empty() ? std::string("no entries") : quoted_list(keys())), "). Pass the key the Python "
+              "script saved it under.");
+  TORCH_CHECK(e->unreadable.empty(), "amp::PythonCheckpoint::", method, ": ", where(), ": ", e->unreadable);
+  return e->value;
+}
+
+c10::IValue PythonCheckpoint::get(std::string_view key) const { return value_of(key, "get"); }
+
+void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view key) const {
+  load_model(module, key, PythonCheckpointLoadOptions());
+}
+
+void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view key,
+                                  const PythonCheckpointLoadOptions& options) const {
+  const std::string what = key.empty() ? where() : "entry '" + key_text(key) + "'";
+  // The state_dict: one entry, or (empty key) the whole file, as torch.save(model.state_dict(), path) writes.
+  std::vector<std::pair<std::string, c10::IValue>> state;
+  if (key.empty()) {
+    for (const auto& e : entries_) {
+      TORCH_CHECK(e.unreadable.empty(), "amp::PythonCheckpoint::load_model: ", where(), ": ", e.unreadable);
+      state.emplace_back(e.key, e.value);
+    }
+  } else {
+    if (!contains(key)) {
+      const bool bare = !entries_.empty() && std::all_of(entries_.begin(), entries_.end(), [](const Entry& e) {
+        return e.unreadable.empty() && e.value.isTensor();
+      });
+      TORCH_CHECK(!bare, "amp::PythonCheckpoint::load_model: ", where(), " has no entry '", key, "': it is a bare "
+                  "state_dict (torch.save(model.state_dict(), path), keys ", quoted_list(keys(), 4), "). Load it "
+                  "with an empty key: load_model(module, \"\").");
+    }
+    const c10::IValue& value = value_of(key, "load_model");
+    TORCH_CHECK(value.isGenericDict(), "amp::PythonCheckpoint::load_model: ", what, " of ", where(), " is ",
+                type_of(value), ", not a state_dict (a dict of tensors). Pass the key of model.state_dict().");
+    for (const auto& item : value.toGenericDict()) {
+      TORCH_CHECK(item.key().isString(), "amp::PythonCheckpoint::load_model: ", what, " of ", where(),
+                  " has a key that is ", type_of(item.key()), ", so it is not a model's state_dict.");
+      state.emplace_back(item.key().toStringRef(), item.value());
+    }
+  }
+
+  std::vector<std::pair<std::string, at::Tensor>> targets;
+  named_state(module, "", targets);
+  std::unordered_map<std::string, size_t> target_index;
+  for (size_t i = 0; i < targets.size(); ++i) target_index.emplace(targets[i].first, i);
+
+  struct Pending {
+    std::string key;  // as in the checkpoint
+    at::Tensor target;
+    at::Tensor value;
+  };
+  std::vector<Pending> pending;
+  std::vector<std::string> unexpected;
+  std::unordered_map<std::string, std::string> mapped_from;  // module name -> checkpoint key
+  for (const auto& [ckpt_key, value] : state) {
+    const std::string name = options.map_key(ckpt_key);
+    const auto it = target_index.find(name);
+    if (it == target_index.end()) {
+      unexpected.push_back(ckpt_key);
+      continue;
+    }
+    const auto [prev, inserted] = mapped_from.emplace(name, ckpt_key);
+    TORCH_CHECK(inserted, "amp::PythonCheckpoint::load_model: ", what, " has both '", prev->second, "' and '", ckpt_key,
+                "', which the prefix rules both map to '", name, "'.");
+    const at::Tensor& target = targets[it->second].second;
+    TORCH_CHECK(value.isTensor(), "amp::PythonCheckpoint::load_model: '", ckpt_key, "' in ", what, " is ", type_of(value),
+                ", not a tensor.");
+    const at::Tensor& t = value.toTensor();
+    TORCH_CHECK(t.sizes() == target.sizes(), "amp::PythonCheckpoint::load_model: '", ckpt_key, "' has shape ",
+                t.sizes(), " in the checkpoint and ", target.sizes(), " in the model",
+                (ckpt_key == name ? std::string() : " ('" + name + "')"), ".");
+    TORCH_CHECK(t.is_floating_point() == target.is_floating_point(), "amp::PythonCheckpoint::load_model: '", ckpt_key,
+                "' is ", t.scalar_type(), " in the checkpoint and ", target.scalar_type(), " in the model.");
+    pending.push_back({ckpt_key, target, t});
+  }
+  std::vector<std::string> missing;
+  for (const auto& [name, tensor] : targets) {
+    if (!mapped_from.count(name)) missing.push_back(name);
+  }
+  if (options.strict() && (!missing.empty() || !unexpected.empty())) {
+    std::string hint;
+    // A DistributedDataParallel / DataParallel model's state_dict: every key starts with "module.".
+    const bool ddp = !unexpected.empty() && std::all_of(unexpected.begin(), unexpected.end(), [](const std::string& k) {
+      return k.compare(0, 7, "module.") == 0;
+    });
+    if (ddp) {
+      hint = " The checkpoint's keys start with 'module.' (saved from a DistributedDataParallel or DataParallel "
+             "model): pass amp::PythonCheckpointLoadOptions().strip_prefix(\"module.\").";
+    } else {
+      hint = " Map the names with amp::PythonCheckpointLoadOptions().strip_prefix(...) / replace_prefix(...), or skip "
+             "them with .strict(false).";
+    }
+    TORCH_CHECK(false, "amp::PythonCheckpoint::load_model: ", what, " does not match the model.",
+                (missing.empty() ? std::string() : " Missing key(s) in the checkpoint: " + quoted_list(missing) + "."),
+                (unexpected.empty() ? std::string() : " Unexpected key(s) in the checkpoint: " + quoted_list(unexpected) + "."),
+                hint);
+  }
+  TORCH_CHECK(!pending.empty() || targets.empty(), "amp::PythonCheckpoint::load_model: none of the keys of ", what,
+              " (", quoted_list(unexpected, 4), ") names a parameter or buffer of the model (", quoted_list(missing, 4),
+              "); map the names with amp::PythonCheckpointLoadOptions().strip_prefix(...) / replace_prefix(...).");
+
+  // Everything read and checked: now write (as amp::load_weights does).
+  c10::NoGradGuard no_grad;
+  for (auto& p : pending) {
+    if (detail::holds_float32_bytes(p.target)) p.target.set_(at::empty(p.target.sizes(), p.target.options()));
+    if (auto master = detail::find_master(p.target)) {
+      auto& [table, index] = *master;
+      table->master()[index].copy_(p.value);  // the fp32 value itself, not its rounded copy
+      p.target.copy_(table->master()[index]);
+      table->mark_synced(index);
+    } else {
+      p.target.copy_(p.value);
+    }
+  }
+}
+
+void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
+  const std::string what = "entry '" + key_text(key) + "'";
+  const char* m = "amp::PythonCheckpoint::load_optimizer: ";
+  const c10::IValue& value = value_of(key, "load_optimizer");
+  TORCH_CHECK(value.isGenericDict(), m, what, " of ", where(), " is ", type_of(value),
+              ", not an optimizer.state_dict() (a dict with 'state' and 'param_groups').");
+  const auto dict = value.toGenericDict();
+  const c10::IValue state_key_name(std::string("state")), groups_key_name(std::string("param_groups"));
+  TORCH_CHECK(dict.contains(state_key_name) && dict.contains(groups_key_name), m, what, " has no 'state' and "
+              "'param_groups', so it is not an optimizer.state_dict(). Pass the key of optimizer.state_dict().");
+  const c10::IValue& py_state_value = dict.at(state_key_name);
+  const c10::IValue& py_groups_value = dict.at(groups_key_name);
+  TORCH_CHECK(py_state_value.isGenericDict(), m, what, "['state'] is ", type_of(py_state_value), ", not a dict.");
+  TORCH_CHECK(py_groups_value.isList(), m, what, "['param_groups'] is ", type_of(py_groups_value), ", not a list.");
+  const auto py_state = py_state_value.toGenericDict();
+  const auto py_groups = py_groups_value.toList();
+
+  torch::optim::Optimizer& opt = optimizer.torch_optimizer();
+  const auto type = cpp_optimizer_type(opt);
+  TORCH_CHECK(type.has_value(), m, "this optimizer is not one whose Python state_dict amp reads; amp reads SGD, "
+              "Adam, AdamW, RMSprop and Adagrad.");
+  if (optimizer.properties().enabled) optimizer.sync_param_groups();
+  auto& groups = opt.param_groups();
+  TORCH_CHECK(py_groups.size() == groups.size(), m, what, " has ", py_groups.size(), " param group(s), this optimizer has ",
+              groups.size(), ". Build the optimizer's param groups as the Python script did.");
+
+  // Names of the tensors in param_groups, for messages (masters at O2 carry their model parameter's name).
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  if (optimizer.masters_) {
+    for (size_t i = 0; i < optimizer.masters_->size(); ++i) {
+      names.emplace(optimizer.masters_->master()[i].unsafeGetTensorImpl(), optimizer.masters_->name(i));
+    }
+  }
+  for (size_t i = 0; i < optimizer.direct_params_.size(); ++i) {
+    names.emplace(optimizer.direct_params_[i].unsafeGetTensorImpl(), optimizer.direct_names_[i]);
+  }
+
+  std::vector<Hyperparameters> hyper(groups.size());
+  std::vector<PendingState> pending;
+  std::unordered_set<int64_t> seen_ids;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string group_what = what + "['param_groups'][" + std::to_string(g) + "]";
+    const c10::IValue& group_value = py_groups.get(g);
+    TORCH_CHECK(group_value.isGenericDict(), m, group_what, " is ", type_of(group_value), ", not a dict.");
+    const auto group = group_value.toGenericDict();
+    const auto py_type = python_optimizer_type(group);
+    const bool same_family = py_type == type || (!py_type && (*type == OptimizerType::kAdam || *type == OptimizerType::kAdamW) &&
+                                                 group.contains(c10::IValue(std::string("betas"))));
+    if (!same_family) {
+      std::vector<std::string> keys;
+      for (const auto& item : group) {
+        if (item.key().isString() && item.key().toStringRef() != "params") keys.push_back(item.key().toStringRef());
+      }
+      TORCH_CHECK(false, m, what, " was saved from ", (py_type ? std::string("torch.optim.") + optimizer_type_name(*py_type)
+                                                                : std::string("another optimizer type")),
+                  " (param group ", g, " has ", quoted_list(keys), "), this optimizer is ", optimizer_type_name(*type),
+                  ". Build the C++ optimizer of the type the Python script used.");
+    }
+    for (const auto& k : required_group_keys(*type)) {
+      TORCH_CHECK(group.contains(c10::IValue(k)), m, group_what, " has no '", k, "', which ", optimizer_type_name(*type),
+                  " needs.");
+      const c10::IValue& v = group.at(c10::IValue(k));
+      if (k == "betas") {
+        TORCH_CHECK(v.isTuple() || v.isList(), m, group_what, "['betas'] is ", type_of(v), ", not a pair of floats.");
+        std::vector<c10::IValue> items;
+        if (v.isTuple()) {
+          items = v.toTupleRef().elements().vec();
+        } else {
+          for (const auto& x : v.toList()) items.push_back(x);
+        }
+        TORCH_CHECK(items.size() == 2 && as_number(items[0]) && as_number(items[1]), m, group_what,
+                    "['betas'] is not a pair of floats.");
+        hyper[g]["beta1"] = *as_number(items[0]);
+        hyper[g]["beta2"] = *as_number(items[1]);
+      } else {
+        const auto number = as_number(v);
+        TORCH_CHECK(number.has_value(), m, group_what, "['", k, "'] is ", type_of(v), ", not a number.");
+        hyper[g][k] = *number;
+      }
+    }
+    const c10::IValue maximize_key(std::string("maximize"));
+    TORCH_CHECK(!group.contains(maximize_key) || !as_number(group.at(maximize_key)).value_or(0.0), m, group_what,
+                " has maximize=True, which LibTorch's optimizers do not have.");
+
+    const c10::IValue params_key(std::string("params"));
+    TORCH_CHECK(group.contains(params_key) && group.at(params_key).isList(), m, group_what, " has no 'params' list.");
+    const auto ids = group.at(params_key).toList();
+    const auto& params = groups[g].params();
+    TORCH_CHECK(ids.size() == params.size(), m, "param group ", g, " has ", ids.size(), " parameter(s) in ", what,
+                " and ", params.size(), " in this optimizer. Build the optimizer from the same model and param groups "
+                "as the Python script.");
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      const auto name_it = names.find(p.unsafeGetTensorImpl());
+      const std::string param_what = "param group " + std::to_string(g) + ", parameter " + std::to_string(i) +
+                                     (name_it != names.end() ? " ('" + name_it->second + "')" : std::string());
+      const c10::IValue& id = ids.get(i);
+      TORCH_CHECK(id.isInt(), m, group_what, "['params'][", i, "] is ", type_of(id), ", not a parameter index.");
+      TORCH_CHECK(seen_ids.insert(id.toInt()).second, m, group_what, " lists parameter index ", id.toInt(), " twice.");
+      PendingState entry{p, nullptr};
+      if (!py_state.contains(id)) {
+        pending.push_back(std::move(entry));
+        continue;
+      }
+      const c10::IValue& s = py_state.at(id);
+      TORCH_CHECK(s.isGenericDict(), m, what, "['state'][", id.toInt(), "] (", param_what, ") is ", type_of(s),
+                  ", not a dict.");
+      const auto fields = s.toGenericDict();
+      auto field = [&](const char* name, bool required) -> at::Tensor {
+        const c10::IValue k{std::string(name)};
+        if (!fields.contains(k) || fields.at(k).isNone()) {
+          TORCH_CHECK(!required, m, what, "['state'][", id.toInt(), "] (", param_what, ") has no '", name, "', which ",
+                      optimizer_type_name(*type), " needs.");
+          return at::Tensor();
+        }
+        const c10::IValue& v = fields.at(k);
+        TORCH_CHECK(v.isTensor(), m, what, "['state'][", id.toInt(), "]['", name, "'] (", param_what, ") is ", type_of(v),
+                    ", not a tensor.");
+        const at::Tensor& t = v.toTensor();
+        TORCH_CHECK(t.sizes() == p.sizes(), m, "'", name, "' of ", param_what, " has shape ", t.sizes(), " in ", what,
+                    " and the parameter has shape ", p.sizes(), " here. The checkpoint was saved from another model "
+                    "or another parameter order.");
+        return at::empty_like(p, at::MemoryFormat::Preserve).copy_(t);  // the parameter's dtype and device, a copy
+      };
+      auto step = [&]() -> int64_t {
+        const c10::IValue k{std::string("step")};
+        TORCH_CHECK(fields.contains(k), m, what, "['state'][", id.toInt(), "] (", param_what, ") has no 'step', which ",
+                    optimizer_type_name(*type), " needs.");
+        const auto number = as_number(fields.at(k));
+        TORCH_CHECK(number && *number >= 0 && std::floor(*number) == *number && *number < 9.2e18, m, what, "['state'][",
+                    id.toInt(), "]['step'] (", param_what, ") is not a step count.");
+        return static_cast<int64_t>(*number);
+      };
+      const Hyperparameters& h = hyper[g];
+      switch (*type) {
+        case OptimizerType::kSGD: {
+          at::Tensor buf = field("momentum_buffer", false);
+          if (buf.defined()) {
+            auto st = std::make_unique<torch::optim::SGDParamState>();
+            st->momentum_buffer(buf);
+            entry.state = std::move(st);
+          }
+          break;
+        }
+        case OptimizerType::kAdam:
+        case OptimizerType::kAdamW: {
+          const int64_t n = step();
+          at::Tensor exp_avg = field("exp_avg", true), exp_avg_sq = field("exp_avg_sq", true);
+          at::Tensor max_sq = field("max_exp_avg_sq", h.at("amsgrad") != 0.0);
+          if (*type == OptimizerType::kAdam) {
+            auto st = std::make_unique<torch::optim::AdamParamState>();
+            st->step(n), st->exp_avg(exp_avg), st->exp_avg_sq(exp_avg_sq);
+            if (max_sq.defined()) st->max_exp_avg_sq(max_sq);
+            entry.state = std::move(st);
+          } else {
+            auto st = std::make_unique<torch::optim::AdamWParamState>();
+            st->step(n), st->exp_avg(exp_avg), st->exp_avg_sq(exp_avg_sq);
+            if (max_sq.defined()) st->max_exp_avg_sq(max_sq);
+            entry.state = std::move(st);
+          }
+          break;
+        }
+        case OptimizerType::kRMSprop: {
+          auto st = std::make_unique<torch::optim::RMSpropParamState>();
+          st->step(step());
+          st->square_avg(field("square_avg", true));
+          at::Tensor momentum = field("momentum_buffer", h.at("momentum") > 0.0);
+          if (momentum.defined()) st->momentum_buffer(momentum);
+          at::Tensor grad_avg = field("grad_avg", h.at("centered") != 0.0);
+          if (grad_avg.defined()) st->grad_avg(grad_avg);
+          entry.state = std::move(st);
+          break;
+        }
+        case OptimizerType::kAdagrad: {
+          auto st = std::make_unique<torch::optim::AdagradParamState>();
+          st->step(step());
+          st->sum(field("sum", true));
+          entry.state = std::move(st);
+          break;
+        }
+      }
+      pending.push_back(std::move(entry));
+    }
+  }
+
+  // Everything read and checked: now install the state and the hyperparameters.
+  auto& state = opt.state();
+  for (auto& entry : pending) {
+    const auto k = state_key(state, entry.param);
+    state.erase(k);
+    if (entry.state) state[k] = std::move(entry.state);
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const Hyperparameters& h = hyper[g];
+    auto& o = groups[g].options();
+    switch (*type) {
+      case OptimizerType::kSGD:
+        static_cast<torch::optim::SGDOptions&>(o).lr(h.at("lr")).momentum(h.at("momentum")).dampening(h.at("dampening"))
+            .weight_decay(h.at("weight_decay")).nesterov(h.at("nesterov") != 0.0);
+        break;
+      case OptimizerType::kAdam:
+        static_cast<torch::optim::AdamOptions&>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
+            .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
+        break;
+      case OptimizerType::kAdamW:
+        static_cast<torch::optim::AdamWOptions&>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
+            .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
+        break;
+      case OptimizerType::kRMSprop:
+        static_cast<torch::optim::RMSpropOptions&>(o).lr(h.at("lr")).alpha(h.at("alpha")).eps(h.at("eps"))
+            .weight_decay(h.at("weight_decay")).momentum(h.at("momentum")).centered(h.at("centered") != 0.0);
+        break;
+      case OptimizerType::kAdagrad:
+        static_cast<torch::optim::AdagradOptions&>(o).lr(h.at("lr")).lr_decay(h.at("lr_decay"))
+            .weight_decay(h.at("weight_decay")).initial_accumulator_value(h.at("initial_accumulator_value"))
+            .eps(h.at("eps"));
+        break;
+    }
+  }
+}
+
+void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) const {
+  const std::string what = "entry '" + key_text(key) + "'";
+  const char* m = "amp::PythonCheckpoint::load_amp: ";
+  const c10::IValue& value = value_of(key, "load_amp");
+  TORCH_CHECK(value.isGenericDict(), m, what, " of ", where(), " is ", type_of(value),
+              ", not amp.state_dict() or GradScaler.state_dict().");
+  const auto dict = value.toGenericDict();
+  const Properties& props = optimizer.properties();
+  const size_t num_scalers = optimizer.scalers_->size();
+  auto number = [&](const c10::impl::GenericDict& d, const std::string& field, const std::string& at) {
+    const c10::IValue k(field);
+    TORCH_CHECK(d.contains(k), m, at, " has no '", field, "'.");
+    const auto n = as_number(d.at(k));
+    TORCH_CHECK(n.has_value(), m, at, "['", field, "'] is ", type_of(d.at(k)), ", not a number.");
+    return *n;
+  };
+  struct Loaded {
+    double scale;
+    int64_t unskipped;
+  };
+  std::vector<Loaded> loaded;
+
+  bool apex = false, grad_scaler = false;
+  std::vector<std::string> keys;
+  for (const auto& item : dict) {
+    TORCH_CHECK(item.key().isString(), m, what, " has a key that is ", type_of(item.key()), ".");
+    keys.push_back(item.key().toStringRef());
+    if (keys.back().compare(0, 11, "loss_scaler") == 0) {
+      apex = true;
+    } else if (keys.back() == "scale" || keys.back() == "_growth_tracker" || keys.back() == "growth_interval") {
+      grad_scaler = true;
+    }
+  }
+  TORCH_CHECK(!dict.empty(), m, what, " is empty: a GradScaler(enabled=False) saves {}. There is no loss scale to "
+              "load; skip load_amp, or save the state of an enabled scaler.");
+  TORCH_CHECK(apex || grad_scaler, m, what, " is neither Apex's amp.state_dict() ('loss_scaler0', ...) nor "
+              "torch.amp.GradScaler's state_dict() ('scale', '_growth_tracker', ...); its keys are ", quoted_list(keys), ".");
+  TORCH_CHECK(!(apex && grad_scaler), m, what, " mixes Apex's keys ('loss_scaler<i>') with GradScaler's ('scale', ...).");
+  if (apex) {  // Apex: {'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}
+    for (const auto& k : keys) {
+      TORCH_CHECK(k.compare(0, 11, "loss_scaler") == 0, m, what, " has '", k, "', which is not 'loss_scaler<i>' (as "
+                  "Apex's amp.load_state_dict, amp reads only loss scalers there).");
+    }
+    TORCH_CHECK(keys.size() == num_scalers, m, what, " has ", keys.size(), " loss scaler(s), this optimizer has ",
+                num_scalers, " (num_losses). Initialize with amp::Options(...).num_losses(", keys.size(), ").");
+    for (size_t i = 0; i < num_scalers; ++i) {
+      const std::string name = "loss_scaler" + std::to_string(i);
+      const c10::IValue k(name);
+      TORCH_CHECK(dict.contains(k), m, what, " has no '", name, "' (it has ", quoted_list(keys), ").");
+      const c10::IValue& s = dict.at(k);
+      const std::string at = what + "['" + name + "']";
+      TORCH_CHECK(s.isGenericDict(), m, at, " is ", type_of(s), ", not a dict with 'loss_scale' and 'unskipped'.");
+      const double scale = number(s.toGenericDict(), "loss_scale", at);
+      const double unskipped = number(s.toGenericDict(), "unskipped", at);
+      TORCH_CHECK(unskipped >= 0 && std::floor(unskipped) == unskipped && unskipped < 9.2e18, m, at,
+                  "['unskipped'] is not a count.");
+      loaded.push_back({scale, static_cast<int64_t>(unskipped)});
+    }
+  } else {  // GradScaler: {'scale', 'growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker'}
+    TORCH_CHECK(num_scalers == 1, m, what, " is a GradScaler's state (one loss scale), this optimizer has ", num_scalers,
+                " loss scalers (num_losses); load a GradScaler's state into an optimizer with num_losses 1.");
+    const double scale = number(dict, "scale", what);
+    const double tracker = number(dict, "_growth_tracker", what);
+    const std::vector<std::pair<std::string, double>> settings = {
+        {"growth_factor", props.growth_factor},
+        {"backoff_factor", props.backoff_factor},
+        {"growth_interval", static_cast<double>(props.growth_interval)}};
+    for (const auto& [name, mine] : settings) {
+      const double theirs = number(dict, name, what);
+      auto text = [&, &name = name](double v) {
+        return name == "growth_interval" ? std::to_string(static_cast<int64_t>(v)) : detail::format_float(v);
+      };
+      TORCH_CHECK(theirs == mine, m, what, " has ", name, " = ", text(theirs), " (the Python GradScaler's setting), this "
+                  "optimizer has ", name, " = ", text(mine), ". Initialize with amp::Options(...).", name, "(",
+                  text(theirs), ") to continue with the same schedule.");
+    }
+    TORCH_CHECK(tracker >= 0 && std::floor(tracker) == tracker && tracker < 9.2e18, m, what,
+                "['_growth_tracker'] is not a count.");
+    loaded.push_back({scale, static_cast<int64_t>(tracker)});
+  }
+  std::vector<LossScaler> scalers = *optimizer.scalers_;
+  for (size_t i = 0; i < scalers.size(); ++i) {
+    TORCH_CHECK(!(loaded[i].scale > props.max_loss_scale), m, what, " has loss scale ",
+                detail::format_float(loaded[i].scale), ", above this optimizer's max_loss_scale ",
+                detail::format_float(props.max_loss_scale), " (GradScaler has no maximum). Initialize with "
+                "amp::Options(...).max_loss_scale(", detail::format_float(loaded[i].scale), ") or more.");
+    try {
+      scalers[i].load(loaded[i].scale, loaded[i].unskipped);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, m, what, " (loss scaler ", i, "): ", e.what());
+    }
+  }
+  *optimizer.scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
+}
+
+// ---------------------------------------------------------------------------------------------------
+// PythonCheckpoint: writing
+
+void PythonCheckpoint::put(std::string_view key, c10::IValue value) {
+  for (auto& e : entries_) {
+    if (e.key == key) {
+      e.value = std::move(value);
+      e.unreadable.clear();
+      return;
+    }
+  }
+  entries_.push_back({key_text(key), std::move(value), ""});
+}
+
+void PythonCheckpoint::erase(std::string_view key) {
+  entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.key == key; }),
+                 entries_.end());
+}
+
+void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  named_state(module, "", tensors);
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  std::unordered_set<const detail::MasterWeights*> refreshed;
+  for (const auto& [name, t] : tensors) {
+    at::Tensor value = t;
+    if (auto master = detail::find_master(t)) {
+      auto& [table, index] = *master;
+      if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
+      value = table->master()[index];
+    } else if (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) {
+      value = t.to(at::kFloat);
+    }
+    dict.insert(name, cpu_copy(value));
+  }
+  put(key, dict);
+}
+
+void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
+  torch::optim::Optimizer& opt = optimizer.torch_optimizer();
+  const auto type = cpp_optimizer_type(opt);
+  TORCH_CHECK(type.has_value(), "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python "
+              "state_dict amp writes; amp writes SGD, Adam, AdamW, RMSprop and Adagrad.");
+  if (optimizer.properties().enabled) optimizer.sync_param_groups();
+  auto& state = opt.state();
+  c10::impl::GenericDict py_state(c10::IntType::get(), c10::AnyType::get());
+  c10::impl::GenericList py_groups(c10::AnyType::get());
+  int64_t id = 0;
+  for (auto& group : opt.param_groups()) {
+    c10::impl::GenericDict g(c10::StringType::get(), c10::AnyType::get());
+    const auto& o = group.options();
+    switch (*type) {  // the keys and Python defaults of torch.optim's own state_dict()
+      case OptimizerType::kSGD: {
+        const auto& s = static_cast<const torch::optim::SGDOptions&>(o);
+        g.insert("lr", s.lr()), g.insert("momentum", s.momentum()), g.insert("dampening", s.dampening());
+        g.insert("weight_decay", s.weight_decay()), g.insert("nesterov", s.nesterov());
+        g.insert("maximize", false), g.insert("foreach", c10::IValue()), g.insert("differentiable", false);
+        g.insert("fused", c10::IValue());
+        break;
+      }
+      case OptimizerType::kAdam:
+      case OptimizerType::kAdamW: {
+        double lr, eps, wd;
+        std::tuple<double, double> betas;
+        bool amsgrad;
+        if (*type == OptimizerType::kAdam) {
+          const auto& s = static_cast<const torch::optim::AdamOptions&>(o);
+          lr = s.lr(), eps = s.eps(), wd = s.weight_decay(), betas = s.betas(), amsgrad = s.amsgrad();
+        } else {
+          const auto& s = static_cast<const torch::optim::AdamWOptions&>(o);
+          lr = s.lr(), eps = s.eps(), wd = s.weight_decay(), betas = s.betas(), amsgrad = s.amsgrad();
+        }
+        g.insert("lr", lr);
+        g.insert("betas", c10::ivalue::Tuple::create(std::vector<c10::IValue>{std::get<0>(betas), std::get<1>(betas)}));
+        g.insert("eps", eps), g.insert("weight_decay", wd), g.insert("amsgrad", amsgrad);
+        g.insert("maximize", false), g.insert("foreach", c10::IValue()), g.insert("capturable", false);
+        g.insert("differentiable", false), g.insert("fused", c10::IValue());
+        g.insert("decoupled_weight_decay", *type == OptimizerType::kAdamW);
+        break;
+      }
+      case OptimizerType::kRMSprop: {
+        const auto& s = static_cast<const torch::optim::RMSpropOptions&>(o);
+        g.insert("lr", s.lr()), g.insert("momentum", s.momentum()), g.insert("alpha", s.alpha());
+        g.insert("eps", s.eps()), g.insert("centered", s.centered()), g.insert("weight_decay", s.weight_decay());
+        g.insert("capturable", false), g.insert("foreach", c10::IValue()), g.insert("maximize", false);
+        g.insert("differentiable", false);
+        break;
+      }
+      case OptimizerType::kAdagrad: {
+        const auto& s = static_cast<const torch::optim::AdagradOptions&>(o);
+        g.insert("lr", s.lr()), g.insert("lr_decay", s.lr_decay()), g.insert("eps", s.eps());
+        g.insert("weight_decay", s.weight_decay()), g.insert("initial_accumulator_value", s.initial_accumulator_value());
+        g.insert("foreach", c10::IValue()), g.insert("maximize", false), g.insert("differentiable", false);
+        g.insert("fused", c10::IValue());
+        break;
+      }
+    }
+    c10::impl::GenericList ids(c10::IntType::get());
+    for (const auto& p : group.params()) {
+      ids.push_back(id);
+      const auto it = state.find(state_key(state, p));
+      if (it != state.end()) {
+        c10::impl::GenericDict s(c10::StringType::get(), c10::AnyType::get());
+        auto put_tensor = [&](const char* name, const at::Tensor& t) {
+          if (t.defined()) s.insert(name, cpu_copy(t));
+        };
+        const auto& base = *it->second;
+        switch (*type) {
+          case OptimizerType::kSGD:
+            put_tensor("momentum_buffer", static_cast<const torch::optim::SGDParamState&>(base).momentum_buffer());
+            break;
+          case OptimizerType::kAdam: {
+            const auto& a = static_cast<const torch::optim::AdamParamState&>(base);
+            s.insert("step", step_tensor(a.step()));
+            put_tensor("exp_avg", a.exp_avg()), put_tensor("exp_avg_sq", a.exp_avg_sq());
+            if (static_cast<const torch::optim::AdamOptions&>(o).amsgrad()) put_tensor("max_exp_avg_sq", a.max_exp_avg_sq());
+            break;
+          }
+          case OptimizerType::kAdamW: {
+            const auto& a = static_cast<const torch::optim::AdamWParamState&>(base);
+            s.insert("step", step_tensor(a.step()));
+            put_tensor("exp_avg", a.exp_avg()), put_tensor("exp_avg_sq", a.exp_avg_sq());
+            if (static_cast<const torch::optim::AdamWOptions&>(o).amsgrad()) put_tensor("max_exp_avg_sq", a.max_exp_avg_sq());
+            break;
+          }
+          case OptimizerType::kRMSprop: {
+            const auto& r = static_cast<const torch::optim::RMSpropParamState&>(base);
+            s.insert("step", step_tensor(r.step()));
+            put_tensor("square_avg", r.square_avg()), put_tensor("momentum_buffer", r.momentum_buffer());
+            put_tensor("grad_avg", r.grad_avg());
+            break;
+          }
+          case OptimizerType::kAdagrad: {
+            const auto& a = static_cast<const torch::optim::AdagradParamState&>(base);
+            s.insert("step", step_tensor(a.step()));
+            put_tensor("sum", a.sum());
+            break;
+          }
+        }
+        if (!s.empty()) py_state.insert(id, s);
+      }
+      ++id;
+    }
+    g.insert("params", ids);
+    py_groups.push_back(g);
+  }
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  out.insert("state", py_state);
+  out.insert("param_groups", py_groups);
+  put(key, out);
+}
+
+void PythonCheckpoint::put_amp(std::string_view key, const OptimizerBase& optimizer) {
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  const auto& scalers = *optimizer.scaler_bank();
+  for (size_t i = 0; i < scalers.size(); ++i) {
+    c10::impl::GenericDict s(c10::StringType::get(), c10::AnyType::get());
+    s.insert("loss_scale", scalers[i].loss_scale());
+    s.insert("unskipped", scalers[i].unskipped());
+    out.insert("loss_scaler" + std::to_string(i), s);
+  }
+  put(key, out);
+}
+
+void PythonCheckpoint::put_grad_scaler(std::string_view key, const OptimizerBase& optimizer, int loss_id) {
+  const LossScaler& scaler = optimizer.loss_scaler(loss_id);
+  const Properties& props = optimizer.properties();
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  out.insert("scale", scaler.loss_scale());
+  out.insert("growth_factor", props.growth_factor);
+  out.insert("backoff_factor", props.backoff_factor);
+  out.insert("growth_interval", static_cast<int64_t>(props.growth_interval));
+  out.insert("_growth_tracker", scaler.unskipped());
+  put(key, out);
+}
+
+void PythonCheckpoint::save(const std::string& path) const {
+  Pickler pickler;
+  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& e : entries_) {
+    TORCH_CHECK(e.unreadable.empty(), "amp::PythonCheckpoint::save: entry '", e.key, "' was read from ", where(),
+                " but holds a Python object C++ cannot write back; replace it with put(\"", e.key, "\", ...) or drop "
+                "it with erase(\"", e.key, "\").");
+    root.insert(e.key, e.value);
+  }
+  pickler.value(root, "the checkpoint");
+  const std::string pickle = pickler.finish();
+
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(file.good(), "amp::PythonCheckpoint::save: cannot write '", tmp, "'. Check that the directory exists "
+                "and is writable.");
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) -> size_t {
+      file.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
+      return file.good() ? size : 0;
+    });
+    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+    writer.writeRecord("byteorder", "little", 6);
+    const auto& storages = pickler.storages();
+    for (size_t i = 0; i < storages.size(); ++i) {
+      const at::Tensor& t = storages[i];
+      writer.writeRecord("data/" + std::to_string(i), t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+    }
+    writer.writeEndOfFile();
+    file.flush();
+    TORCH_CHECK(file.good(), "amp::PythonCheckpoint::save: writing '", tmp, "' failed (disk full?).");
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "amp::PythonCheckpoint::save: cannot rename '", tmp,
+              "' to '", path, "': ", std::strerror(errno), ".");
+}
+
+}  // namespace amp
