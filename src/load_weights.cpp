@@ -58,20 +58,7 @@ void load_weights(torch::nn::Module& module, torch::serialize::InputArchive& arc
   std::vector<Pending> pending;
   collect(module, archive, "", pending);
   // Everything read and checked: now write.
-  c10::NoGradGuard no_grad;
-  for (auto& p : pending) {
-    p.value = p.value.to(p.target.device());
-    // Undo what a torch::load into the cast model left: fp32 bytes on a storage twice the tensor's size.
-    if (detail::holds_float32_bytes(p.target)) p.target.set_(at::empty(p.target.sizes(), p.target.options()));
-    if (auto master = detail::find_master(p.target)) {
-      auto& [table, index] = *master;
-      table->master()[index].copy_(p.value);    // the fp32 value itself, not its rounded copy
-      p.target.copy_(table->master()[index]);
-      table->mark_synced(index);
-    } else {
-      p.target.copy_(p.value);
-    }
-  }
+  for (const auto& p : pending) detail::write_loaded(p.target, p.value);
 }
 
 void load_weights(torch::nn::Module& module, const std::string& path) {

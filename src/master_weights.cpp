@@ -1,5 +1,6 @@
 #include "master_weights.h"
 
+#include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 
 #include "amp/model.h"
@@ -72,6 +73,20 @@ void MasterWeights::check_usable(size_t i) const {
               dtype_name(m.scalar_type()), " now, but amp::initialize cast it to low precision and keeps its fp32 "
               "master weight (something replaced its data, e.g. set_data or Module::to, after initialize). Write "
               "weights in place instead: amp::load_weights(*model, path), or copy_ under torch::NoGradGuard.");
+}
+
+void write_loaded(const at::Tensor& target, const at::Tensor& value) {
+  c10::NoGradGuard no_grad;
+  at::Tensor t = target;
+  if (holds_float32_bytes(t)) t.set_(at::empty(t.sizes(), t.options()));
+  if (auto master = find_master(t)) {
+    auto& [table, index] = *master;
+    table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
+    t.copy_(table->master()[index]);
+    table->mark_synced(index);
+  } else {
+    t.copy_(value);
+  }
 }
 
 void MasterWeights::refresh_changed() {

@@ -61,6 +61,12 @@ void register_masters(const std::shared_ptr<MasterWeights>& table);
 /// Returns the master table and index holding `model_param`'s master, if it has one.
 std::optional<std::pair<std::shared_ptr<MasterWeights>, size_t>> find_master(const at::Tensor& model_param);
 
+/// Writes a loaded `value` into the model tensor `target` (amp::load_weights, PythonCheckpoint::load_model),
+/// converting dtype and device. Where `target` has an fp32 master, the master takes the value itself and
+/// `target` its rounded copy, and the two are marked in step. Repairs what torch::load left in `target`
+/// (fp32 bytes under a low-precision tensor) first.
+void write_loaded(const at::Tensor& target, const at::Tensor& value);
+
 /// Returns whether `t`, a 2-byte floating tensor, sits alone on a storage exactly twice its size: what
 /// torch::load (Tensor::set_) leaves when it puts an fp32 tensor's bytes under a float16/bfloat16 one.
 bool holds_float32_bytes(const at::Tensor& t);

@@ -1100,18 +1100,7 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
               "); map the names with amp::PythonCheckpointLoadOptions().strip_prefix(...) / replace_prefix(...).");
 
   // Everything read and checked: now write (as amp::load_weights does).
-  c10::NoGradGuard no_grad;
-  for (auto& p : pending) {
-    if (detail::holds_float32_bytes(p.target)) p.target.set_(at::empty(p.target.sizes(), p.target.options()));
-    if (auto master = detail::find_master(p.target)) {
-      auto& [table, index] = *master;
-      table->master()[index].copy_(p.value);  // the fp32 value itself, not its rounded copy
-      p.target.copy_(table->master()[index]);
-      table->mark_synced(index);
-    } else {
-      p.target.copy_(p.value);
-    }
-  }
+  for (const auto& p : pending) detail::write_loaded(p.target, p.value);
 }
 
 void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
