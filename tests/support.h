@@ -29,13 +29,13 @@
   } while (0)
 
 /// Skips the test where `device` is CUDA and this machine has none (the same test runs on a GPU
-/// machine: scripts/gpu-check.sh).
+/// machine, built against a CUDA LibTorch: scripts/build.sh custom with Torch_DIR set).
 #define SKIP_WITHOUT_DEVICE(device)                                                                  \
   do {                                                                                               \
     if ((device) == torch::kCUDA && !torch::cuda::is_available())                                    \
       GTEST_SKIP() << "no CUDA device here (torch::cuda::is_available() is false; "                  \
                    << (amp_test::built_with_cuda() ? "CUDA build" : "CPU-only build")               \
-                   << "): the CUDA variant runs on a GPU machine, see scripts/gpu-check.sh";        \
+                   << "): the CUDA variant runs on a machine with a GPU and a CUDA LibTorch";        \
   } while (0)
 
 namespace amp_test {
