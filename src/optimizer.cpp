@@ -20,23 +20,13 @@
 #include "model_casting.h"
 #include "master_weights.h"
 #include "multi_tensor.h"
+#include "optimizer_state_key.h"
 #include "scaled_grads.h"
 
 namespace amp {
 namespace {
 
-// torch::optim keys per-parameter state by TensorImpl: a void* from LibTorch 2.0, a string of the
-// pointer before.
-template <class Map>
-typename Map::key_type state_key(const Map&, const at::Tensor& t) {
-  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
-    std::ostringstream key;  // what c10::guts::to_string(TensorImpl*) produced in LibTorch 1.x
-    key << t.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return t.unsafeGetTensorImpl();
-  }
-}
+using detail::state_key;
 
 void clear_grad(const at::Tensor& t, bool set_to_none) {
   at::Tensor& grad = t.mutable_grad();

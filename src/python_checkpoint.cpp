@@ -30,6 +30,7 @@
 #include "amp/optimizer.h"
 #include "format.h"
 #include "master_weights.h"
+#include "optimizer_state_key.h"
 
 // NOTE [Reading Python pickles without LibTorch's unpickler]
 // torch.save writes a zip whose data.pkl is a pickle (protocol 2 by default) and whose data/<key>
@@ -743,18 +744,7 @@ class Pickler {
 // ---------------------------------------------------------------------------------------------------
 // Helpers for the load_* and put_* methods.
 
-// torch::optim keys per-parameter state by TensorImpl: a void* from LibTorch 2.0, a string of the
-// pointer before (as in src/optimizer.cpp).
-template <class Map>
-typename Map::key_type state_key(const Map&, const at::Tensor& t) {
-  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
-    std::ostringstream key;
-    key << t.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return t.unsafeGetTensorImpl();
-  }
-}
+using detail::state_key;
 
 std::string quoted_list(const std::vector<std::string>& names, size_t limit = 12) {
   std::string out;

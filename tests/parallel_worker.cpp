@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "amp/amp.h"
+#include "optimizer_state_key.h"
 
 namespace {
 
@@ -81,16 +82,7 @@ std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ts) {
   return out;
 }
 
-template <class Map>
-typename Map::key_type state_key(const Map&, const torch::Tensor& t) {
-  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
-    std::ostringstream key;
-    key << t.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return t.unsafeGetTensorImpl();
-  }
-}
+using amp::detail::state_key;
 
 // SGD momentum buffers, in parameter order (empty where a parameter has none yet).
 std::vector<torch::Tensor> momentum_of(torch::optim::SGD& sgd) {
