@@ -115,6 +115,10 @@ void MasterWeights::copy_to_model() {
   for (size_t i = 0; i < model_.size(); ++i) mark_synced(i);
 }
 
+void MasterWeights::mark_all_synced() {
+  for (size_t i = 0; i < model_.size(); ++i) mark_synced(i);
+}
+
 void MasterWeights::mark_synced(size_t i) {
   version_[i] = model_[i]._version();
   storage_[i] = storage_of(model_[i]);

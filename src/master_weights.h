@@ -42,6 +42,8 @@ class MasterWeights {
   void copy_to_model();
   /// Records that model[i] and master[i] agree now.
   void mark_synced(size_t i);
+  /// Records that every model parameter and its master agree now (a fused step wrote both).
+  void mark_all_synced();
 
  private:
   void check_usable(size_t i) const;

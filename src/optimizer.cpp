@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "amp/fused_optimizers.h"
 #include "amp/opt_level.h"
 #include "format.h"
 #include "model_casting.h"
@@ -277,6 +278,14 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
     known_groups_.emplace_back();
     for (auto& p : group.params()) known_groups_.back().push_back(p.unsafeGetTensorImpl());
   }
+  // A fused optimizer writes each master's rounded copy into the model in its own pass (no copy_to_model).
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&opt)) {
+    fused->model_copies_.clear();
+    for (size_t i = 0; i < masters_->size(); ++i) {
+      fused->model_copies_.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->model()[i]);
+    }
+    step_writes_model_ = true;
+  }
   model_side_ = masters_->model();
   model_side_.insert(model_side_.end(), direct_params_.begin(), direct_params_.end());
   model_side_set_.clear();
@@ -333,7 +342,13 @@ bool OptimizerBase::begin_step() {
   return true;
 }
 
-void OptimizerBase::end_step() { masters_->copy_to_model(); }
+void OptimizerBase::end_step() {
+  if (step_writes_model_) {
+    masters_->mark_all_synced();
+  } else {
+    masters_->copy_to_model();
+  }
+}
 
 void OptimizerBase::zero_all_grads(bool set_to_none) {
   if (properties_.enabled) sync_param_groups();
@@ -544,7 +559,7 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < masters_->size(); ++i) masters_->master()[i].copy_(masters[i]);
   }
-  end_step();  // the model's low-precision params follow the restored masters
+  masters_->copy_to_model();  // the model's low-precision params follow the restored masters
   zero_all_grads(/*set_to_none=*/true);
 }
 

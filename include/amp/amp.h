@@ -20,6 +20,7 @@
 #include "amp/batchnorm.h"
 #include "amp/cast_policy.h"
 #include "amp/config.h"
+#include "amp/fused_optimizers.h"
 #include "amp/grad_scaler.h"
 #include "amp/initialize.h"
 #include "amp/load_weights.h"

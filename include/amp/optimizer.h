@@ -76,7 +76,8 @@ class OptimizerBase {
               std::shared_ptr<std::vector<LossScaler>> scalers);
   /// Decides the step: false after an overflow (grads are then dropped and nothing changes).
   bool begin_step();
-  /// Copies the updated masters into the model's low-precision parameters (one fused pass).
+  /// Copies the updated masters into the model's low-precision parameters (one fused pass), unless the
+  /// step wrote them itself (amp::optim::Fused*).
   void end_step();
   /// Clears model and master gradients and any pending backward state.
   void zero_all_grads(bool set_to_none);
@@ -111,6 +112,7 @@ class OptimizerBase {
 
   Properties properties_;
   bool attached_ = false;
+  bool step_writes_model_ = false;  // a fused optimizer's step writes the masters' copies into the model
   // Apex skips all scaling bookkeeping for a fixed scale of 1 without master weights (O0, O3).
   bool unscaled_fast_path_ = false;
   std::shared_ptr<std::vector<LossScaler>> scalers_;  // shared by optimizers initialized together

@@ -1,0 +1,84 @@
+#pragma once
+// Fused optimizers (Apex's apex.optimizers): torch::optim::SGD, Adam and AdamW whose step updates each
+// parameter and its optimizer state in one pass over memory instead of LibTorch's chain of ATen ops,
+// and at O2 also writes the model's low-precision copy of each fp32 master in that same pass.
+//
+// They are the LibTorch optimizers (same options, defaults, state types, param groups, schedulers and
+// torch::save / torch::load archives; a checkpoint of one loads into the other), with step() replaced:
+//   - CPU fp32 parameters: amp's own vectorized loop (src/cpu_optimizer_kernels.cpp);
+//   - other devices (CUDA), LibTorch >= 2.4: ATen's fused kernels (_fused_sgd_, _fused_adam_, _fused_adamw_);
+//   - anything else (float16/bfloat16/double parameters, e.g. O3; non-contiguous tensors): LibTorch's
+//     own per-op algorithm, bit for bit.
+//
+// Apex -> amp:  apex.optimizers.FusedSGD -> amp::optim::FusedSGD;  FusedAdam(adam_w_mode=False) ->
+// amp::optim::FusedAdam;  FusedAdam(adam_w_mode=True), Apex's default -> amp::optim::FusedAdamW.
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <unordered_map>
+
+namespace amp {
+class OptimizerBase;
+
+namespace optim {
+
+/// What the fused optimizers share: for each parameter, an optional low-precision tensor the step also
+/// writes the parameter's new value into, rounded. amp::Optimizer fills it at O2 (fp32 master -> the
+/// model's float16/bfloat16 parameter), so the separate master -> model copy pass disappears.
+class FusedOptimizer {
+ public:
+  virtual ~FusedOptimizer() = default;
+
+ protected:
+  FusedOptimizer() = default;
+  FusedOptimizer(FusedOptimizer&&) = default;
+  FusedOptimizer& operator=(FusedOptimizer&&) = default;
+
+  /// Returns the tensor p's update is also written into, or nullptr.
+  const at::Tensor* model_copy(const at::Tensor& p) const;
+
+ private:
+  friend class amp::OptimizerBase;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
+};
+
+/// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) with a fused step.
+///
+/// Example:
+///   amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+///   auto [amp_model, amp_optimizer] = amp::initialize(model, std::move(optimizer), amp::Options().opt_level("O2"));
+class FusedSGD : public torch::optim::SGD, public FusedOptimizer {
+ public:
+  using torch::optim::SGD::SGD;
+  /// Updates every parameter that has a gradient, as torch::optim::SGD::step does.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// torch::optim::Adam (L2 weight decay added to the gradient, amsgrad) with a fused step.
+///
+/// Example:
+///   amp::optim::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3).amsgrad(true));
+class FusedAdam : public torch::optim::Adam, public FusedOptimizer {
+ public:
+  using torch::optim::Adam::Adam;
+  /// Updates every parameter that has a gradient, as torch::optim::Adam::step does.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// torch::optim::AdamW (decoupled weight decay, amsgrad) with a fused step: Apex's FusedAdam with its
+/// default adam_w_mode=True.
+///
+/// Example:
+///   amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+class FusedAdamW : public torch::optim::AdamW, public FusedOptimizer {
+ public:
+  using torch::optim::AdamW::AdamW;
+  /// Updates every parameter that has a gradient, as torch::optim::AdamW::step does.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+}  // namespace optim
+}  // namespace amp

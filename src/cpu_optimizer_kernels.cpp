@@ -1,0 +1,108 @@
+#include "cpu_optimizer_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+// NOTE [Fused step arithmetic]
+// Per element, the loops below do what LibTorch's optimizers do with one ATen op after another, in the same
+// order and with the same scalars rounded to float (ATen's opmath for fp32): `add(x, alpha)` and addcmul's
+// last product are fused multiply-adds (as ATen's vectorized kernels compute them), addcdiv is
+// self + (value * a) / b, a division by a scalar is a true division. The file is built with
+// -ffp-contract=off, so no other product is fused and every vector clone (NOTE [Vectorized clones] in
+// cpu_kernels.cpp) gives the same bits. SGD therefore equals LibTorch's step bit for bit, and Adam's moments
+// do too; Adam's parameter differs by an ulp here and there because ATen's vectorized sqrt is not the
+// correctly rounded one this loop uses (tests/fused_optimizers_test.cpp). Nothing depends on how many
+// tensors are stepped together or on whether the O2 model copy is written.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define AMP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define AMP_VECTOR_CLONES
+#endif
+
+namespace amp::detail::cpu {
+namespace {
+
+// The model copy is written chunk by chunk right after the chunk's update, while it is still in cache.
+constexpr int64_t kChunk = 4096;
+
+template <class Update>
+void chunked(int64_t n, float* param, ModelCopy copy, Update update) {
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t end = std::min(n, begin + kChunk);
+    update(begin, end);
+    if (copy.data != nullptr) {
+      const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+      convert(param + begin, copy.dtype, static_cast<char*>(copy.data) + begin * bytes, end - begin);
+    }
+  }
+}
+
+AMP_VECTOR_CLONES void adam_range(float* __restrict p, const float* __restrict g_in, float* __restrict m,
+                                  float* __restrict v, float* __restrict vmax, int64_t begin, int64_t end,
+                                  float inv, float decay, float wd, float beta1, float one_minus_beta1, float beta2,
+                                  float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size,
+                                  bool l2, bool amsgrad) {
+  for (int64_t i = begin; i < end; ++i) {
+    float param = p[i];
+    float g = g_in[i] * inv;
+    param = param * decay;                       // AdamW's p.mul_(1 - lr * wd); decay is 1 otherwise
+    if (l2) g = std::fma(param, wd, g);          // Adam's grad.add(p, wd)
+    const float mi = std::fma(g, one_minus_beta1, m[i] * beta1);
+    const float vi = std::fma(one_minus_beta2 * g, g, v[i] * beta2);
+    m[i] = mi;
+    v[i] = vi;
+    float second = vi;
+    if (amsgrad) {
+      const float mx = vmax[i];
+      second = mx >= vi ? mx : vi;               // torch::max_out, NaN-propagating
+      vmax[i] = second;
+    }
+    const float denom = std::sqrt(second) / bc2_sqrt + eps;
+    p[i] = param + (neg_step_size * mi) / denom;
+  }
+}
+
+AMP_VECTOR_CLONES void sgd_range(float* __restrict p, const float* __restrict g_in, float* __restrict buf,
+                                 int64_t begin, int64_t end, float inv, float wd, float momentum,
+                                 float one_minus_dampening, float neg_lr, bool use_momentum, bool nesterov,
+                                 bool first_step) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float param = p[i];
+    float d = g_in[i] * inv;
+    if (wd != 0.0f) d = std::fma(param, wd, d);                   // d_p.add(p, wd)
+    if (use_momentum) {
+      const float b = first_step ? d : std::fma(d, one_minus_dampening, buf[i] * momentum);
+      buf[i] = b;
+      d = nesterov ? std::fma(b, momentum, d) : b;                // d_p.add(buf, momentum) or buf
+    }
+    p[i] = std::fma(d, neg_lr, param);                            // p.add_(d_p, -lr)
+  }
+}
+
+}  // namespace
+
+void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+               int64_t n, const AdamScalars& s, ModelCopy copy) {
+  // The scalars as LibTorch's Adam computes them (in double), then rounded to float as ATen does.
+  const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(s.step));
+  const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(s.step));
+  const auto decay = static_cast<float>(s.decoupled_weight_decay && s.weight_decay != 0 ? 1 - s.lr * s.weight_decay : 1.0);
+  const bool l2 = !s.decoupled_weight_decay && s.weight_decay != 0;
+  chunked(n, param, copy, [&](int64_t begin, int64_t end) {
+    adam_range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, s.inv_scale, decay,
+               static_cast<float>(s.weight_decay), static_cast<float>(s.beta1), static_cast<float>(1 - s.beta1),
+               static_cast<float>(s.beta2), static_cast<float>(1 - s.beta2), static_cast<float>(std::sqrt(bc2)),
+               static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1)), l2, s.amsgrad);
+  });
+}
+
+void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
+              ModelCopy copy) {
+  chunked(n, param, copy, [&](int64_t begin, int64_t end) {
+    sgd_range(param, grad, momentum_buffer, begin, end, s.inv_scale, static_cast<float>(s.weight_decay),
+              static_cast<float>(s.momentum), static_cast<float>(1 - s.dampening), static_cast<float>(-s.lr),
+              s.momentum != 0, s.nesterov, s.first_step);
+  });
+}
+
+}  // namespace amp::detail::cpu

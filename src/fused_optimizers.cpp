@@ -1,0 +1,347 @@
+#include "amp/fused_optimizers.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
+
+#include <atomic>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "cpu_optimizer_kernels.h"
+#include "fused_route.h"
+#include "optimizer_state_key.h"
+
+// ATen's fused optimizer kernels with CPU implementations (and _fused_sgd_) arrived in LibTorch 2.4.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define AMP_HAVE_ATEN_FUSED_OPTIMIZERS 1
+#endif
+
+namespace amp::optim {
+namespace detail {
+namespace {
+std::atomic<FusedRoute> forced_route{FusedRoute::kAuto};
+}  // namespace
+
+void force_fused_route(FusedRoute route) { forced_route = route; }
+
+bool has_aten_fused_optimizers() {
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+namespace {
+
+using amp::detail::state_key;
+using detail::FusedRoute;
+namespace cpu = amp::detail::cpu;
+
+bool is_cpu_f32(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_sparse();
+}
+
+// Picks the implementation for one parameter (see fused_optimizers.h).
+FusedRoute route_for(const at::Tensor& p, const at::Tensor& grad, const std::vector<at::Tensor>& state,
+                     const at::Tensor* copy) {
+  const FusedRoute forced = detail::forced_route;
+  const bool aten_ok = detail::has_aten_fused_optimizers() && grad.scalar_type() == p.scalar_type() &&
+                       (p.scalar_type() == at::kFloat || p.scalar_type() == at::kHalf ||
+                        p.scalar_type() == at::kBFloat16);
+  if (forced == FusedRoute::kPerOp) return FusedRoute::kPerOp;
+  if (forced == FusedRoute::kAten) return aten_ok ? FusedRoute::kAten : FusedRoute::kPerOp;
+  bool own = is_cpu_f32(p) && is_cpu_f32(grad) && grad.sizes() == p.sizes();
+  for (const auto& s : state) own = own && (!s.defined() || is_cpu_f32(s));
+  if (copy) {
+    own = own && copy->device().is_cpu() && copy->is_contiguous() && copy->numel() == p.numel() &&
+          (copy->scalar_type() == at::kHalf || copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kFloat);
+  }
+  if (own) return FusedRoute::kAuto;
+  if (!p.device().is_cpu() && aten_ok) return FusedRoute::kAten;
+  return FusedRoute::kPerOp;
+}
+
+cpu::ModelCopy model_copy_arg(const at::Tensor* copy) {
+  if (!copy) return {};
+  const auto dtype = copy->scalar_type() == at::kHalf       ? cpu::Dtype::Half
+                     : copy->scalar_type() == at::kBFloat16 ? cpu::Dtype::BFloat16
+                                                            : cpu::Dtype::Float;
+  return {dtype, copy->data_ptr()};
+}
+
+// A raw-pointer update is a write like any in-place op: version counters must say so (amp's masters,
+// autograd's saved-tensor checks and weight caches read them).
+void bump(const std::vector<at::Tensor>& written) {
+  for (const auto& t : written) {
+    if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void check_dense(const at::Tensor& grad, const char* name, size_t group, size_t index) {
+  TORCH_CHECK(!grad.is_sparse(), name, " does not support sparse gradients (parameter ", index, " of param group ",
+              group, "). Build the layer with dense gradients (e.g. Embedding without sparse(true)).");
+}
+
+// ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).
+struct AtenBatch {
+  std::vector<at::Tensor> params, grads, buffers_a, buffers_b, buffers_c, steps, copies_from, copies_to;
+};
+using BatchKey = std::tuple<std::string, int, bool>;
+BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
+
+void finish_batch(AtenBatch& batch) {
+  bump(batch.params);
+  for (size_t i = 0; i < batch.copies_to.size(); ++i) batch.copies_to[i].copy_(batch.copies_from[i]);
+}
+
+// ---- Adam and AdamW --------------------------------------------------------------------------------
+
+template <class Options>
+void check_adam_options(const Options& o, const char* name, size_t group) {
+  const auto [beta1, beta2] = o.betas();
+  TORCH_CHECK(o.lr() >= 0, name, ": invalid learning rate ", o.lr(), " in param group ", group, "; use lr >= 0.");
+  TORCH_CHECK(o.eps() >= 0, name, ": invalid epsilon value ", o.eps(), " in param group ", group, "; use eps >= 0.");
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, name, ": invalid beta parameter at index 0: ", beta1, " in param group ",
+              group, "; betas must be in [0, 1).");
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, name, ": invalid beta parameter at index 1: ", beta2, " in param group ",
+              group, "; betas must be in [0, 1).");
+  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay value ", o.weight_decay(), " in param group ",
+              group, "; use weight_decay >= 0.");
+}
+
+// LibTorch's Adam / AdamW step for one parameter, op for op (the route for what amp's loop does not take).
+template <class Options, class State>
+void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o, bool decoupled) {
+  const auto [beta1, beta2] = o.betas();
+  const double bias_correction1 = 1 - std::pow(beta1, state.step());
+  const double bias_correction2 = 1 - std::pow(beta2, state.step());
+  if (decoupled && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+  if (!decoupled && o.weight_decay() != 0) grad = grad.add(p, o.weight_decay());
+  state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+  state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+  at::Tensor denom;
+  if (o.amsgrad()) {
+    at::max_out(state.max_exp_avg_sq(), state.exp_avg_sq(), state.max_exp_avg_sq());
+    denom = (state.max_exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  } else {
+    denom = (state.exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  }
+  p.addcdiv_(state.exp_avg(), denom, -(o.lr() / bias_correction1));
+}
+
+template <class Options, class State, class CopyOf>
+void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, bool decoupled, const char* name) {
+  c10::NoGradGuard no_grad;
+  auto& states = opt.state();
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    auto& group = opt.param_groups()[g];
+    const auto& o = static_cast<const Options&>(group.options());
+    check_adam_options(o, name, g);
+    const auto [beta1, beta2] = o.betas();
+    std::map<BatchKey, AtenBatch> batches;
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      at::Tensor& p = group.params()[i];
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      check_dense(grad, name, g, i);
+      auto& slot = states[state_key(states, p)];
+      if (!slot) {  // LibTorch's lazy state initialization
+        auto fresh = std::make_unique<State>();
+        fresh->step(0);
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<State&>(*slot);
+      if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
+        state.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));  // amsgrad turned on later
+      }
+      state.step(state.step() + 1);
+      const at::Tensor* copy = copy_of(p);
+      const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
+      switch (route_for(p, grad, {state.exp_avg(), state.exp_avg_sq(), vmax}, copy)) {
+        case FusedRoute::kAuto: {
+          cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(), state.step(),
+                             /*inv_scale=*/1.0f};
+          cpu::adam_step(p.data_ptr<float>(), grad.data_ptr<float>(), state.exp_avg().template data_ptr<float>(),
+                         state.exp_avg_sq().template data_ptr<float>(),
+                         vmax.defined() ? vmax.data_ptr<float>() : nullptr, p.numel(), s, model_copy_arg(copy));
+          bump({p, state.exp_avg(), state.exp_avg_sq(), vmax, copy ? *copy : at::Tensor()});
+          break;
+        }
+        case FusedRoute::kAten: {
+          auto& batch = batches[batch_key(p, o.amsgrad())];
+          batch.params.push_back(p);
+          batch.grads.push_back(grad);
+          batch.buffers_a.push_back(state.exp_avg());
+          batch.buffers_b.push_back(state.exp_avg_sq());
+          if (o.amsgrad()) batch.buffers_c.push_back(vmax);
+          batch.steps.push_back(at::full({}, static_cast<double>(state.step()), p.options().dtype(at::kFloat)));
+          if (copy) {
+            batch.copies_from.push_back(p);
+            batch.copies_to.push_back(*copy);
+          }
+          break;
+        }
+        case FusedRoute::kPerOp:
+          adam_per_op(p, grad, state, o, decoupled);
+          if (copy) copy->copy_(p);
+          break;
+      }
+    }
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+    for (auto& [key, batch] : batches) {
+      const bool amsgrad = std::get<2>(key);
+      if (decoupled) {
+        at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
+                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false);
+      } else {
+        at::_fused_adam_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
+                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false);
+      }
+      finish_batch(batch);
+    }
+#else
+    TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+  }
+}
+
+// ---- SGD -------------------------------------------------------------------------------------------
+
+void check_sgd_options(const torch::optim::SGDOptions& o, size_t group) {
+  const char* name = "amp::optim::FusedSGD";
+  TORCH_CHECK(o.lr() >= 0, name, ": invalid learning rate ", o.lr(), " in param group ", group, "; use lr >= 0.");
+  TORCH_CHECK(o.momentum() >= 0, name, ": invalid momentum value ", o.momentum(), " in param group ", group,
+              "; use momentum >= 0.");
+  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay value ", o.weight_decay(), " in param group ",
+              group, "; use weight_decay >= 0.");
+  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0), name, ": param group ", group,
+              " has nesterov(true) with momentum ", o.momentum(), " and dampening ", o.dampening(),
+              "; Nesterov momentum requires a momentum and zero dampening.");
+}
+
+// LibTorch's SGD step for one parameter, op for op.
+void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamState* state, bool first,
+                const torch::optim::SGDOptions& o) {
+  at::Tensor d_p = grad;
+  if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
+  if (o.momentum() != 0) {
+    at::Tensor buf;
+    if (first) {
+      buf = d_p.clone().detach();
+      state->momentum_buffer(buf);
+    } else {
+      buf = state->momentum_buffer();
+      buf.mul_(o.momentum()).add_(d_p, 1 - o.dampening());
+    }
+    d_p = o.nesterov() ? d_p.add(buf, o.momentum()) : buf;
+  }
+  p.add_(d_p, -1 * o.lr());
+}
+
+}  // namespace
+
+const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
+  if (model_copies_.empty()) return nullptr;
+  const auto it = model_copies_.find(p.unsafeGetTensorImpl());
+  return it == model_copies_.end() ? nullptr : &it->second;
+}
+
+torch::Tensor FusedAdam::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, /*decoupled=*/false, "amp::optim::FusedAdam");
+  return loss;
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, /*decoupled=*/true, "amp::optim::FusedAdamW");
+  return loss;
+}
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  c10::NoGradGuard no_grad;
+  auto& states = state_;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& group = param_groups_[g];
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    check_sgd_options(o, g);
+    std::map<BatchKey, AtenBatch> batches;
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      at::Tensor& p = group.params()[i];
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      check_dense(grad, "amp::optim::FusedSGD", g, i);
+      torch::optim::SGDParamState* state = nullptr;
+      bool first = false;
+      if (o.momentum() != 0) {
+        auto& slot = states[state_key(states, p)];
+        if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
+        state = static_cast<torch::optim::SGDParamState*>(slot.get());
+        first = !state->momentum_buffer().defined();
+      }
+      const at::Tensor* copy = model_copy(p);
+      const auto route = route_for(p, grad, {state && !first ? state->momentum_buffer() : at::Tensor()}, copy);
+      if (first && route != FusedRoute::kPerOp) state->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+      switch (route) {
+        case FusedRoute::kAuto: {
+          cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), first,
+                            /*inv_scale=*/1.0f};
+          const at::Tensor buf = state ? state->momentum_buffer() : at::Tensor();
+          cpu::sgd_step(p.data_ptr<float>(), grad.data_ptr<float>(), buf.defined() ? buf.data_ptr<float>() : nullptr,
+                        p.numel(), s, model_copy_arg(copy));
+          bump({p, buf, copy ? *copy : at::Tensor()});
+          break;
+        }
+        case FusedRoute::kAten: {
+          auto& batch = batches[batch_key(p, first)];
+          batch.params.push_back(p);
+          batch.grads.push_back(grad);
+          if (state) batch.buffers_a.push_back(state->momentum_buffer());
+          if (copy) {
+            batch.copies_from.push_back(p);
+            batch.copies_to.push_back(*copy);
+          }
+          break;
+        }
+        case FusedRoute::kPerOp:
+          sgd_per_op(p, grad, state, first, o);
+          if (copy) copy->copy_(p);
+          break;
+      }
+    }
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+    for (auto& [key, batch] : batches) {
+      at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
+                      o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key));
+      finish_batch(batch);
+    }
+#else
+    TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+  }
+  return loss;
+}
+
+}  // namespace amp::optim

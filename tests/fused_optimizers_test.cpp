@@ -1,0 +1,494 @@
+// amp::optim::FusedSGD / FusedAdam / FusedAdamW: the same trajectories as LibTorch's SGD / Adam / AdamW
+// on each route (amp's CPU loop, ATen's fused kernels, per-op), interchangeable checkpoints, schedulers and
+// param groups, errors; and inside amp at every level: the O2 step that also writes the model's copy equals
+// the unfused step bitwise, a skipped step changes nothing, resume is bitwise. Ports the idea of PyTorch's
+// test_optim fused-vs-for-loop comparisons (TestOptimRenewed.test_fused_matches_forloop) and Apex's
+// tests/L0/run_optimizers/test_adam.py (FusedAdam against torch.optim.Adam, many shapes, then a step).
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+
+#include "amp/fused_optimizers.h"
+#include "fused_route.h"
+#include "support.h"
+
+namespace {
+
+using amp::optim::detail::FusedRoute;
+
+// Restores the default route when a test forced another.
+struct RouteGuard {
+  explicit RouteGuard(FusedRoute route) { amp::optim::detail::force_fused_route(route); }
+  ~RouteGuard() { amp::optim::detail::force_fused_route(FusedRoute::kAuto); }
+};
+
+// Sizes around the loops' vector widths and the 4096-element chunk of the O2 model copy.
+std::vector<torch::Tensor> make_params(c10::ScalarType dtype = torch::kFloat) {
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> params;
+  for (int64_t n : {1, 7, 33, 4095, 4097, 10000}) params.push_back(torch::randn({n}).to(dtype).requires_grad_(true));
+  params.push_back(torch::randn({17, 9}).to(dtype).requires_grad_(true));
+  return params;
+}
+
+std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+// The same gradients into both lists, a new draw per step (some exactly zero, as dead units give).
+void set_grads(int step, std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b) {
+  torch::manual_seed(100 + step);
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto g = torch::randn(a[i].sizes()) * torch::bernoulli(torch::full(a[i].sizes(), 0.9));
+    a[i].mutable_grad() = g.to(a[i].scalar_type());
+    b[i].mutable_grad() = g.to(b[i].scalar_type());
+  }
+}
+
+// The largest difference between two tensors in units of the reference's magnitude (|x| + 1e-3).
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a.to(torch::kDouble) - b.to(torch::kDouble)).abs() / (b.to(torch::kDouble).abs() + 1e-3)).max().item<double>();
+}
+
+struct OptimizerCase {
+  std::string name;
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)> fused, reference;
+  bool bitwise_with_libtorch;  // NOTE [Fused step arithmetic]: SGD yes; Adam's sqrt is ATen's vectorized one
+};
+
+std::vector<OptimizerCase> optimizer_cases() {
+  using namespace torch::optim;
+  using amp::optim::FusedAdam;
+  using amp::optim::FusedAdamW;
+  using amp::optim::FusedSGD;
+  std::vector<OptimizerCase> cases;
+  auto add = [&](std::string name, auto make_fused, auto make_reference) {
+    const bool sgd = name.rfind("sgd", 0) == 0;
+    cases.push_back({std::move(name), make_fused, make_reference, sgd});
+  };
+  for (const auto& [label, options] : std::vector<std::pair<std::string, SGDOptions>>{
+           {"sgd", SGDOptions(0.1)},
+           {"sgd_momentum", SGDOptions(0.1).momentum(0.9)},
+           {"sgd_dampening_wd", SGDOptions(0.05).momentum(0.8).dampening(0.3).weight_decay(0.01)},
+           {"sgd_nesterov", SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(1e-4)}}) {
+    add(label, [o = options](std::vector<torch::Tensor> p) { return std::make_unique<FusedSGD>(p, o); },
+        [o = options](std::vector<torch::Tensor> p) { return std::make_unique<SGD>(p, o); });
+  }
+  for (const auto& [label, options] : std::vector<std::pair<std::string, AdamOptions>>{
+           {"adam", AdamOptions(1e-2)},
+           {"adam_wd", AdamOptions(1e-2).weight_decay(0.1)},
+           {"adam_amsgrad", AdamOptions(1e-2).amsgrad(true).betas({0.8, 0.99})}}) {
+    add(label, [o = options](std::vector<torch::Tensor> p) { return std::make_unique<FusedAdam>(p, o); },
+        [o = options](std::vector<torch::Tensor> p) { return std::make_unique<Adam>(p, o); });
+  }
+  for (const auto& [label, options] : std::vector<std::pair<std::string, AdamWOptions>>{
+           {"adamw", AdamWOptions(1e-2)},
+           {"adamw_amsgrad", AdamWOptions(1e-2).weight_decay(0.05).amsgrad(true)}}) {
+    add(label, [o = options](std::vector<torch::Tensor> p) { return std::make_unique<FusedAdamW>(p, o); },
+        [o = options](std::vector<torch::Tensor> p) { return std::make_unique<AdamW>(p, o); });
+  }
+  return cases;
+}
+
+// Runs `steps` steps of the fused optimizer and LibTorch's on the same gradients; returns the largest
+// relative difference of any parameter after any step.
+double max_trajectory_error(const OptimizerCase& c, c10::ScalarType dtype, int steps, bool expect_bitwise) {
+  auto a = make_params(dtype);
+  auto b = clone_params(a);
+  auto fused = c.fused(a);
+  auto reference = c.reference(b);
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    set_grads(s, a, b);
+    fused->step();
+    reference->step();
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (expect_bitwise) EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << c.name << " step " << s << " param " << i;
+      worst = std::max(worst, relative_error(a[i], b[i]));
+    }
+  }
+  return worst;
+}
+
+}  // namespace
+
+// amp's CPU loop against LibTorch's op-by-op step (NOTE [Fused step arithmetic]): SGD bit for bit; Adam and
+// AdamW differ only through ATen's vectorized sqrt, which is not IEEE's correctly rounded one, so they stay
+// within a few float32 ulps over 20 steps.
+TEST(FusedOptimizersTest, MatchLibTorchsOptimizers) {
+  for (const auto& c : optimizer_cases()) {
+    const double error = max_trajectory_error(c, torch::kFloat, 20, c.bitwise_with_libtorch);
+    EXPECT_LE(error, 1e-5) << c.name;
+    std::printf("%-18s amp's CPU loop vs LibTorch: largest relative difference over 20 steps %.3g\n", c.name.c_str(),
+                error);
+  }
+}
+
+// The per-op route is LibTorch's algorithm itself: bitwise, in fp32 and in the low precision O3 keeps
+// parameters in (where amp's loop does not apply).
+TEST(FusedOptimizersTest, PerOpRouteIsBitwiseLibTorch) {
+  for (const auto& c : optimizer_cases()) {
+    {
+      RouteGuard route(FusedRoute::kPerOp);
+      max_trajectory_error(c, torch::kFloat, 5, /*expect_bitwise=*/true);
+    }
+    max_trajectory_error(c, torch::kBFloat16, 5, /*expect_bitwise=*/true);  // the default route for bf16 params
+  }
+}
+
+// ATen's fused kernels (what CUDA parameters take) through the same code path, run here on their CPU
+// implementations (LibTorch >= 2.4). PyTorch tests them against its for-loop with float32 tolerances.
+TEST(FusedOptimizersTest, AtenRouteMatchesLibTorch) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) {
+    GTEST_SKIP() << "this LibTorch (" << TORCH_VERSION << ") has no ATen fused optimizer kernels (LibTorch >= 2.4)";
+  }
+  RouteGuard route(FusedRoute::kAten);
+  for (const auto& c : optimizer_cases()) {
+    auto a = make_params();
+    auto b = clone_params(a);
+    auto fused = c.fused(a);
+    auto reference = c.reference(b);
+    for (int s = 0; s < 20; ++s) {
+      set_grads(s, a, b);
+      fused->step();
+      reference->step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) {  // PyTorch's float32 assertEqual tolerances
+      EXPECT_TRUE(torch::allclose(a[i], b[i], 1.3e-6, 1e-5)) << c.name << " parameter " << i;
+    }
+  }
+}
+
+// torch::save of a fused optimizer loads into LibTorch's and back: the archives are LibTorch's own.
+TEST(FusedOptimizersTest, CheckpointsAreInterchangeableWithLibTorchs) {
+  for (const auto& c : optimizer_cases()) {
+    auto a = make_params();
+    auto b = clone_params(a);
+    auto fused = c.fused(a);
+    auto reference = c.reference(b);
+    for (int s = 0; s < 3; ++s) {
+      set_grads(s, a, b);
+      fused->step();
+      reference->step();
+    }
+    const auto path = std::filesystem::temp_directory_path() / ("amp_fused_" + c.name + ".pt");
+    torch::save(*fused, path.string());
+    auto b2 = clone_params(a);
+    auto reference_from_fused = c.reference(b2);
+    torch::load(*reference_from_fused, path.string());
+    torch::save(*reference, path.string());
+    auto a2 = clone_params(b);
+    auto fused_from_reference = c.fused(a2);
+    torch::load(*fused_from_reference, path.string());
+    std::filesystem::remove(path);
+    for (int s = 3; s < 6; ++s) {
+      set_grads(s, a2, b2);
+      fused_from_reference->step();
+      reference_from_fused->step();
+      set_grads(s, a, b);
+      fused->step();
+      reference->step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_LE(relative_error(a2[i], b[i]), 1e-5) << c.name << ": fused resumed from LibTorch's checkpoint";
+      EXPECT_TRUE(amp_test::bitwise_equal(b2[i], b[i]) || relative_error(b2[i], b[i]) <= 1e-5)
+          << c.name << ": LibTorch's resumed from the fused checkpoint";
+      EXPECT_TRUE(amp_test::bitwise_equal(a2[i], a[i]) || relative_error(a2[i], a[i]) <= 1e-5) << c.name;
+    }
+  }
+}
+
+// Param groups with their own options, a group added later, and an LR scheduler: all read per step.
+TEST(FusedOptimizersTest, ParamGroupsAndSchedulersWork) {
+  auto a = make_params();
+  auto b = clone_params(a);
+  using torch::optim::AdamW;
+  using torch::optim::AdamWOptions;
+  std::vector<torch::optim::OptimizerParamGroup> groups_a, groups_b;
+  groups_a.emplace_back(std::vector<torch::Tensor>(a.begin(), a.begin() + 3), std::make_unique<AdamWOptions>(AdamWOptions(0.05)));
+  groups_b.emplace_back(std::vector<torch::Tensor>(b.begin(), b.begin() + 3), std::make_unique<AdamWOptions>(AdamWOptions(0.05)));
+  amp::optim::FusedAdamW fused(groups_a, AdamWOptions(1e-2).weight_decay(0.1));
+  AdamW reference(groups_b, AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::StepLR fused_schedule(fused, 2, 0.5), reference_schedule(reference, 2, 0.5);
+  for (int s = 0; s < 8; ++s) {
+    if (s == 3) {  // progressive unfreezing: the rest of the parameters join with their own options
+      fused.add_param_group({std::vector<torch::Tensor>(a.begin() + 3, a.end()), std::make_unique<AdamWOptions>(AdamWOptions(0.02).amsgrad(true))});
+      reference.add_param_group({std::vector<torch::Tensor>(b.begin() + 3, b.end()), std::make_unique<AdamWOptions>(AdamWOptions(0.02).amsgrad(true))});
+    }
+    set_grads(s, a, b);
+    fused.step();
+    reference.step();
+    fused_schedule.step();
+    reference_schedule.step();
+  }
+  for (size_t g = 0; g < 2; ++g) {
+    EXPECT_EQ(fused.param_groups()[g].options().get_lr(), reference.param_groups()[g].options().get_lr());
+  }
+  EXPECT_EQ(fused.param_groups()[0].options().get_lr(), 0.05 * 0.5 * 0.5 * 0.5);  // StepLR decayed it 3 times
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LE(relative_error(a[i], b[i]), 1e-5) << "parameter " << i;
+}
+
+TEST(FusedOptimizersTest, BadGradientsAndOptionsAreClearErrors) {
+  auto embedding = torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
+  amp::optim::FusedAdam adam(embedding->parameters(), torch::optim::AdamOptions(1e-3));
+  embedding(torch::tensor({1, 2}, torch::kLong)).sum().backward();
+  ASSERT_THROWS_WITH(adam.step(), "amp::optim::FusedAdam does not support sparse gradients (parameter 0 of param group 0)");
+
+  // LibTorch checks the constructor's defaults; a group added later is checked at its first step.
+  auto p = make_params();
+  amp::optim::FusedSGD sgd(std::vector<torch::Tensor>{p[0]}, torch::optim::SGDOptions(0.1));
+  sgd.add_param_group({{p[1]}, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(-0.5))});
+  p[1].mutable_grad() = torch::ones_like(p[1]);
+  ASSERT_THROWS_WITH(sgd.step(), "amp::optim::FusedSGD: invalid learning rate -0.5 in param group 1; use lr >= 0.");
+  static_cast<torch::optim::SGDOptions&>(sgd.param_groups()[1].options()).lr(0.1).nesterov(true);
+  ASSERT_THROWS_WITH(sgd.step(), "param group 1 has nesterov(true) with momentum 0 and dampening 0; Nesterov momentum "
+                                 "requires a momentum and zero dampening.");
+  amp::optim::FusedAdamW adamw(std::vector<torch::Tensor>{p[2]}, torch::optim::AdamWOptions(1e-3));
+  static_cast<torch::optim::AdamWOptions&>(adamw.param_groups()[0].options()).betas({0.9, 1.0});
+  p[2].mutable_grad() = torch::ones_like(p[2]);
+  ASSERT_THROWS_WITH(adamw.step(), "amp::optim::FusedAdamW: invalid beta parameter at index 1: 1 in param group 0; "
+                                   "betas must be in [0, 1).");
+  EXPECT_TRUE(torch::equal(p[2].grad(), torch::ones_like(p[2])));  // nothing stepped
+}
+
+// ---- inside amp ----------------------------------------------------------------------------------------
+
+namespace {
+
+struct LevelCase {
+  const char* level;
+  c10::ScalarType dtype;
+};
+
+std::string level_name(const ::testing::TestParamInfo<LevelCase>& info) {
+  return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype);
+}
+
+class FusedAtLevelTest : public ::testing::TestWithParam<LevelCase> {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype); }
+  amp::Options options() const { return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0); }
+};
+
+std::vector<torch::Tensor> float_copies(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.detach().to(torch::kFloat).clone());
+  return out;
+}
+
+template <class Fused, class Plain, class Options>
+void run_level_case(const amp::Options& amp_options, const Options& optimizer_options, bool bitwise, const std::string& what) {
+  torch::manual_seed(3);
+  amp_test::ConvBnNet net_fused, net_plain;
+  {
+    torch::NoGradGuard no_grad;
+    auto dst = net_plain->parameters();
+    auto src = net_fused->parameters();
+    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+  }
+  auto [x, y] = amp_test::quadrant_images(64, 7);
+  auto [model_f, opt_f] = amp::initialize(net_fused, Fused(net_fused->parameters(), optimizer_options), amp_options);
+  auto [model_p, opt_p] = amp::initialize(net_plain, Plain(net_plain->parameters(), optimizer_options), amp_options);
+  for (int s = 0; s < 6; ++s) {
+    opt_f.zero_grad();
+    opt_p.zero_grad();
+    {
+      auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model_f(x), y), opt_f);
+      scaled.backward();
+    }
+    {
+      auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model_p(x), y), opt_p);
+      scaled.backward();
+    }
+    opt_f.step();
+    opt_p.step();
+  }
+  const auto pf = net_fused->parameters(), pp = net_plain->parameters();
+  const auto mf = amp::master_params(opt_f), mp = amp::master_params(opt_p);
+  for (size_t i = 0; i < pf.size(); ++i) {
+    if (bitwise) {
+      EXPECT_TRUE(amp_test::bitwise_equal(pf[i], pp[i])) << what << ": model parameter " << i;
+    } else {
+      // amp's loop and LibTorch's round differently by an ulp, which the low-precision model copy can show as one
+      // ulp of its dtype; the fp32 masters agree to float32 rounding.
+      const double ulp = pf[i].scalar_type() == torch::kBFloat16 ? 0.0079 : pf[i].scalar_type() == torch::kHalf ? 0.001 : 1e-5;
+      EXPECT_LE(relative_error(pf[i], pp[i]), ulp) << what << ": model parameter " << i;
+    }
+  }
+  for (size_t i = 0; i < mf.size(); ++i) {
+    EXPECT_EQ(mf[i].scalar_type(), mp[i].scalar_type());
+    if (!bitwise) EXPECT_LE(relative_error(mf[i], mp[i]), 1e-4) << what << ": master " << i;
+  }
+  EXPECT_EQ(amp::loss_scale(opt_f), amp::loss_scale(opt_p)) << what;
+}
+
+}  // namespace
+
+// Every level and dtype: amp with a fused optimizer trains as amp with LibTorch's (bitwise at O3, where the
+// low-precision parameters take LibTorch's own per-op route).
+TEST_P(FusedAtLevelTest, TrainsAsWithLibTorchsOptimizer) {
+  const bool o3 = std::string(GetParam().level) == "O3";
+  run_level_case<amp::optim::FusedSGD, torch::optim::SGD>(options(), torch::optim::SGDOptions(0.05).momentum(0.9), o3, "SGD");
+  run_level_case<amp::optim::FusedAdam, torch::optim::Adam>(options(), torch::optim::AdamOptions(1e-3).eps(1e-3), o3, "Adam");
+  run_level_case<amp::optim::FusedAdamW, torch::optim::AdamW>(options(), torch::optim::AdamWOptions(1e-3).eps(1e-3), o3, "AdamW");
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, FusedAtLevelTest,
+                         ::testing::Values(LevelCase{"O0", torch::kBFloat16}, LevelCase{"O1", torch::kBFloat16},
+                                           LevelCase{"O1", torch::kHalf}, LevelCase{"O2", torch::kBFloat16},
+                                           LevelCase{"O2", torch::kHalf}, LevelCase{"O3", torch::kBFloat16},
+                                           LevelCase{"O3", torch::kHalf}),
+                         level_name);
+
+// O2: the step that also writes the model's low-precision copy equals, bit for bit, a plain fp32 step of
+// the same fused optimizer on the masters followed by rounding them into the model (the unfused path).
+TEST(FusedO2Test, ModelCopyWrittenByTheStepEqualsTheUnfusedPath) {
+  for (const auto dtype : amp_test::low_precision_dtypes()) {
+    if (!amp_test::cpu_computes(dtype)) continue;
+    torch::manual_seed(4);
+    amp_test::ConvBnNet net;
+    auto [x, y] = amp_test::quadrant_images(32, 8);
+    auto [model, opt] = amp::initialize(net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-2).amsgrad(true)),
+                                        amp::Options("O2").low_precision_dtype(dtype).verbosity(0));
+    auto masters = amp::master_params(opt);
+    auto shadow = clone_params(masters);  // the unfused path: an fp32 FusedAdam of its own
+    amp::optim::FusedAdam shadow_opt(shadow, torch::optim::AdamOptions(1e-2).amsgrad(true));
+    for (int s = 0; s < 5; ++s) {
+      opt.zero_grad();
+      {
+        auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), opt);
+        scaled.backward();
+      }
+      for (size_t i = 0; i < masters.size(); ++i) shadow[i].mutable_grad() = masters[i].grad().clone();
+      const bool skipped = opt.step_will_be_skipped();  // float16's first steps overflow at 65536
+      opt.step();
+      if (!skipped) shadow_opt.step();
+      const auto params = net->parameters();
+      for (size_t i = 0; i < masters.size(); ++i) {
+        ASSERT_TRUE(amp_test::bitwise_equal(masters[i], shadow[i])) << "step " << s << " master " << i;
+      }
+      for (size_t i = 0; i < params.size(); ++i) {  // BatchNorm's fp32 parameters are stepped in place
+        ASSERT_TRUE(amp_test::bitwise_equal(params[i], shadow[i].to(params[i].scalar_type())))
+            << "step " << s << " model parameter " << i;
+      }
+    }
+  }
+}
+
+// An overflowing backward skips the step: no parameter, master, model copy or optimizer state changes a bit.
+TEST(FusedO2Test, SkippedStepChangesNothing) {
+  torch::manual_seed(5);
+  amp_test::ConvBnNet net;
+  auto [x, y] = amp_test::quadrant_images(32, 9);
+  auto [model, opt] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-2)),
+                                      amp::Options("O2").verbosity(0));
+  auto train_step = [&, &model = model, &opt = opt](bool poison) {
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(model(x), y);
+    if (poison) loss = loss + (net->fc->weight.to(torch::kFloat) * INFINITY).sum() * 0;  // NaN gradients in fc
+    auto scaled = amp::scale_loss(loss, opt);
+    scaled.backward();
+  };
+  {
+    train_step(false);
+  }
+  opt.step();
+  const auto params = float_copies(net->parameters());
+  const auto masters = float_copies(amp::master_params(opt));
+  std::vector<torch::Tensor> state;
+  for (const auto& [key, s] : opt.state()) {
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*s);
+    state.push_back(adam.exp_avg().clone());
+    state.push_back(adam.exp_avg_sq().clone());
+  }
+  {
+    train_step(true);
+  }
+  EXPECT_TRUE(opt.step_will_be_skipped());
+  opt.step();
+  const auto params_after = net->parameters();
+  const auto masters_after = amp::master_params(opt);
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], params_after[i].to(torch::kFloat))) << i;
+  for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(masters[i], masters_after[i])) << i;
+  size_t k = 0;
+  for (const auto& [key, s] : opt.state()) {
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*s);
+    EXPECT_TRUE(amp_test::bitwise_equal(adam.exp_avg(), state[k++]));
+    EXPECT_TRUE(amp_test::bitwise_equal(adam.exp_avg_sq(), state[k++]));
+    EXPECT_EQ(adam.step(), 1);
+  }
+  EXPECT_EQ(opt.skipped_steps(), 1);
+  EXPECT_EQ(amp::loss_scale(opt), 32768.0);
+}
+
+// torch::save / torch::load of the amp optimizer mid-run, then training on: bitwise the run that never stopped.
+TEST(FusedO2Test, ResumeIsBitwiseIdenticalToNotStopping) {
+  auto [x, y] = amp_test::quadrant_images(32, 10);
+  auto make = [](amp_test::ConvBnNet& net) {
+    torch::manual_seed(6);
+    net = amp_test::ConvBnNet();
+    return amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+                           amp::Options("O2").verbosity(0));
+  };
+  auto train = [&x = x, &y = y](auto& model, auto& opt, int steps) {
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      {
+        auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), opt);
+        scaled.backward();
+      }
+      opt.step();
+    }
+  };
+  amp_test::ConvBnNet straight_net, first_net, resumed_net;
+  auto [straight_model, straight_opt] = make(straight_net);
+  train(straight_model, straight_opt, 6);
+
+  auto [first_model, first_opt] = make(first_net);
+  train(first_model, first_opt, 3);
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto model_path = (dir / "amp_fused_resume_model.pt").string(), opt_path = (dir / "amp_fused_resume_opt.pt").string();
+  torch::save(first_net, model_path);
+  torch::save(first_opt, opt_path);
+
+  auto [resumed_model, resumed_opt] = make(resumed_net);
+  amp::load_weights(*resumed_net, model_path);
+  torch::load(resumed_opt, opt_path);
+  std::filesystem::remove(model_path);
+  std::filesystem::remove(opt_path);
+  train(resumed_model, resumed_opt, 3);
+  const auto a = straight_net->parameters(), b = resumed_net->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << "parameter " << i;
+  const auto ma = amp::master_params(straight_opt), mb = amp::master_params(resumed_opt);
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(ma[i], mb[i])) << "master " << i;
+}
+
+// The fused step's raw writes bump version counters, so weights edited after a fused step still reach the
+// masters (NOTE [Masters follow the model]) and the next step starts from them.
+TEST(FusedO2Test, WeightsWrittenAfterAFusedStepReachTheMasters) {
+  torch::manual_seed(7);
+  amp_test::ConvBnNet net;
+  auto [x, y] = amp_test::quadrant_images(32, 11);
+  auto [model, opt] = amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                      amp::Options("O2").verbosity(0));
+  const int64_t version = net->fc->weight._version();
+  {
+    auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), opt);
+    scaled.backward();
+  }
+  opt.step();
+  EXPECT_GT(net->fc->weight._version(), version);
+  {
+    torch::NoGradGuard no_grad;
+    net->fc->weight.fill_(0.25);
+  }
+  const auto masters = amp::master_params(opt);
+  const auto params = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].unsafeGetTensorImpl() == net->fc->weight.unsafeGetTensorImpl()) {
+      EXPECT_TRUE(torch::all(masters[i] == 0.25).item<bool>());
+    }
+  }
+}
