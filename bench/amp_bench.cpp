@@ -1,5 +1,5 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
@@ -14,6 +14,7 @@
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "../examples/common/memory_meter.h"
 #include "models.h"
@@ -185,10 +186,10 @@ template <class Net>
 struct HandWritten {
   Net net;
   std::vector<torch::Tensor> lp_params, masters, fp32_params;
-  std::unique_ptr<torch::optim::SGD> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
   bool o2;
   double scale = 65536.0;
-  explicit HandWritten(bool o2_) : o2(o2_) {
+  explicit HandWritten(bool o2_, bool adam = false) : o2(o2_) {
     std::vector<torch::Tensor> stepped;
     if (o2) {
       for (auto& m : net->modules(true)) {
@@ -207,7 +208,8 @@ struct HandWritten {
     } else {
       for (auto& p : net->parameters()) fp32_params.push_back(p), stepped.push_back(p);
     }
-    optimizer = std::make_unique<torch::optim::SGD>(stepped, torch::optim::SGDOptions(0.01).momentum(0.9));
+    if (adam) optimizer = std::make_unique<torch::optim::Adam>(stepped, torch::optim::AdamOptions(1e-4));
+    else optimizer = std::make_unique<torch::optim::SGD>(stepped, torch::optim::SGDOptions(0.01).momentum(0.9));
   }
   void step(const torch::Tensor& x, const torch::Tensor& y) {
     for (auto& p : lp_params) p.mutable_grad() = torch::Tensor();
@@ -264,6 +266,143 @@ void overhead_for(const std::string& name) {
   }
 }
 
+// Three callables timed in alternation, as time_interleaved.
+template <class A, class B, class C>
+std::tuple<double, double, double> time_interleaved3(A&& a, B&& b, C&& c, double rep_seconds = 0.3) {
+  a(), b(), c(), a(), b(), c();
+  auto start = Clock::now();
+  a();
+  const double once = std::chrono::duration<double>(Clock::now() - start).count();
+  const int k = std::max(1, std::min(2000, static_cast<int>(rep_seconds / std::max(once, 1e-7))));
+  std::vector<double> sa, sb, sc;
+  auto run = [&](auto& f, std::vector<double>& samples) {
+    start = Clock::now();
+    for (int i = 0; i < k; ++i) f();
+    samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
+  };
+  for (int r = 0; r < reps; ++r) run(a, sa), run(b, sb), run(c, sc);
+  return {median(sa), median(sb), median(sc)};
+}
+
+// Bytes per second of a large copy_ (read + write), the machine's streaming bandwidth for one thread set.
+double copy_bandwidth() {
+  auto src = torch::ones({int64_t{1} << 26}), dst = torch::empty({int64_t{1} << 26});
+  const double s = time_per_call([&] { dst.copy_(src); });
+  return 2.0 * static_cast<double>(src.nbytes()) / s;
+}
+
+// `count` parameters of `total / count` elements: the "model" of the optimizer-only benchmark.
+struct ParamBankImpl : torch::nn::Module {
+  ParamBankImpl(int64_t total, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) register_parameter("p" + std::to_string(i), torch::randn({total / count}) * 0.01);
+  }
+};
+TORCH_MODULE(ParamBank);
+
+// The optimizer step alone: LibTorch's optimizer vs amp's fused one, plain fp32 and inside amp at O2 (masters
+// stepped, then written into the low-precision model: LibTorch's step + amp's copy pass vs one fused pass).
+template <class Plain, class Fused, class Options>
+void optimizer_step_rows(const std::string& opt_name, const Options& options, double bytes_per_element, double bandwidth) {
+  for (int64_t total : {int64_t{1} << 20, int64_t{1} << 24}) {
+    for (int64_t count : {10, 100, 1000}) {
+      for (const char* level : {"fp32", "O2 bf16", "O2 fp16"}) {
+        const bool o2 = std::string(level) != "fp32";
+        torch::manual_seed(0);
+        ParamBank plain_bank(total, count), fused_bank(total, count);
+        auto grads = [](const std::vector<torch::Tensor>& params) {
+          for (const auto& p : params) p.mutable_grad() = torch::full_like(p, 1e-3);
+        };
+        double plain_s = 0, fused_s = 0;
+        if (o2) {
+          const auto amp_options = amp::Options("O2").low_precision_dtype(std::string(level) == "O2 fp16" ? torch::kHalf : torch::kBFloat16).verbosity(0);
+          auto [pm, plain] = amp::initialize(plain_bank, Plain(plain_bank->parameters(), options), amp_options);
+          auto [fm, fused] = amp::initialize(fused_bank, Fused(fused_bank->parameters(), options), amp_options);
+          grads(amp::master_params(plain));
+          grads(amp::master_params(fused));
+          std::tie(plain_s, fused_s) = time_interleaved([&, &plain = plain] { plain.step(); }, [&, &fused = fused] { fused.step(); }, 0.2);
+        } else {
+          Plain plain(plain_bank->parameters(), options);
+          Fused fused(fused_bank->parameters(), options);
+          grads(plain_bank->parameters());
+          grads(fused_bank->parameters());
+          std::tie(plain_s, fused_s) = time_interleaved([&] { plain.step(); }, [&] { fused.step(); }, 0.2);
+        }
+        const double bound_s = (bytes_per_element + (o2 ? 2.0 : 0.0)) * static_cast<double>(total) / bandwidth;
+        const std::string label = std::to_string(total >> 20) + "M";
+        std::printf("| %s | %lld | %s | %s | %.3f | %.3f | %.2f | %.3f | %.2f |\n", label.c_str(), static_cast<long long>(count),
+                    opt_name.c_str(), level, 1e3 * plain_s, 1e3 * fused_s, plain_s / fused_s, 1e3 * bound_s, fused_s / bound_s);
+        const std::string config = opt_name + " " + level + " x" + std::to_string(count);
+        record("optimizer_step", label, config, "libtorch_ms", 1e3 * plain_s);
+        record("optimizer_step", label, config, "fused_ms", 1e3 * fused_s);
+        record("optimizer_step", label, config, "speedup", plain_s / fused_s);
+        record("optimizer_step", label, config, "fused_over_bound", fused_s / bound_s);
+      }
+    }
+  }
+}
+
+// Whole training steps: amp with the fused optimizer, amp with LibTorch's, and the hand-written LibTorch loop
+// with LibTorch's optimizer (the overhead section's reference).
+template <class Net>
+void fused_steps_for(const std::string& name) {
+  for (bool adam : {false, true}) {
+    for (bool o2 : {false, true}) {
+      torch::manual_seed(0);
+      const auto x = bench::input_for(name);
+      const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+      HandWritten<Net> hand(o2, adam);
+      Net plain_net, fused_net;
+      const auto options = amp::Options(o2 ? "O2" : "O1").low_precision_dtype(torch::kBFloat16).verbosity(0);
+      auto timed = [&](auto plain_opt, auto fused_opt) {
+        auto [pm, plain] = amp::initialize(plain_net, std::move(plain_opt), options);
+        auto [fm, fused] = amp::initialize(fused_net, std::move(fused_opt), options);
+        const int64_t syncs_before = amp::detail::host_sync_count();
+        for (int i = 0; i < 10; ++i) amp_step(fm, fused, x, y);
+        const double syncs = static_cast<double>(amp::detail::host_sync_count() - syncs_before) / 10;
+        const auto times = time_interleaved3([&, &fm = fm, &fused = fused] { amp_step(fm, fused, x, y); },
+                                             [&, &pm = pm, &plain = plain] { amp_step(pm, plain, x, y); },
+                                             [&] { hand.step(x, y); });
+        return std::tuple_cat(times, std::make_tuple(syncs));
+      };
+      const auto [fused_s, plain_s, hand_s, syncs] =
+          adam ? timed(torch::optim::Adam(plain_net->parameters(), torch::optim::AdamOptions(1e-4)),
+                       amp::optim::FusedAdam(fused_net->parameters(), torch::optim::AdamOptions(1e-4)))
+               : timed(torch::optim::SGD(plain_net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)),
+                       amp::optim::FusedSGD(fused_net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)));
+      const std::string config = std::string(o2 ? "O2 bf16 " : "O1 bf16 ") + (adam ? "Adam" : "SGD");
+      std::printf("| %s | %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f |\n", name.c_str(), config.c_str(), 1e3 * fused_s,
+                  1e3 * plain_s, 1e3 * hand_s, fused_s / hand_s, plain_s / hand_s, syncs);
+      record("fused_steps", name, config, "amp_fused_ms", 1e3 * fused_s);
+      record("fused_steps", name, config, "amp_libtorch_ms", 1e3 * plain_s);
+      record("fused_steps", name, config, "hand_ms", 1e3 * hand_s);
+      record("fused_steps", name, config, "fused_over_hand", fused_s / hand_s);
+      record("fused_steps", name, config, "libtorch_over_hand", plain_s / hand_s);
+      record("fused_steps", name, config, "host_syncs_per_step", syncs);
+    }
+  }
+}
+
+void fused_section() {
+  const double bandwidth = copy_bandwidth();
+  std::printf("## Fused optimizers: the optimizer step alone\n\nLibTorch's optimizer vs amp::optim::Fused* on the same "
+              "parameters and gradients. fp32: the optimizers alone; O2: amp's step (fp32 masters stepped, then the "
+              "model's low-precision parameters written: LibTorch's step + amp's copy pass vs one fused pass). Bound: bytes "
+              "the step must touch (SGD momentum 20 B/element, Adam 28, +2 for the O2 model copy) at the measured copy_ "
+              "bandwidth, %.1f GB/s.\n\n| elements | tensors | optimizer | level | LibTorch ms | fused ms | LibTorch / fused | "
+              "bound ms | fused / bound |\n|---|---|---|---|---|---|---|---|---|\n", bandwidth / 1e9);
+  optimizer_step_rows<torch::optim::SGD, amp::optim::FusedSGD>("SGD momentum", torch::optim::SGDOptions(0.01).momentum(0.9), 20.0, bandwidth);
+  optimizer_step_rows<torch::optim::Adam, amp::optim::FusedAdam>("Adam", torch::optim::AdamOptions(1e-3), 28.0, bandwidth);
+  std::printf("\n## Fused optimizers: whole training steps\n\namp with amp::optim::Fused*, amp with LibTorch's optimizer, and "
+              "the hand-written LibTorch loop of the overhead section with LibTorch's optimizer; interleaved repetitions.\n\n"
+              "| model | config | amp fused ms | amp LibTorch ms | hand ms | amp fused / hand | amp LibTorch / hand | host syncs per "
+              "fused step |\n|---|---|---|---|---|---|---|---|\n");
+  fused_steps_for<bench::TinyMlp>("tiny_mlp");
+  fused_steps_for<bench::Mlp>("mlp");
+  fused_steps_for<bench::Cnn>("cnn");
+  fused_steps_for<bench::Transformer>("transformer");
+  std::printf("\n");
+}
+
 void unscale_section() {
   std::printf("## Unscale + inf/NaN check\n\namp's pass vs the bandwidth bound over the same buffers: in-place `mul_` (fp32 grads), or a plain `copy_` (O2: low-precision model grads into fp32 master grads).\n\n"
               "| elements | tensors | grads | amp ms | bound ms | amp / bound | host syncs per call |\n|---|---|---|---|---|---|---|\n");
@@ -314,7 +453,7 @@ void unscale_section() {
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -341,6 +480,7 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     if (section == "all" || section == "unscale") unscale_section();
+    if (section == "all" || section == "fused") fused_section();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

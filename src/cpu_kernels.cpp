@@ -153,6 +153,26 @@ AMP_VECTOR_CLONES int scale_f16(const half_t* in, half_t* out, int64_t n, float 
   return bad;
 }
 
+template <class T, class Load>
+__attribute__((always_inline)) inline int non_finite_body(const T* in, int64_t n, Load load) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= !(std::fabs(load(in[i])) <= kMax);
+  return bad;
+}
+
+AMP_VECTOR_CLONES int non_finite_f32(const float* in, int64_t n) {
+  return non_finite_body(in, n, [](float v) { return v; });
+}
+
+AMP_VECTOR_CLONES int non_finite_bf16(const uint16_t* in, int64_t n) { return non_finite_body(in, n, bf16_to_float); }
+
+// float16 is finite unless its exponent bits are all ones: an integer test, no conversion.
+AMP_VECTOR_CLONES int non_finite_f16(const uint16_t* in, int64_t n) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= (in[i] & 0x7C00u) == 0x7C00u;
+  return bad;
+}
+
 AMP_VECTOR_CLONES void f32_to_bf16(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
@@ -186,6 +206,15 @@ bool scale(Dtype in_dtype, const void* in, Dtype out_dtype, void* out, int64_t n
   if (cpu_has_f16c()) return scale_f16_f16c(static_cast<const half_t*>(in), static_cast<half_t*>(out), n, inv);
 #endif
   return scale_f16(static_cast<const half_t*>(in), static_cast<half_t*>(out), n, inv);
+}
+
+bool any_non_finite(Dtype dtype, const void* in, int64_t n) {
+  switch (dtype) {
+    case Dtype::Float: return non_finite_f32(static_cast<const float*>(in), n);
+    case Dtype::BFloat16: return non_finite_bf16(static_cast<const uint16_t*>(in), n);
+    case Dtype::Half: return non_finite_f16(static_cast<const uint16_t*>(in), n);
+  }
+  return false;
 }
 
 void convert(const float* in, Dtype out_dtype, void* out, int64_t n) {

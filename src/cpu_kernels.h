@@ -13,6 +13,9 @@ enum class Dtype { Float, BFloat16, Half };
 /// `out` is `in`'s dtype, or Float. Returns whether `in` held an inf or NaN.
 bool scale(Dtype in_dtype, const void* in, Dtype out_dtype, void* out, int64_t n, float inv, bool accumulate);
 
+/// Returns whether `in` holds an inf or NaN (reads only).
+bool any_non_finite(Dtype dtype, const void* in, int64_t n);
+
 /// out[i] = in[i] rounded to `out_dtype` (round to nearest even).
 void convert(const float* in, Dtype out_dtype, void* out, int64_t n);
 

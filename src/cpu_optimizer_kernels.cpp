@@ -37,29 +37,51 @@ void chunked(int64_t n, float* param, ModelCopy copy, Update update) {
   }
 }
 
-AMP_VECTOR_CLONES void adam_range(float* __restrict p, const float* __restrict g_in, float* __restrict m,
-                                  float* __restrict v, float* __restrict vmax, int64_t begin, int64_t end,
-                                  float inv, float decay, float wd, float beta1, float one_minus_beta1, float beta2,
-                                  float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size,
-                                  bool l2, bool amsgrad) {
+struct AdamFloats {
+  float inv, decay, wd, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+};
+
+// The body every Adam variant shares; inlined into each clone below so the branches on L2 and AMSGRAD are
+// resolved at compile time and each loop vectorizes.
+template <bool L2, bool AMSGRAD>
+__attribute__((always_inline)) inline void adam_body(float* __restrict p, const float* __restrict g_in,
+                                                     float* __restrict m, float* __restrict v,
+                                                     float* __restrict vmax, int64_t begin, int64_t end,
+                                                     const AdamFloats& f) {
   for (int64_t i = begin; i < end; ++i) {
-    float param = p[i];
-    float g = g_in[i] * inv;
-    param = param * decay;                       // AdamW's p.mul_(1 - lr * wd); decay is 1 otherwise
-    if (l2) g = std::fma(param, wd, g);          // Adam's grad.add(p, wd)
-    const float mi = std::fma(g, one_minus_beta1, m[i] * beta1);
-    const float vi = std::fma(one_minus_beta2 * g, g, v[i] * beta2);
+    const float param = p[i] * f.decay;                        // AdamW's p.mul_(1 - lr * wd); decay is 1 otherwise
+    float g = g_in[i] * f.inv;
+    if constexpr (L2) g = std::fma(param, f.wd, g);            // Adam's grad.add(p, wd)
+    const float mi = std::fma(g, f.one_minus_beta1, m[i] * f.beta1);
+    const float vi = std::fma(f.one_minus_beta2 * g, g, v[i] * f.beta2);
     m[i] = mi;
     v[i] = vi;
     float second = vi;
-    if (amsgrad) {
+    if constexpr (AMSGRAD) {
       const float mx = vmax[i];
-      second = mx >= vi ? mx : vi;               // torch::max_out, NaN-propagating
+      second = mx >= vi ? mx : vi;                             // torch::max_out, NaN-propagating
       vmax[i] = second;
     }
-    const float denom = std::sqrt(second) / bc2_sqrt + eps;
-    p[i] = param + (neg_step_size * mi) / denom;
+    const float denom = std::sqrt(second) / f.bc2_sqrt + f.eps;
+    p[i] = param + (f.neg_step_size * mi) / denom;
   }
+}
+
+AMP_VECTOR_CLONES void adam_plain(float* p, const float* g, float* m, float* v, float* vmax, int64_t b, int64_t e,
+                                  const AdamFloats& f) {
+  adam_body<false, false>(p, g, m, v, vmax, b, e, f);
+}
+AMP_VECTOR_CLONES void adam_l2(float* p, const float* g, float* m, float* v, float* vmax, int64_t b, int64_t e,
+                               const AdamFloats& f) {
+  adam_body<true, false>(p, g, m, v, vmax, b, e, f);
+}
+AMP_VECTOR_CLONES void adam_amsgrad(float* p, const float* g, float* m, float* v, float* vmax, int64_t b, int64_t e,
+                                    const AdamFloats& f) {
+  adam_body<false, true>(p, g, m, v, vmax, b, e, f);
+}
+AMP_VECTOR_CLONES void adam_l2_amsgrad(float* p, const float* g, float* m, float* v, float* vmax, int64_t b,
+                                       int64_t e, const AdamFloats& f) {
+  adam_body<true, true>(p, g, m, v, vmax, b, e, f);
 }
 
 AMP_VECTOR_CLONES void sgd_range(float* __restrict p, const float* __restrict g_in, float* __restrict buf,
@@ -88,11 +110,12 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(s.step));
   const auto decay = static_cast<float>(s.decoupled_weight_decay && s.weight_decay != 0 ? 1 - s.lr * s.weight_decay : 1.0);
   const bool l2 = !s.decoupled_weight_decay && s.weight_decay != 0;
+  const AdamFloats f{s.inv_scale, decay, static_cast<float>(s.weight_decay), static_cast<float>(s.beta1),
+                     static_cast<float>(1 - s.beta1), static_cast<float>(s.beta2), static_cast<float>(1 - s.beta2),
+                     static_cast<float>(std::sqrt(bc2)), static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1))};
+  const auto range = l2 ? (s.amsgrad ? adam_l2_amsgrad : adam_l2) : (s.amsgrad ? adam_amsgrad : adam_plain);
   chunked(n, param, copy, [&](int64_t begin, int64_t end) {
-    adam_range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, s.inv_scale, decay,
-               static_cast<float>(s.weight_decay), static_cast<float>(s.beta1), static_cast<float>(1 - s.beta1),
-               static_cast<float>(s.beta2), static_cast<float>(1 - s.beta2), static_cast<float>(std::sqrt(bc2)),
-               static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1)), l2, s.amsgrad);
+    range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, f);
   });
 }
 

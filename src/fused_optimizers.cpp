@@ -1,6 +1,7 @@
 #include "amp/fused_optimizers.h"
 
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <torch/version.h>
 
@@ -74,6 +75,23 @@ cpu::ModelCopy model_copy_arg(const at::Tensor* copy) {
   return {dtype, copy->data_ptr()};
 }
 
+// The loss scale a GradScaler left in the gradients, as the float factor the loops multiply by (torch's
+// inv_scale: the reciprocal in double, then rounded to float).
+float inverse_scale(const std::optional<double>& grad_scale) {
+  return grad_scale ? static_cast<float>(1.0 / *grad_scale) : 1.0f;
+}
+
+// Splits one parameter's update across ATen's intra-op threads, as LibTorch's own kernels are.
+template <class Update>
+void split(int64_t n, Update update) {
+  at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t begin, int64_t end) { update(begin, end - begin); });
+}
+
+cpu::ModelCopy offset(cpu::ModelCopy copy, int64_t begin) {
+  if (copy.data) copy.data = static_cast<char*>(copy.data) + begin * (copy.dtype == cpu::Dtype::Float ? 4 : 2);
+  return copy;
+}
+
 // A raw-pointer update is a write like any in-place op: version counters must say so (amp's masters,
 // autograd's saved-tensor checks and weight caches read them).
 void bump(const std::vector<at::Tensor>& written) {
@@ -93,6 +111,12 @@ struct AtenBatch {
 };
 using BatchKey = std::tuple<std::string, int, bool>;
 BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
+
+// ATen's kernels divide each gradient by grad_scale themselves.
+std::optional<at::Tensor> aten_grad_scale(const std::optional<double>& grad_scale, const at::Tensor& like) {
+  if (!grad_scale) return std::nullopt;
+  return at::full({}, *grad_scale, like.options().dtype(at::kFloat));
+}
 
 void finish_batch(AtenBatch& batch) {
   bump(batch.params);
@@ -116,7 +140,9 @@ void check_adam_options(const Options& o, const char* name, size_t group) {
 
 // LibTorch's Adam / AdamW step for one parameter, op for op (the route for what amp's loop does not take).
 template <class Options, class State>
-void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o, bool decoupled) {
+void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o, bool decoupled,
+                 const std::optional<double>& grad_scale) {
+  if (grad_scale) grad = grad * inverse_scale(grad_scale);
   const auto [beta1, beta2] = o.betas();
   const double bias_correction1 = 1 - std::pow(beta1, state.step());
   const double bias_correction2 = 1 - std::pow(beta2, state.step());
@@ -135,7 +161,8 @@ void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o,
 }
 
 template <class Options, class State, class CopyOf>
-void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, bool decoupled, const char* name) {
+void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::optional<double>& grad_scale,
+                      bool decoupled, const char* name) {
   c10::NoGradGuard no_grad;
   auto& states = opt.state();
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
@@ -166,11 +193,17 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, bool decoupl
       const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
       switch (route_for(p, grad, {state.exp_avg(), state.exp_avg_sq(), vmax}, copy)) {
         case FusedRoute::kAuto: {
-          cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(), state.step(),
-                             /*inv_scale=*/1.0f};
-          cpu::adam_step(p.data_ptr<float>(), grad.data_ptr<float>(), state.exp_avg().template data_ptr<float>(),
-                         state.exp_avg_sq().template data_ptr<float>(),
-                         vmax.defined() ? vmax.data_ptr<float>() : nullptr, p.numel(), s, model_copy_arg(copy));
+          const cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(),
+                                   state.step(), inverse_scale(grad_scale)};
+          float* pp = p.data_ptr<float>();
+          const float* gp = grad.data_ptr<float>();
+          float* mp = state.exp_avg().template data_ptr<float>();
+          float* vp = state.exp_avg_sq().template data_ptr<float>();
+          float* xp = vmax.defined() ? vmax.data_ptr<float>() : nullptr;
+          const cpu::ModelCopy c = model_copy_arg(copy);
+          split(p.numel(), [&](int64_t b, int64_t n) {
+            cpu::adam_step(pp + b, gp + b, mp + b, vp + b, xp ? xp + b : nullptr, n, s, offset(c, b));
+          });
           bump({p, state.exp_avg(), state.exp_avg_sq(), vmax, copy ? *copy : at::Tensor()});
           break;
         }
@@ -189,7 +222,7 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, bool decoupl
           break;
         }
         case FusedRoute::kPerOp:
-          adam_per_op(p, grad, state, o, decoupled);
+          adam_per_op(p, grad, state, o, decoupled, grad_scale);
           if (copy) copy->copy_(p);
           break;
       }
@@ -197,12 +230,13 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, bool decoupl
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
     for (auto& [key, batch] : batches) {
       const bool amsgrad = std::get<2>(key);
+      const auto scale = aten_grad_scale(grad_scale, batch.params.front());
       if (decoupled) {
         at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
-                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false);
+                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale);
       } else {
         at::_fused_adam_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
-                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false);
+                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale);
       }
       finish_batch(batch);
     }
@@ -228,8 +262,8 @@ void check_sgd_options(const torch::optim::SGDOptions& o, size_t group) {
 
 // LibTorch's SGD step for one parameter, op for op.
 void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamState* state, bool first,
-                const torch::optim::SGDOptions& o) {
-  at::Tensor d_p = grad;
+                const torch::optim::SGDOptions& o, const std::optional<double>& grad_scale) {
+  at::Tensor d_p = grad_scale ? grad * inverse_scale(grad_scale) : grad;
   if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
   if (o.momentum() != 0) {
     at::Tensor buf;
@@ -260,7 +294,8 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
     loss = closure();
   }
   adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-      *this, [this](const at::Tensor& p) { return model_copy(p); }, /*decoupled=*/false, "amp::optim::FusedAdam");
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/false,
+      "amp::optim::FusedAdam");
   return loss;
 }
 
@@ -271,7 +306,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     loss = closure();
   }
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-      *this, [this](const at::Tensor& p) { return model_copy(p); }, /*decoupled=*/true, "amp::optim::FusedAdamW");
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/true,
+      "amp::optim::FusedAdamW");
   return loss;
 }
 
@@ -306,11 +342,16 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
       if (first && route != FusedRoute::kPerOp) state->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
       switch (route) {
         case FusedRoute::kAuto: {
-          cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), first,
-                            /*inv_scale=*/1.0f};
+          const cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), first,
+                                  inverse_scale(grad_scale())};
           const at::Tensor buf = state ? state->momentum_buffer() : at::Tensor();
-          cpu::sgd_step(p.data_ptr<float>(), grad.data_ptr<float>(), buf.defined() ? buf.data_ptr<float>() : nullptr,
-                        p.numel(), s, model_copy_arg(copy));
+          float* pp = p.data_ptr<float>();
+          const float* gp = grad.data_ptr<float>();
+          float* bp = buf.defined() ? buf.data_ptr<float>() : nullptr;
+          const cpu::ModelCopy c = model_copy_arg(copy);
+          split(p.numel(), [&](int64_t b, int64_t n) {
+            cpu::sgd_step(pp + b, gp + b, bp ? bp + b : nullptr, n, s, offset(c, b));
+          });
           bump({p, buf, copy ? *copy : at::Tensor()});
           break;
         }
@@ -326,7 +367,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
           break;
         }
         case FusedRoute::kPerOp:
-          sgd_per_op(p, grad, state, first, o);
+          sgd_per_op(p, grad, state, first, o, grad_scale());
           if (copy) copy->copy_(p);
           break;
       }
@@ -334,7 +375,8 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
     for (auto& [key, batch] : batches) {
       at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
-                      o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key));
+                      o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
+                      aten_grad_scale(grad_scale(), batch.params.front()));
       finish_batch(batch);
     }
 #else

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "amp/fused_optimizers.h"
 #include "format.h"
 #include "multi_tensor.h"
 
@@ -75,16 +76,10 @@ torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
   return outputs.mul(static_cast<double>(*scale_));
 }
 
-void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
-  if (!enabled_) return;
-  OptimizerState& state = state_of(optimizer);
-  TORCH_CHECK(state.stage != Stage::kUnscaled,
-              "unscale_() has already been called on this optimizer since the last update().");
-  TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step().");
+// The gradients of the optimizer's parameters, checked as torch's _unscale_grads_ checks them.
+std::vector<at::Tensor> GradScaler::scaled_grads(torch::optim::Optimizer& optimizer) const {
   TORCH_CHECK(scale_.has_value(), "Attempted unscale_ but _scale is None.  This may indicate your script did not use "
               "scaler.scale(loss or outputs) earlier in the iteration.");
-  // torch: inv_scale = scale.double().reciprocal().float()
-  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(*scale_));
   std::vector<at::Tensor> grads;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
@@ -98,6 +93,18 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       grads.push_back(g);
     }
   }
+  return grads;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) return;
+  OptimizerState& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::kUnscaled,
+              "unscale_() has already been called on this optimizer since the last update().");
+  TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step().");
+  const std::vector<at::Tensor> grads = scaled_grads(optimizer);
+  // torch: inv_scale = scale.double().reciprocal().float()
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(*scale_));
   detail::unscale_(grads, inv_scale, state.found_inf);
   state.checked = !grads.empty();
   state.stage = Stage::kUnscaled;
@@ -107,12 +114,28 @@ std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer
   if (!enabled_) return optimizer.step();
   OptimizerState& state = state_of(optimizer);
   TORCH_CHECK(state.stage != Stage::kStepped, "step() has already been called since the last update().");
-  if (state.stage == Stage::kReady) unscale_(optimizer);
+  auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer);
+  const bool fused_unscale = fused != nullptr && state.stage == Stage::kReady;
+  if (fused_unscale) {
+    // torch's path for optimizers that take grad_scale: a read-only inf/NaN check here, and the step divides
+    // each gradient by the scale as it reads it (one pass fewer; the gradients stay scaled, as in torch).
+    const std::vector<at::Tensor> grads = scaled_grads(optimizer);
+    detail::check_finite(grads, state.found_inf);
+    state.checked = !grads.empty();
+  } else if (state.stage == Stage::kReady) {
+    unscale_(optimizer);
+  }
   TORCH_CHECK(state.checked, "No inf checks were recorded for this optimizer. (None of its parameters has a "
               "gradient: run scaler.scale(loss).backward() through parameters this optimizer holds before step().)");
   state.found_on_host = state.found_inf.any();  // the step's one host sync
   state.stage = Stage::kStepped;
   if (*state.found_on_host) return std::nullopt;
+  if (!fused_unscale) return optimizer.step();
+  fused->grad_scale_ = static_cast<double>(*scale_);
+  struct ResetGuard {
+    optim::FusedOptimizer* fused;
+    ~ResetGuard() { fused->grad_scale_.reset(); }
+  } reset{fused};
   return optimizer.step();
 }
 

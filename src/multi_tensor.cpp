@@ -118,6 +118,26 @@ void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf
   }
 }
 
+void check_finite(const std::vector<at::Tensor>& tensors, FoundInf& found_inf) {
+  std::vector<at::Tensor> rest;
+  for (const auto& t : tensors) {
+    check_dense(t);
+    const auto dtype = cpu_dtype(t.scalar_type());
+    if (!dtype || !cpu_fast_path(t)) {
+      rest.push_back(t);
+      continue;
+    }
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, t.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (cpu::any_non_finite(*dtype, static_cast<const char*>(t.data_ptr()) + begin * t.element_size(), end - begin)) {
+        bad = true;
+      }
+    });
+    if (bad) mark(found_inf.on(t.device()));
+  }
+  if (!rest.empty()) unscale_(rest, 1.0, found_inf);
+}
+
 void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out, bool accumulate,
                   double inv_scale, FoundInf& found_inf) {
   TORCH_INTERNAL_ASSERT(in.size() == out.size());

@@ -28,6 +28,10 @@ class FoundInf {
 /// Multiplies every tensor by inv_scale in place and records non-finite values in found_inf.
 void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf& found_inf);
 
+/// Records non-finite values of the tensors in found_inf without changing them (one read pass; on devices
+/// without amp's loop, ATen's unscale kernel with a scale of 1, as torch's GradScaler does for fused optimizers).
+void check_finite(const std::vector<at::Tensor>& tensors, FoundInf& found_inf);
+
 /// Writes out[i] = in[i] * inv_scale, or adds it to out[i] when accumulate, converting dtypes
 /// (fp16/bf16 model grads into fp32 master grads); records non-finite inputs in found_inf.
 void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out, bool accumulate,

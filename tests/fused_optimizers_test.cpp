@@ -492,3 +492,70 @@ TEST(FusedO2Test, WeightsWrittenAfterAFusedStepReachTheMasters) {
     }
   }
 }
+
+// ---- with amp::GradScaler ------------------------------------------------------------------------------
+
+// torch's test_grad_scaling_autocast_fused_optimizers: a fused optimizer stepped by GradScaler without
+// unscale_ (the scale goes into the step) equals the same optimizer after an explicit unscale_ bit for bit,
+// and LibTorch's optimizer within float32 rounding; an inf skips all three alike; the scale sequence is
+// torch's; the gradients stay scaled after the fused step, as in torch.
+TEST(FusedGradScalerTest, ScaleInsideTheStepEqualsUnscaleThenStep) {
+  for (const bool amsgrad : {false, true}) {
+    for (const bool adamw : {false, true}) {
+      torch::manual_seed(8);
+      std::vector<torch::nn::Sequential> models;
+      for (int m = 0; m < 3; ++m) models.emplace_back(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
+      for (int m = 1; m < 3; ++m) {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < models[0]->parameters().size(); ++i) models[m]->parameters()[i].copy_(models[0]->parameters()[i]);
+      }
+      auto make = [&](int m, bool fused) -> std::unique_ptr<torch::optim::Optimizer> {
+        const auto params = models[m]->parameters();
+        if (adamw) {
+          const auto o = torch::optim::AdamWOptions(1e-2).amsgrad(amsgrad).weight_decay(0.01);
+          if (fused) return std::make_unique<amp::optim::FusedAdamW>(params, o);
+          return std::make_unique<torch::optim::AdamW>(params, o);
+        }
+        const auto o = torch::optim::AdamOptions(1e-2).amsgrad(amsgrad);
+        if (fused) return std::make_unique<amp::optim::FusedAdam>(params, o);
+        return std::make_unique<torch::optim::Adam>(params, o);
+      };
+      std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
+      opts.push_back(make(0, true));   // scale inside the step
+      opts.push_back(make(1, true));   // unscale_ first
+      opts.push_back(make(2, false));  // LibTorch's optimizer
+      std::vector<amp::GradScaler> scalers;
+      for (int m = 0; m < 3; ++m) scalers.emplace_back(amp::GradScalerOptions().init_scale(128.0).growth_interval(1));
+      const std::string what = std::string(adamw ? "AdamW" : "Adam") + (amsgrad ? " amsgrad" : "");
+      for (int s = 0; s < 5; ++s) {
+        torch::manual_seed(20 + s);
+        const auto x = torch::randn({16, 8}), y = torch::randn({16, 4});
+        std::vector<std::optional<torch::Tensor>> stepped;
+        for (int m = 0; m < 3; ++m) {
+          opts[m]->zero_grad();
+          torch::Tensor loss;
+          {
+            amp::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+            loss = torch::mse_loss(models[m]->forward(x).to(torch::kFloat), y);
+          }
+          scalers[m].scale(loss).backward();
+          if (s == 2) models[m]->parameters()[0].mutable_grad()[0][0] = INFINITY;
+          if (m == 1) scalers[m].unscale_(*opts[m]);
+          const auto scaled_grad = models[m]->parameters()[2].grad().clone();
+          stepped.push_back(scalers[m].step(*opts[m]));
+          if (m == 0 && s != 2) {
+            EXPECT_TRUE(amp_test::bitwise_equal(models[m]->parameters()[2].grad(), scaled_grad)) << what;
+          }
+          scalers[m].update();
+        }
+        for (int m = 0; m < 3; ++m) EXPECT_EQ(stepped[m].has_value(), s != 2) << what << " step " << s;
+      }
+      for (int m = 0; m < 3; ++m) EXPECT_EQ(scalers[m].get_scale(), 128.0 * 16 * 0.5) << what;  // 4 clean, 1 inf
+      const auto a = models[0]->parameters(), b = models[1]->parameters(), c = models[2]->parameters();
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << what << " parameter " << i;
+        EXPECT_TRUE(torch::allclose(a[i], c[i], 1.3e-6, 1e-5)) << what << " parameter " << i;
+      }
+    }
+  }
+}

@@ -18,16 +18,22 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <optional>
 #include <unordered_map>
 
 namespace amp {
+class GradScaler;
 class OptimizerBase;
 
 namespace optim {
 
-/// What the fused optimizers share: for each parameter, an optional low-precision tensor the step also
-/// writes the parameter's new value into, rounded. amp::Optimizer fills it at O2 (fp32 master -> the
-/// model's float16/bfloat16 parameter), so the separate master -> model copy pass disappears.
+/// What the fused optimizers share:
+///   - for each parameter, an optional low-precision tensor the step also writes the parameter's new value
+///     into, rounded. amp::Optimizer fills it at O2 (fp32 master -> the model's float16/bfloat16 parameter),
+///     so the separate master -> model copy pass disappears;
+///   - the loss scale its gradients still carry when amp::GradScaler::step runs it without an unscale_ first
+///     (torch's grad_scale for fused optimizers): the step multiplies each gradient by its inverse as it reads
+///     it, instead of a separate unscale pass. As in torch, the gradients stay scaled afterwards.
 class FusedOptimizer {
  public:
   virtual ~FusedOptimizer() = default;
@@ -39,10 +45,14 @@ class FusedOptimizer {
 
   /// Returns the tensor p's update is also written into, or nullptr.
   const at::Tensor* model_copy(const at::Tensor& p) const;
+  /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled).
+  const std::optional<double>& grad_scale() const noexcept { return grad_scale_; }
 
  private:
   friend class amp::OptimizerBase;
+  friend class amp::GradScaler;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
+  std::optional<double> grad_scale_;
 };
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) with a fused step.

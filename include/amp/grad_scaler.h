@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace amp {
 
@@ -79,7 +80,9 @@ class GradScaler {
   /// Throws if called twice for an optimizer before update(), or after step().
   void unscale_(torch::optim::Optimizer& optimizer);
   /// Unscales (unless unscale_ ran), then steps the optimizer unless its gradients held inf/NaN.
-  /// Returns the optimizer's step result, or nullopt when the step was skipped.
+  /// Returns the optimizer's step result, or nullopt when the step was skipped. An amp::optim::Fused*
+  /// optimizer without unscale_ gets the scale instead (torch's grad_scale): a read-only inf/NaN check, then
+  /// its step unscales each gradient as it reads it, and the gradients stay scaled afterwards, as in torch.
   std::optional<torch::Tensor> step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off if any optimizer stepped (or unscaled) this iteration saw inf/NaN, else counts a
   /// clean step and grows the scale every growth_interval of them. `new_scale` sets the scale instead.
@@ -105,6 +108,7 @@ class GradScaler {
   struct OptimizerState;
 
   OptimizerState& state_of(torch::optim::Optimizer& optimizer);
+  std::vector<at::Tensor> scaled_grads(torch::optim::Optimizer& optimizer) const;
 
   bool enabled_;
   double init_scale_;
