@@ -105,6 +105,20 @@ void check_dense(const at::Tensor& grad, const char* name, size_t group, size_t 
               group, "). Build the layer with dense gradients (e.g. Embedding without sparse(true)).");
 }
 
+// Checks every group's options and every gradient before anything is updated, so an error leaves the
+// optimizer and the parameters as they were.
+template <class CheckOptions>
+void check_all(const torch::optim::Optimizer& opt, const char* name, CheckOptions check_options) {
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    const auto& group = opt.param_groups()[g];
+    check_options(group.options(), g);
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& grad = group.params()[i].grad();
+      if (grad.defined()) check_dense(grad, name, g, i);
+    }
+  }
+}
+
 // ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).
 struct AtenBatch {
   std::vector<at::Tensor> params, grads, buffers_a, buffers_b, buffers_c, steps, copies_from, copies_to;
@@ -163,19 +177,20 @@ void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o,
 template <class Options, class State, class CopyOf>
 void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::optional<double>& grad_scale,
                       bool decoupled, const char* name) {
+  check_all(opt, name, [name](const torch::optim::OptimizerOptions& o, size_t g) {
+    check_adam_options(static_cast<const Options&>(o), name, g);
+  });
   c10::NoGradGuard no_grad;
   auto& states = opt.state();
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
     auto& group = opt.param_groups()[g];
     const auto& o = static_cast<const Options&>(group.options());
-    check_adam_options(o, name, g);
     const auto [beta1, beta2] = o.betas();
     std::map<BatchKey, AtenBatch> batches;
     for (size_t i = 0; i < group.params().size(); ++i) {
       at::Tensor& p = group.params()[i];
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;
-      check_dense(grad, name, g, i);
       auto& slot = states[state_key(states, p)];
       if (!slot) {  // LibTorch's lazy state initialization
         auto fresh = std::make_unique<State>();
@@ -317,18 +332,19 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  check_all(*this, "amp::optim::FusedSGD", [](const torch::optim::OptimizerOptions& o, size_t g) {
+    check_sgd_options(static_cast<const torch::optim::SGDOptions&>(o), g);
+  });
   c10::NoGradGuard no_grad;
   auto& states = state_;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
-    check_sgd_options(o, g);
     std::map<BatchKey, AtenBatch> batches;
     for (size_t i = 0; i < group.params().size(); ++i) {
       at::Tensor& p = group.params()[i];
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;
-      check_dense(grad, "amp::optim::FusedSGD", g, i);
       torch::optim::SGDParamState* state = nullptr;
       bool first = false;
       if (o.momentum() != 0) {

@@ -240,8 +240,11 @@ TEST(FusedOptimizersTest, BadGradientsAndOptionsAreClearErrors) {
   auto p = make_params();
   amp::optim::FusedSGD sgd(std::vector<torch::Tensor>{p[0]}, torch::optim::SGDOptions(0.1));
   sgd.add_param_group({{p[1]}, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(-0.5))});
+  p[0].mutable_grad() = torch::ones_like(p[0]);
   p[1].mutable_grad() = torch::ones_like(p[1]);
+  const auto p0_before = p[0].detach().clone();
   ASSERT_THROWS_WITH(sgd.step(), "amp::optim::FusedSGD: invalid learning rate -0.5 in param group 1; use lr >= 0.");
+  EXPECT_TRUE(amp_test::bitwise_equal(p[0], p0_before));  // checked before group 0 was stepped
   static_cast<torch::optim::SGDOptions&>(sgd.param_groups()[1].options()).lr(0.1).nesterov(true);
   ASSERT_THROWS_WITH(sgd.step(), "param group 1 has nesterov(true) with momentum 0 and dampening 0; Nesterov momentum "
                                  "requires a momentum and zero dampening.");
