@@ -5,6 +5,17 @@
 
 #include <cstdint>
 
+// NOTE [Vectorized clones]
+// amp's loops (here and in cpu_optimizer_kernels.cpp) are plain C++ that GCC auto-vectorizes;
+// target_clones compiles them once more for x86-64-v3 (AVX2, FMA) and the loader picks that clone on CPUs
+// that have it. The baseline clone keeps the library runnable anywhere. float16 conversions get explicit
+// F16C code in cpu_kernels.cpp.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define AMP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define AMP_VECTOR_CLONES
+#endif
+
 namespace amp::detail::cpu {
 
 enum class Dtype { Float, BFloat16, Half };

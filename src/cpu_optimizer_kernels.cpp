@@ -9,15 +9,10 @@
 // last product are fused multiply-adds (as ATen's vectorized kernels compute them), addcdiv is
 // self + (value * a) / b, a division by a scalar is a true division. The file is built with
 // -ffp-contract=off, so no other product is fused and every vector clone (NOTE [Vectorized clones] in
-// cpu_kernels.cpp) gives the same bits. SGD therefore equals LibTorch's step bit for bit, and Adam's moments
+// cpu_kernels.h) gives the same bits. SGD therefore equals LibTorch's step bit for bit, and Adam's moments
 // do too; Adam's parameter differs by an ulp here and there because ATen's vectorized sqrt is not the
 // correctly rounded one this loop uses (tests/fused_optimizers_test.cpp). Nothing depends on how many
 // tensors are stepped together or on whether the O2 model copy is written.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define AMP_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define AMP_VECTOR_CLONES
-#endif
 
 namespace amp::detail::cpu {
 namespace {

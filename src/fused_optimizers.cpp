@@ -126,6 +126,7 @@ struct AtenBatch {
 using BatchKey = std::tuple<std::string, int, bool>;
 BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
 
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
 // ATen's kernels divide each gradient by grad_scale themselves.
 std::optional<at::Tensor> aten_grad_scale(const std::optional<double>& grad_scale, const at::Tensor& like) {
   if (!grad_scale) return std::nullopt;
@@ -136,6 +137,7 @@ void finish_batch(AtenBatch& batch) {
   bump(batch.params);
   for (size_t i = 0; i < batch.copies_to.size(); ++i) batch.copies_to[i].copy_(batch.copies_from[i]);
 }
+#endif
 
 // ---- Adam and AdamW --------------------------------------------------------------------------------
 
@@ -294,6 +296,13 @@ void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamSta
   p.add_(d_p, -1 * o.lr());
 }
 
+// LibTorch's optimizers evaluate a closure with gradients on before stepping.
+torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
 }  // namespace
 
 const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
@@ -303,11 +312,7 @@ const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
 }
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
       *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/false,
       "amp::optim::FusedAdam");
@@ -315,11 +320,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
       *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/true,
       "amp::optim::FusedAdamW");
@@ -327,11 +328,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = evaluate(closure);
   check_all(*this, "amp::optim::FusedSGD", [](const torch::optim::OptimizerOptions& o, size_t g) {
     check_sgd_options(static_cast<const torch::optim::SGDOptions&>(o), g);
   });

@@ -49,7 +49,8 @@ void set_grads(int step, std::vector<torch::Tensor>& a, std::vector<torch::Tenso
 
 // The largest difference between two tensors in units of the reference's magnitude (|x| + 1e-3).
 double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a.to(torch::kDouble) - b.to(torch::kDouble)).abs() / (b.to(torch::kDouble).abs() + 1e-3)).max().item<double>();
+  const auto x = a.to(torch::kDouble), y = b.to(torch::kDouble);
+  return ((x - y).abs() / (y.abs() + 1e-3)).max().item<double>();
 }
 
 struct OptimizerCase {
@@ -92,18 +93,27 @@ std::vector<OptimizerCase> optimizer_cases() {
   return cases;
 }
 
-// Runs `steps` steps of the fused optimizer and LibTorch's on the same gradients; returns the largest
-// relative difference of any parameter after any step.
-double max_trajectory_error(const OptimizerCase& c, c10::ScalarType dtype, int steps, bool expect_bitwise) {
-  auto a = make_params(dtype);
-  auto b = clone_params(a);
-  auto fused = c.fused(a);
-  auto reference = c.reference(b);
-  double worst = 0;
-  for (int s = 0; s < steps; ++s) {
+// A fused optimizer and LibTorch's on equal copies of make_params(dtype).
+struct Pair {
+  std::vector<torch::Tensor> a, b;
+  std::unique_ptr<torch::optim::Optimizer> fused, reference;
+  Pair(const OptimizerCase& c, c10::ScalarType dtype = torch::kFloat)
+      : a(make_params(dtype)), b(clone_params(a)), fused(c.fused(a)), reference(c.reference(b)) {}
+  void step(int s) {
     set_grads(s, a, b);
     fused->step();
     reference->step();
+  }
+};
+
+// Runs `steps` steps of the fused optimizer and LibTorch's on the same gradients; returns the largest
+// relative difference of any parameter after any step.
+double max_trajectory_error(const OptimizerCase& c, c10::ScalarType dtype, int steps, bool expect_bitwise) {
+  Pair pair(c, dtype);
+  auto& [a, b, fused, reference] = pair;
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    pair.step(s);
     for (size_t i = 0; i < a.size(); ++i) {
       if (expect_bitwise) EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << c.name << " step " << s << " param " << i;
       worst = std::max(worst, relative_error(a[i], b[i]));
@@ -146,15 +156,9 @@ TEST(FusedOptimizersTest, AtenRouteMatchesLibTorch) {
   }
   RouteGuard route(FusedRoute::kAten);
   for (const auto& c : optimizer_cases()) {
-    auto a = make_params();
-    auto b = clone_params(a);
-    auto fused = c.fused(a);
-    auto reference = c.reference(b);
-    for (int s = 0; s < 20; ++s) {
-      set_grads(s, a, b);
-      fused->step();
-      reference->step();
-    }
+    Pair pair(c);
+    auto& [a, b, fused, reference] = pair;
+    for (int s = 0; s < 20; ++s) pair.step(s);
     for (size_t i = 0; i < a.size(); ++i) {  // PyTorch's float32 assertEqual tolerances
       EXPECT_TRUE(torch::allclose(a[i], b[i], 1.3e-6, 1e-5)) << c.name << " parameter " << i;
     }
@@ -164,15 +168,9 @@ TEST(FusedOptimizersTest, AtenRouteMatchesLibTorch) {
 // torch::save of a fused optimizer loads into LibTorch's and back: the archives are LibTorch's own.
 TEST(FusedOptimizersTest, CheckpointsAreInterchangeableWithLibTorchs) {
   for (const auto& c : optimizer_cases()) {
-    auto a = make_params();
-    auto b = clone_params(a);
-    auto fused = c.fused(a);
-    auto reference = c.reference(b);
-    for (int s = 0; s < 3; ++s) {
-      set_grads(s, a, b);
-      fused->step();
-      reference->step();
-    }
+    Pair pair(c);
+    auto& [a, b, fused, reference] = pair;
+    for (int s = 0; s < 3; ++s) pair.step(s);
     const auto path = std::filesystem::temp_directory_path() / ("amp_fused_" + c.name + ".pt");
     torch::save(*fused, path.string());
     auto b2 = clone_params(a);
@@ -187,9 +185,7 @@ TEST(FusedOptimizersTest, CheckpointsAreInterchangeableWithLibTorchs) {
       set_grads(s, a2, b2);
       fused_from_reference->step();
       reference_from_fused->step();
-      set_grads(s, a, b);
-      fused->step();
-      reference->step();
+      pair.step(s);
     }
     for (size_t i = 0; i < a.size(); ++i) {
       EXPECT_LE(relative_error(a2[i], b[i]), 1e-5) << c.name << ": fused resumed from LibTorch's checkpoint";
@@ -207,15 +203,19 @@ TEST(FusedOptimizersTest, ParamGroupsAndSchedulersWork) {
   using torch::optim::AdamW;
   using torch::optim::AdamWOptions;
   std::vector<torch::optim::OptimizerParamGroup> groups_a, groups_b;
-  groups_a.emplace_back(std::vector<torch::Tensor>(a.begin(), a.begin() + 3), std::make_unique<AdamWOptions>(AdamWOptions(0.05)));
-  groups_b.emplace_back(std::vector<torch::Tensor>(b.begin(), b.begin() + 3), std::make_unique<AdamWOptions>(AdamWOptions(0.05)));
+  auto group = [](const std::vector<torch::Tensor>& p, size_t begin, size_t end, AdamWOptions options) {
+    return torch::optim::OptimizerParamGroup(std::vector<torch::Tensor>(p.begin() + begin, p.begin() + end),
+                                             std::make_unique<AdamWOptions>(options));
+  };
+  groups_a.push_back(group(a, 0, 3, AdamWOptions(0.05)));
+  groups_b.push_back(group(b, 0, 3, AdamWOptions(0.05)));
   amp::optim::FusedAdamW fused(groups_a, AdamWOptions(1e-2).weight_decay(0.1));
   AdamW reference(groups_b, AdamWOptions(1e-2).weight_decay(0.1));
   torch::optim::StepLR fused_schedule(fused, 2, 0.5), reference_schedule(reference, 2, 0.5);
   for (int s = 0; s < 8; ++s) {
     if (s == 3) {  // progressive unfreezing: the rest of the parameters join with their own options
-      fused.add_param_group({std::vector<torch::Tensor>(a.begin() + 3, a.end()), std::make_unique<AdamWOptions>(AdamWOptions(0.02).amsgrad(true))});
-      reference.add_param_group({std::vector<torch::Tensor>(b.begin() + 3, b.end()), std::make_unique<AdamWOptions>(AdamWOptions(0.02).amsgrad(true))});
+      fused.add_param_group(group(a, 3, a.size(), AdamWOptions(0.02).amsgrad(true)));
+      reference.add_param_group(group(b, 3, b.size(), AdamWOptions(0.02).amsgrad(true)));
     }
     set_grads(s, a, b);
     fused.step();
@@ -234,7 +234,8 @@ TEST(FusedOptimizersTest, BadGradientsAndOptionsAreClearErrors) {
   auto embedding = torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
   amp::optim::FusedAdam adam(embedding->parameters(), torch::optim::AdamOptions(1e-3));
   embedding(torch::tensor({1, 2}, torch::kLong)).sum().backward();
-  ASSERT_THROWS_WITH(adam.step(), "amp::optim::FusedAdam does not support sparse gradients (parameter 0 of param group 0)");
+  ASSERT_THROWS_WITH(adam.step(),
+                     "amp::optim::FusedAdam does not support sparse gradients (parameter 0 of param group 0)");
 
   // LibTorch checks the constructor's defaults; a group added later is checked at its first step.
   auto p = make_params();
@@ -272,7 +273,9 @@ std::string level_name(const ::testing::TestParamInfo<LevelCase>& info) {
 class FusedAtLevelTest : public ::testing::TestWithParam<LevelCase> {
  protected:
   void SetUp() override { SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype); }
-  amp::Options options() const { return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0); }
+  amp::Options options() const {
+    return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
+  }
 };
 
 std::vector<torch::Tensor> float_copies(const std::vector<torch::Tensor>& tensors) {
@@ -282,7 +285,8 @@ std::vector<torch::Tensor> float_copies(const std::vector<torch::Tensor>& tensor
 }
 
 template <class Fused, class Plain, class Options>
-void run_level_case(const amp::Options& amp_options, const Options& optimizer_options, bool bitwise, const std::string& what) {
+void run_level_case(const amp::Options& amp_options, const Options& optimizer_options, bool bitwise,
+                    const std::string& what) {
   torch::manual_seed(3);
   amp_test::ConvBnNet net_fused, net_plain;
   {
@@ -316,7 +320,8 @@ void run_level_case(const amp::Options& amp_options, const Options& optimizer_op
     } else {
       // amp's loop and LibTorch's round differently by an ulp, which the low-precision model copy can show as one
       // ulp of its dtype; the fp32 masters agree to float32 rounding.
-      const double ulp = pf[i].scalar_type() == torch::kBFloat16 ? 0.0079 : pf[i].scalar_type() == torch::kHalf ? 0.001 : 1e-5;
+      const auto dtype = pf[i].scalar_type();
+      const double ulp = dtype == torch::kBFloat16 ? 0.0079 : dtype == torch::kHalf ? 0.001 : 1e-5;
       EXPECT_LE(relative_error(pf[i], pp[i]), ulp) << what << ": model parameter " << i;
     }
   }
@@ -333,9 +338,10 @@ void run_level_case(const amp::Options& amp_options, const Options& optimizer_op
 // low-precision parameters take LibTorch's own per-op route).
 TEST_P(FusedAtLevelTest, TrainsAsWithLibTorchsOptimizer) {
   const bool o3 = std::string(GetParam().level) == "O3";
-  run_level_case<amp::optim::FusedSGD, torch::optim::SGD>(options(), torch::optim::SGDOptions(0.05).momentum(0.9), o3, "SGD");
-  run_level_case<amp::optim::FusedAdam, torch::optim::Adam>(options(), torch::optim::AdamOptions(1e-3).eps(1e-3), o3, "Adam");
-  run_level_case<amp::optim::FusedAdamW, torch::optim::AdamW>(options(), torch::optim::AdamWOptions(1e-3).eps(1e-3), o3, "AdamW");
+  using namespace torch::optim;
+  run_level_case<amp::optim::FusedSGD, SGD>(options(), SGDOptions(0.05).momentum(0.9), o3, "SGD");
+  run_level_case<amp::optim::FusedAdam, Adam>(options(), AdamOptions(1e-3).eps(1e-3), o3, "Adam");
+  run_level_case<amp::optim::FusedAdamW, AdamW>(options(), AdamWOptions(1e-3).eps(1e-3), o3, "AdamW");
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, FusedAtLevelTest,
@@ -353,11 +359,12 @@ TEST(FusedO2Test, ModelCopyWrittenByTheStepEqualsTheUnfusedPath) {
     torch::manual_seed(4);
     amp_test::ConvBnNet net;
     auto [x, y] = amp_test::quadrant_images(32, 8);
-    auto [model, opt] = amp::initialize(net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-2).amsgrad(true)),
+    const auto adam = torch::optim::AdamOptions(1e-2).amsgrad(true);
+    auto [model, opt] = amp::initialize(net, amp::optim::FusedAdam(net->parameters(), adam),
                                         amp::Options("O2").low_precision_dtype(dtype).verbosity(0));
     auto masters = amp::master_params(opt);
     auto shadow = clone_params(masters);  // the unfused path: an fp32 FusedAdam of its own
-    amp::optim::FusedAdam shadow_opt(shadow, torch::optim::AdamOptions(1e-2).amsgrad(true));
+    amp::optim::FusedAdam shadow_opt(shadow, adam);
     for (int s = 0; s < 5; ++s) {
       opt.zero_grad();
       {
@@ -386,7 +393,7 @@ TEST(FusedO2Test, SkippedStepChangesNothing) {
   amp_test::ConvBnNet net;
   auto [x, y] = amp_test::quadrant_images(32, 9);
   auto [model, opt] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-2)),
-                                      amp::Options("O2").verbosity(0));
+                                      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
   auto train_step = [&, &model = model, &opt = opt](bool poison) {
     opt.zero_grad();
     auto loss = torch::nn::functional::cross_entropy(model(x), y);
@@ -413,7 +420,9 @@ TEST(FusedO2Test, SkippedStepChangesNothing) {
   opt.step();
   const auto params_after = net->parameters();
   const auto masters_after = amp::master_params(opt);
-  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], params_after[i].to(torch::kFloat))) << i;
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(params[i], params_after[i].to(torch::kFloat))) << i;
+  }
   for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(masters[i], masters_after[i])) << i;
   size_t k = 0;
   for (const auto& [key, s] : opt.state()) {
@@ -433,7 +442,7 @@ TEST(FusedO2Test, ResumeIsBitwiseIdenticalToNotStopping) {
     torch::manual_seed(6);
     net = amp_test::ConvBnNet();
     return amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
-                           amp::Options("O2").verbosity(0));
+                           amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
   };
   auto train = [&x = x, &y = y](auto& model, auto& opt, int steps) {
     for (int s = 0; s < steps; ++s) {
@@ -452,7 +461,8 @@ TEST(FusedO2Test, ResumeIsBitwiseIdenticalToNotStopping) {
   auto [first_model, first_opt] = make(first_net);
   train(first_model, first_opt, 3);
   const auto dir = std::filesystem::temp_directory_path();
-  const auto model_path = (dir / "amp_fused_resume_model.pt").string(), opt_path = (dir / "amp_fused_resume_opt.pt").string();
+  const auto model_path = (dir / "amp_fused_resume_model.pt").string();
+  const auto opt_path = (dir / "amp_fused_resume_opt.pt").string();
   torch::save(first_net, model_path);
   torch::save(first_opt, opt_path);
 
@@ -475,7 +485,7 @@ TEST(FusedO2Test, WeightsWrittenAfterAFusedStepReachTheMasters) {
   amp_test::ConvBnNet net;
   auto [x, y] = amp_test::quadrant_images(32, 11);
   auto [model, opt] = amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.1)),
-                                      amp::Options("O2").verbosity(0));
+                                      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
   const int64_t version = net->fc->weight._version();
   {
     auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), opt);
@@ -507,10 +517,13 @@ TEST(FusedGradScalerTest, ScaleInsideTheStepEqualsUnscaleThenStep) {
     for (const bool adamw : {false, true}) {
       torch::manual_seed(8);
       std::vector<torch::nn::Sequential> models;
-      for (int m = 0; m < 3; ++m) models.emplace_back(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
+      for (int m = 0; m < 3; ++m) {
+        models.emplace_back(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
+      }
       for (int m = 1; m < 3; ++m) {
         torch::NoGradGuard no_grad;
-        for (size_t i = 0; i < models[0]->parameters().size(); ++i) models[m]->parameters()[i].copy_(models[0]->parameters()[i]);
+        const auto src = models[0]->parameters(), dst = models[m]->parameters();
+        for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
       }
       auto make = [&](int m, bool fused) -> std::unique_ptr<torch::optim::Optimizer> {
         const auto params = models[m]->parameters();
