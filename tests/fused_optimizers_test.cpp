@@ -10,6 +10,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "fused_route.h"
+#include "optimizer_state_key.h"
 #include "support.h"
 
 namespace {
@@ -133,6 +134,30 @@ TEST(FusedOptimizersTest, MatchLibTorchsOptimizers) {
     EXPECT_LE(error, 1e-5) << c.name;
     std::printf("%-18s amp's CPU loop vs LibTorch: largest relative difference over 20 steps %.3g\n", c.name.c_str(),
                 error);
+  }
+}
+
+// Adam's moments do not go through sqrt: without L2 weight decay (which reads the parameter) they are
+// LibTorch's bit for bit, step after step.
+TEST(FusedOptimizersTest, AdamMomentsAreLibTorchsBitForBit) {
+  auto moments = [](torch::optim::Optimizer& opt, const torch::Tensor& p) -> std::pair<torch::Tensor, torch::Tensor> {
+    auto& state = *opt.state().at(amp::detail::state_key(opt.state(), p));
+    if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(&state)) return {adam->exp_avg(), adam->exp_avg_sq()};
+    auto& adamw = dynamic_cast<torch::optim::AdamWParamState&>(state);
+    return {adamw.exp_avg(), adamw.exp_avg_sq()};
+  };
+  for (const auto& c : optimizer_cases()) {
+    if (c.bitwise_with_libtorch || c.name == "adam_wd") continue;
+    Pair pair(c);
+    for (int s = 0; s < 10; ++s) {
+      pair.step(s);
+      for (size_t i = 0; i < pair.a.size(); ++i) {
+        const auto [m_fused, v_fused] = moments(*pair.fused, pair.a[i]);
+        const auto [m_ref, v_ref] = moments(*pair.reference, pair.b[i]);
+        ASSERT_TRUE(amp_test::bitwise_equal(m_fused, m_ref)) << c.name << " exp_avg, step " << s << " param " << i;
+        ASSERT_TRUE(amp_test::bitwise_equal(v_fused, v_ref)) << c.name << " exp_avg_sq, step " << s << " param " << i;
+      }
+    }
   }
 }
 
