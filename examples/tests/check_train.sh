@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Exercises examples/train with short settings: it must learn (accuracy far above the 10% of chance,
-# loss falling) and a run stopped after epoch 2 and resumed must continue bitwise like the run that
-# never stopped (every metric but wall time equal to the last printed digit).
+# loss falling), a run stopped after epoch 2 and resumed must continue bitwise like the run that never
+# stopped, and a run with --fused true must equal the plain one (every metric but wall time equal to the
+# last printed digit).
 #   check_train.sh TRAIN_BINARY WORK_DIR CONFIG
 set -euo pipefail
 train=$1 work=$2 config=$3
@@ -14,13 +15,19 @@ common=(--config "$config" --data "$data" --verbosity 0 --seed 3)
 "$train" "${common[@]}" --epochs 4 --checkpoint "$work/a.pt" --metrics "$work/a.csv" > "$work/a.log"
 "$train" "${common[@]}" --epochs 2 --checkpoint "$work/b.pt" --metrics "$work/b.csv" > "$work/b.log"
 "$train" "${common[@]}" --epochs 4 --checkpoint "$work/b.pt" --metrics "$work/b.csv" --resume true > "$work/b2.log"
+# amp::optim::FusedSGD steps bitwise like torch::optim::SGD, and at O2 it writes the model's bf16 copy with
+# the same rounding as amp's copy pass: the whole run must be identical.
+"$train" "${common[@]}" --epochs 4 --metrics "$work/f.csv" --fused true > "$work/f.log"
 cat "$work/a.log"
 
 strip_time() { cut -d, -f1-7 "$1"; }
 if ! diff <(strip_time "$work/a.csv") <(strip_time "$work/b.csv"); then
   echo "FAIL: the resumed run differs from the uninterrupted one"; exit 1
 fi
+if ! diff <(strip_time "$work/a.csv") <(strip_time "$work/f.csv"); then
+  echo "FAIL: the run with --fused true differs from the one with torch::optim::SGD"; exit 1
+fi
 awk -F, 'NR == 2 { first = $3 } NR == 5 { last = $3; acc = $5 }
          END { if (!(acc > 0.8)) { print "FAIL: validation accuracy " acc " <= 0.8"; exit 1 }
                if (!(last < first * 0.5)) { print "FAIL: train loss " first " -> " last " did not halve"; exit 1 }
-               print "ok: accuracy " acc ", train loss " first " -> " last ", resume bitwise" }' "$work/a.csv"
+               print "ok: accuracy " acc ", train loss " first " -> " last ", resume and --fused bitwise" }' "$work/a.csv"

@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
   std::string metrics;
   std::string tensorboard;
   bool resume = false;
+  bool fused = false;
   std::string resume_python;
   std::string save_python;
   amp::ProgramFlags flags("train: a digits classifier trained with amp at the opt level from --config");
@@ -89,6 +90,8 @@ int main(int argc, char** argv) {
       .add("data", &data, "digits.csv from scikit-learn (empty or missing: generated data)")
       .add("checkpoint", &checkpoint, "file saved after each epoch: model, optimizer, fp32 masters, loss scalers")
       .add("resume", &resume, "load --checkpoint and continue from its epoch")
+      .add("fused", &fused, "step with amp::optim::FusedSGD (Apex's FusedSGD: one pass per tensor) instead of "
+           "torch::optim::SGD; the same numbers, faster")
       .add("metrics", &metrics, "CSV file with one row per epoch (appended to on --resume)")
       .add("resume_python", &resume_python, "continue a Python run: a torch.save'd dict with 'model', 'optimizer', "
            "'amp' (Apex) or 'scaler' (GradScaler), 'epoch'")
@@ -120,111 +123,119 @@ int main(int argc, char** argv) {
     std::cout << "data: " << source << ", " << n_train << " train / " << val_x.size(0) << " validation images\n";
 
     DigitsNet net;
-    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4));
-    auto [model, optimizer] = amp::initialize(net, std::move(sgd), *options);
-    int start_epoch = 0;
-    if (resume) {
-      torch::serialize::InputArchive archive, model_archive, optimizer_archive;
-      archive.load_from(checkpoint);
-      archive.read("model", model_archive);
-      archive.read("optimizer", optimizer_archive);
-      net->load(model_archive);
-      optimizer.load(optimizer_archive);  // state, fp32 masters and loss scalers
-      c10::IValue epoch;
-      archive.read("epoch", epoch);
-      start_epoch = static_cast<int>(epoch.toInt());
-      std::cout << "resumed from " << checkpoint << " after epoch " << start_epoch << "\n";
-    }
-    if (!resume_python.empty()) {  // the keys of torch.save({'model': ..., 'optimizer': ..., 'amp': ..., 'epoch': ...})
-      const auto python = amp::PythonCheckpoint::load(resume_python);
-      python.load_model(*model);
-      python.load_optimizer(optimizer);  // state (into the fp32 masters at O2) and hyperparameters
-      if (python.contains("amp")) {
-        python.load_amp(optimizer, "amp");  // Apex's amp.state_dict()
-      } else if (python.contains("scaler")) {
-        python.load_amp(optimizer, "scaler");  // torch.amp.GradScaler's state_dict()
+    const auto sgd_options = torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4);
+    // The rest is written once for either optimizer type (amp::initialize keeps the type).
+    auto train = [&](auto sgd) {
+      auto [model, optimizer] = amp::initialize(net, std::move(sgd), *options);
+      int start_epoch = 0;
+      if (resume) {
+        torch::serialize::InputArchive archive, model_archive, optimizer_archive;
+        archive.load_from(checkpoint);
+        archive.read("model", model_archive);
+        archive.read("optimizer", optimizer_archive);
+        net->load(model_archive);
+        optimizer.load(optimizer_archive);  // state, fp32 masters and loss scalers
+        c10::IValue epoch;
+        archive.read("epoch", epoch);
+        start_epoch = static_cast<int>(epoch.toInt());
+        std::cout << "resumed from " << checkpoint << " after epoch " << start_epoch << "\n";
       }
-      start_epoch = python.contains("epoch") ? static_cast<int>(python.get("epoch").toInt()) : 0;
-      std::cout << "resumed from Python checkpoint " << resume_python << " after epoch " << start_epoch << "\n";
-      resume = true;  // append to --metrics
-    }
-    std::ofstream csv;
-    if (!metrics.empty()) {
-      csv.open(metrics, resume ? std::ios::app : std::ios::trunc);
-      if (!csv) throw std::invalid_argument("train: cannot write --metrics file '" + metrics + "'");
-      if (!resume) csv << "epoch,lr,train_loss,val_loss,val_accuracy,loss_scale,skipped_steps,seconds,images_per_second\n";
-    }
-    std::optional<amp::SummaryWriter> writer;  // --tensorboard; a resumed run adds a file to the same run
-    if (!tensorboard.empty()) writer.emplace(tensorboard);
-
-    std::printf("%5s %9s %10s %9s %8s %11s %7s %7s %9s\n", "epoch", "lr", "train_loss", "val_loss", "val_acc",
-                "loss_scale", "skipped", "sec", "img/s");
-    for (int epoch = start_epoch; epoch < epochs; ++epoch) {
-      // Apex main_amp's adjust_learning_rate, as a pure function of the epoch so that resuming needs
-      // no scheduler state; the shuffle is seeded per epoch for the same reason.
-      const double epoch_lr = lr * std::pow(0.5, epoch / 2);
-      for (auto& group : optimizer.param_groups()) static_cast<torch::optim::SGDOptions&>(group.options()).lr(epoch_lr);
-      torch::manual_seed(static_cast<uint64_t>(seed) * 1000 + static_cast<uint64_t>(epoch));
-      model.train();
-      ProgressBar progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs), steps_per_epoch);
-      for (auto& batch : *loader) {
-        optimizer.zero_grad();
-        auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
-        {
-          auto scaled_loss = amp::scale_loss(loss, optimizer);
-          scaled_loss.backward();
+      if (!resume_python.empty()) {  // the keys of torch.save({'model': ..., 'optimizer': ..., 'amp': ..., 'epoch': ...})
+        const auto python = amp::PythonCheckpoint::load(resume_python);
+        python.load_model(*model);
+        python.load_optimizer(optimizer);  // state (into the fp32 masters at O2) and hyperparameters
+        if (python.contains("amp")) {
+          python.load_amp(optimizer, "amp");  // Apex's amp.state_dict()
+        } else if (python.contains("scaler")) {
+          python.load_amp(optimizer, "scaler");  // torch.amp.GradScaler's state_dict()
         }
-        optimizer.step();
-        progress.step(batch.data.size(0), loss.item<double>());
+        start_epoch = python.contains("epoch") ? static_cast<int>(python.get("epoch").toInt()) : 0;
+        std::cout << "resumed from Python checkpoint " << resume_python << " after epoch " << start_epoch << "\n";
+        resume = true;  // append to --metrics
       }
-      progress.finish();
-      model.eval();
-      double val_loss, accuracy;
-      {
-        torch::NoGradGuard no_grad;
-        const auto logits = model(val_x);
-        val_loss = torch::nn::functional::cross_entropy(logits, val_y).item<double>();
-        accuracy = logits.argmax(1).eq(val_y).to(torch::kFloat).mean().item<double>();
+      std::ofstream csv;
+      if (!metrics.empty()) {
+        csv.open(metrics, resume ? std::ios::app : std::ios::trunc);
+        if (!csv) throw std::invalid_argument("train: cannot write --metrics file '" + metrics + "'");
+        if (!resume) csv << "epoch,lr,train_loss,val_loss,val_accuracy,loss_scale,skipped_steps,seconds,images_per_second\n";
       }
-      std::printf("%5d %9.5f %10.4f %9.4f %7.2f%% %11.1f %7lld %7.2f %9.0f\n", epoch + 1, epoch_lr,
-                  progress.mean_loss(), val_loss, 100.0 * accuracy, amp::loss_scale(optimizer),
-                  static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
-      std::fflush(stdout);
-      if (csv) {
-        char row[512];
-        std::snprintf(row, sizeof(row), "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%lld,%.4f,%.1f\n", epoch + 1, epoch_lr,
-                      progress.mean_loss(), val_loss, accuracy, amp::loss_scale(optimizer),
-                      static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
-        csv << row << std::flush;
+      std::optional<amp::SummaryWriter> writer;  // --tensorboard; a resumed run adds a file to the same run
+      if (!tensorboard.empty()) writer.emplace(tensorboard);
+
+      std::printf("%5s %9s %10s %9s %8s %11s %7s %7s %9s\n", "epoch", "lr", "train_loss", "val_loss", "val_acc",
+                  "loss_scale", "skipped", "sec", "img/s");
+      for (int epoch = start_epoch; epoch < epochs; ++epoch) {
+        // Apex main_amp's adjust_learning_rate, as a pure function of the epoch so that resuming needs
+        // no scheduler state; the shuffle is seeded per epoch for the same reason.
+        const double epoch_lr = lr * std::pow(0.5, epoch / 2);
+        for (auto& group : optimizer.param_groups()) static_cast<torch::optim::SGDOptions&>(group.options()).lr(epoch_lr);
+        torch::manual_seed(static_cast<uint64_t>(seed) * 1000 + static_cast<uint64_t>(epoch));
+        model.train();
+        ProgressBar progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs), steps_per_epoch);
+        for (auto& batch : *loader) {
+          optimizer.zero_grad();
+          const torch::Tensor loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
+          {
+            auto scaled_loss = amp::scale_loss(loss, optimizer);
+            scaled_loss.backward();
+          }
+          optimizer.step();
+          progress.step(batch.data.size(0), loss.item<double>());
+        }
+        progress.finish();
+        model.eval();
+        double val_loss, accuracy;
+        {
+          torch::NoGradGuard no_grad;
+          const torch::Tensor logits = model(val_x);
+          val_loss = torch::nn::functional::cross_entropy(logits, val_y).item<double>();
+          accuracy = logits.argmax(1).eq(val_y).to(torch::kFloat).mean().item<double>();
+        }
+        std::printf("%5d %9.5f %10.4f %9.4f %7.2f%% %11.1f %7lld %7.2f %9.0f\n", epoch + 1, epoch_lr,
+                    progress.mean_loss(), val_loss, 100.0 * accuracy, amp::loss_scale(optimizer),
+                    static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
+        std::fflush(stdout);
+        if (csv) {
+          char row[512];
+          std::snprintf(row, sizeof(row), "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%lld,%.4f,%.1f\n", epoch + 1, epoch_lr,
+                        progress.mean_loss(), val_loss, accuracy, amp::loss_scale(optimizer),
+                        static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
+          csv << row << std::flush;
+        }
+        if (writer) {  // the tutorial's curves, then amp's: loss scale per loss_id, skipped steps
+          const int64_t step = epoch + 1;
+          writer->add_scalar("train_loss", progress.mean_loss(), step);
+          writer->add_scalar("val_loss", val_loss, step);
+          writer->add_scalar("val_acc", accuracy, step);
+          writer->add_scalar("lr", epoch_lr, step);
+          writer->add_scalar("images_per_second", progress.items_per_second(), step);
+          amp::add_amp_scalars(*writer, optimizer, step);
+          writer->add_histogram("grad_log10_magnitude", log10_grad_magnitudes(optimizer), step);
+          writer->flush();
+        }
+        if (!checkpoint.empty()) {
+          torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
+          net->save(model_archive);
+          optimizer.save(optimizer_archive);
+          archive.write("model", model_archive);
+          archive.write("optimizer", optimizer_archive);
+          archive.write("epoch", c10::IValue(static_cast<int64_t>(epoch + 1)));
+          archive.save_to(checkpoint);
+        }
+        if (!save_python.empty()) {
+          amp::PythonCheckpoint python;
+          python.put_model("model", *model);  // fp32: the masters' values at O2
+          python.put_optimizer("optimizer", optimizer);
+          python.put_amp("amp", optimizer);
+          python.put("epoch", static_cast<int64_t>(epoch + 1));
+          python.save(save_python);
+        }
       }
-      if (writer) {  // the tutorial's curves, then amp's: loss scale per loss_id, skipped steps
-        const int64_t step = epoch + 1;
-        writer->add_scalar("train_loss", progress.mean_loss(), step);
-        writer->add_scalar("val_loss", val_loss, step);
-        writer->add_scalar("val_acc", accuracy, step);
-        writer->add_scalar("lr", epoch_lr, step);
-        writer->add_scalar("images_per_second", progress.items_per_second(), step);
-        amp::add_amp_scalars(*writer, optimizer, step);
-        writer->add_histogram("grad_log10_magnitude", log10_grad_magnitudes(optimizer), step);
-        writer->flush();
-      }
-      if (!checkpoint.empty()) {
-        torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
-        net->save(model_archive);
-        optimizer.save(optimizer_archive);
-        archive.write("model", model_archive);
-        archive.write("optimizer", optimizer_archive);
-        archive.write("epoch", c10::IValue(static_cast<int64_t>(epoch + 1)));
-        archive.save_to(checkpoint);
-      }
-      if (!save_python.empty()) {
-        amp::PythonCheckpoint python;
-        python.put_model("model", *model);  // fp32: the masters' values at O2
-        python.put_optimizer("optimizer", optimizer);
-        python.put_amp("amp", optimizer);
-        python.put("epoch", static_cast<int64_t>(epoch + 1));
-        python.save(save_python);
-      }
+    };
+    if (fused) {
+      train(amp::optim::FusedSGD(net->parameters(), sgd_options));
+    } else {
+      train(torch::optim::SGD(net->parameters(), sgd_options));
     }
   } catch (const std::exception& e) {
     return report_error(e);
