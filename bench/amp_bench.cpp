@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -54,24 +55,33 @@ double time_per_call(F&& f, double rep_seconds = 0.3) {
   return median(samples);
 }
 
-// Two callables timed in alternation (A B A B ...), so drift on a noisy VM hits both alike.
-template <class A, class B>
-std::pair<double, double> time_interleaved(A&& a, B&& b, double rep_seconds = 0.3) {
-  a(), b(), a(), b();
+// Callables timed in alternation (A B C A B C ...), so drift on a noisy VM hits them alike: seconds per call
+// of each, the median of `reps` repetitions of K calls (K sized to ~rep_seconds for the first).
+std::vector<double> time_alternating(const std::vector<std::function<void()>>& fs, double rep_seconds = 0.3) {
+  for (int warm = 0; warm < 2; ++warm) {
+    for (const auto& f : fs) f();
+  }
   auto start = Clock::now();
-  a();
+  fs.front()();
   const double once = std::chrono::duration<double>(Clock::now() - start).count();
   const int k = std::max(1, std::min(2000, static_cast<int>(rep_seconds / std::max(once, 1e-7))));
-  std::vector<double> sa, sb;
+  std::vector<std::vector<double>> samples(fs.size());
   for (int r = 0; r < reps; ++r) {
-    start = Clock::now();
-    for (int i = 0; i < k; ++i) a();
-    sa.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
-    start = Clock::now();
-    for (int i = 0; i < k; ++i) b();
-    sb.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
+    for (size_t j = 0; j < fs.size(); ++j) {
+      start = Clock::now();
+      for (int i = 0; i < k; ++i) fs[j]();
+      samples[j].push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
+    }
   }
-  return {median(sa), median(sb)};
+  std::vector<double> out;
+  for (auto& s : samples) out.push_back(median(std::move(s)));
+  return out;
+}
+
+template <class A, class B>
+std::pair<double, double> time_interleaved(A&& a, B&& b, double rep_seconds = 0.3) {
+  const auto t = time_alternating({a, b}, rep_seconds);
+  return {t[0], t[1]};
 }
 
 std::string cpu_flags() {
@@ -266,24 +276,6 @@ void overhead_for(const std::string& name) {
   }
 }
 
-// Three callables timed in alternation, as time_interleaved.
-template <class A, class B, class C>
-std::tuple<double, double, double> time_interleaved3(A&& a, B&& b, C&& c, double rep_seconds = 0.3) {
-  a(), b(), c(), a(), b(), c();
-  auto start = Clock::now();
-  a();
-  const double once = std::chrono::duration<double>(Clock::now() - start).count();
-  const int k = std::max(1, std::min(2000, static_cast<int>(rep_seconds / std::max(once, 1e-7))));
-  std::vector<double> sa, sb, sc;
-  auto run = [&](auto& f, std::vector<double>& samples) {
-    start = Clock::now();
-    for (int i = 0; i < k; ++i) f();
-    samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
-  };
-  for (int r = 0; r < reps; ++r) run(a, sa), run(b, sb), run(c, sc);
-  return {median(sa), median(sb), median(sc)};
-}
-
 // Bytes per second of a large copy_ (read + write), the machine's streaming bandwidth for one thread set.
 double copy_bandwidth() {
   auto src = torch::ones({int64_t{1} << 26}), dst = torch::empty({int64_t{1} << 26});
@@ -361,10 +353,10 @@ void fused_steps_for(const std::string& name) {
         const int64_t syncs_before = amp::detail::host_sync_count();
         for (int i = 0; i < 10; ++i) amp_step(fm, fused, x, y);
         const double syncs = static_cast<double>(amp::detail::host_sync_count() - syncs_before) / 10;
-        const auto times = time_interleaved3([&, &fm = fm, &fused = fused] { amp_step(fm, fused, x, y); },
-                                             [&, &pm = pm, &plain = plain] { amp_step(pm, plain, x, y); },
-                                             [&] { hand.step(x, y); });
-        return std::tuple_cat(times, std::make_tuple(syncs));
+        const auto t = time_alternating({[&, &fm = fm, &fused = fused] { amp_step(fm, fused, x, y); },
+                                         [&, &pm = pm, &plain = plain] { amp_step(pm, plain, x, y); },
+                                         [&] { hand.step(x, y); }});
+        return std::make_tuple(t[0], t[1], t[2], syncs);
       };
       const auto [fused_s, plain_s, hand_s, syncs] =
           adam ? timed(torch::optim::Adam(plain_net->parameters(), torch::optim::AdamOptions(1e-4)),

@@ -48,7 +48,7 @@ bool is_cpu_f32(const at::Tensor& t) {
 }
 
 // Picks the implementation for one parameter (see fused_optimizers.h).
-FusedRoute route_for(const at::Tensor& p, const at::Tensor& grad, const std::vector<at::Tensor>& state,
+FusedRoute route_for(const at::Tensor& p, const at::Tensor& grad, at::TensorList state,
                      const at::Tensor* copy) {
   const FusedRoute forced = detail::forced_route;
   const bool aten_ok = detail::has_aten_fused_optimizers() && grad.scalar_type() == p.scalar_type() &&
@@ -94,7 +94,7 @@ cpu::ModelCopy offset(cpu::ModelCopy copy, int64_t begin) {
 
 // A raw-pointer update is a write like any in-place op: version counters must say so (amp's masters,
 // autograd's saved-tensor checks and weight caches read them).
-void bump(const std::vector<at::Tensor>& written) {
+void bump(at::TensorList written) {
   for (const auto& t : written) {
     if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
   }
