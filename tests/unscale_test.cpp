@@ -169,3 +169,26 @@ TEST(UnscaleTest, OwnCpuKernelsMatchATenBitForBit) {
     }
   }
 }
+
+// The read-only check GradScaler runs before a fused step: every dtype (float16's integer test included),
+// inf or NaN at the first, a middle and the last element, strided tensors; the tensors are left unchanged.
+TEST(UnscaleTest, CheckFiniteFindsInfAndNanAndChangesNothing) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (const int64_t n : {1, 7, 33, 70000}) {
+      for (const int64_t at : {int64_t{0}, n / 2, n - 1}) {
+        for (const float bad : {INFINITY, -INFINITY, NAN}) {
+          auto t = torch::randn({n}).to(dtype);
+          t[at] = bad;
+          const auto before = t.clone();
+          amp::detail::FoundInf found;
+          amp::detail::check_finite({t, torch::ones({4, 4}, dtype).t()}, found);
+          EXPECT_TRUE(found.any()) << dtype << " n=" << n << " at " << at << " " << bad;
+          EXPECT_TRUE(amp_test::bitwise_equal(t, before));
+        }
+      }
+      amp::detail::FoundInf clean;
+      amp::detail::check_finite({torch::full({n}, 65504.0).to(dtype), torch::ones({4, 4}, dtype).t()}, clean);
+      EXPECT_FALSE(clean.any()) << dtype << " n=" << n << ": the largest finite float16 is finite";
+    }
+  }
+}
