@@ -51,4 +51,13 @@ std::pair<torch::Tensor, torch::Tensor> quadrant_images(int64_t n, uint64_t seed
 
 bool built_with_cuda() { return at::hasCUDA(); }
 
+void use_deterministic_fp32(c10::DeviceType device) {
+  if (device != torch::kCUDA) return;
+  auto& context = at::globalContext();
+  context.setDeterministicCuDNN(true);
+  context.setBenchmarkCuDNN(false);
+  context.setAllowTF32CuBLAS(false);
+  context.setAllowTF32CuDNN(false);
+}
+
 }  // namespace amp_test

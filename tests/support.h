@@ -29,7 +29,7 @@
   } while (0)
 
 /// Skips the test where `device` is CUDA and this machine has none (the same test runs on a GPU
-/// machine, built against a CUDA LibTorch: scripts/build.sh custom with Torch_DIR set).
+/// machine, built against a CUDA LibTorch: scripts/gpu-check.sh).
 #define SKIP_WITHOUT_DEVICE(device)                                                                  \
   do {                                                                                               \
     if ((device) == torch::kCUDA && !torch::cuda::is_available())                                    \
@@ -43,13 +43,37 @@ namespace amp_test {
 /// The devices behavioural tests are parametrized over: the CPU and CUDA (skipped where absent).
 inline std::vector<c10::DeviceType> test_devices() { return {torch::kCPU, torch::kCUDA}; }
 inline std::string device_suffix(c10::DeviceType d) { return d == torch::kCUDA ? "_cuda" : ""; }
+inline std::string device_name(const ::testing::TestParamInfo<c10::DeviceType>& info) {
+  return info.param == torch::kCUDA ? "cuda" : "cpu";
+}
+
+/// Makes GPU runs reproducible and their fp32 references real fp32: deterministic cuDNN, no autotuning,
+/// no TF32 (which would round fp32 GEMMs and convolutions to 10 mantissa bits). No-op on the CPU.
+void use_deterministic_fp32(c10::DeviceType device);
+
+/// The fixture of a behavioural test that runs on every device with the same assertions:
+///   class LossScalerTest : public amp_test::DeviceTest {};
+///   TEST_P(LossScalerTest, Name) { auto x = torch::ones({4}, device()); ... }
+///   AMP_INSTANTIATE_FOR_DEVICES(LossScalerTest);
+/// The CUDA variant (ctest name ".../cuda") skips with the reason where there is no GPU.
+class DeviceTest : public ::testing::TestWithParam<c10::DeviceType> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(GetParam());
+    use_deterministic_fp32(GetParam());
+  }
+  torch::Device device() const { return GetParam(); }
+  bool on_cuda() const { return GetParam() == torch::kCUDA; }
+  /// Skips where `dtype` has no kernels on this device (fp16 on the CPU of LibTorch 1.13).
+  bool computes(c10::ScalarType dtype) const { return on_cuda() || cpu_computes(dtype); }
+};
 /// Returns whether this LibTorch was built with CUDA (the `cuda` build flavor), GPU or not.
 bool built_with_cuda();
 
-std::string message(const std::exception& e);
-
 /// Returns whether GEMM, conv and BatchNorm run in `dtype` on the CPU in this build.
 bool cpu_computes(c10::ScalarType dtype);
+
+std::string message(const std::exception& e);
 
 /// Returns whether the two tensors have the same dtype, shape and bits.
 bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b);
@@ -91,3 +115,7 @@ std::pair<torch::Tensor, torch::Tensor> blobs(int64_t n, int64_t features, int64
 std::pair<torch::Tensor, torch::Tensor> quadrant_images(int64_t n, uint64_t seed);
 
 }  // namespace amp_test
+
+/// Runs the DeviceTest-derived `suite` on the CPU and on CUDA.
+#define AMP_INSTANTIATE_FOR_DEVICES(suite) \
+  INSTANTIATE_TEST_SUITE_P(Devices, suite, ::testing::ValuesIn(amp_test::test_devices()), amp_test::device_name)
