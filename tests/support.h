@@ -47,6 +47,12 @@ inline std::string device_name(const ::testing::TestParamInfo<c10::DeviceType>& 
   return info.param == torch::kCUDA ? "cuda" : "cpu";
 }
 
+/// Returns whether this LibTorch was built with CUDA (the `cuda` build flavor), GPU or not.
+bool built_with_cuda();
+
+/// Returns whether GEMM, conv and BatchNorm run in `dtype` on the CPU in this build.
+bool cpu_computes(c10::ScalarType dtype);
+
 /// Makes GPU runs reproducible and their fp32 references real fp32: deterministic cuDNN, no autotuning,
 /// no TF32 (which would round fp32 GEMMs and convolutions to 10 mantissa bits). No-op on the CPU.
 void use_deterministic_fp32(c10::DeviceType device);
@@ -64,14 +70,9 @@ class DeviceTest : public ::testing::TestWithParam<c10::DeviceType> {
   }
   torch::Device device() const { return GetParam(); }
   bool on_cuda() const { return GetParam() == torch::kCUDA; }
-  /// Skips where `dtype` has no kernels on this device (fp16 on the CPU of LibTorch 1.13).
+  /// Returns whether `dtype` computes on this device (not fp16 on the CPU of LibTorch 1.13).
   bool computes(c10::ScalarType dtype) const { return on_cuda() || cpu_computes(dtype); }
 };
-/// Returns whether this LibTorch was built with CUDA (the `cuda` build flavor), GPU or not.
-bool built_with_cuda();
-
-/// Returns whether GEMM, conv and BatchNorm run in `dtype` on the CPU in this build.
-bool cpu_computes(c10::ScalarType dtype);
 
 std::string message(const std::exception& e);
 
