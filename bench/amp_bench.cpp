@@ -19,6 +19,7 @@
 
 #include "../examples/common/memory_meter.h"
 #include "models.h"
+#include "training_steps.h"
 #include "multi_tensor.h"
 
 namespace {
@@ -136,19 +137,6 @@ int64_t parameter_count(Net& net) {
   return n;
 }
 
-// The amp training step every section times.
-template <class Model, class Optimizer>
-torch::Tensor amp_step(Model& model, Optimizer& optimizer, const torch::Tensor& x, const torch::Tensor& y) {
-  optimizer.zero_grad();
-  auto loss = torch::nn::functional::cross_entropy(model(x), y);
-  {
-    auto scaled_loss = amp::scale_loss(loss, optimizer);
-    scaled_loss.backward();
-  }
-  optimizer.step();
-  return loss;
-}
-
 template <class Net>
 void steps_for(const std::string& name, MemoryMeter& meter) {
   std::printf("### %s\n\n| config | ms/step | samples/s | speedup vs O0 | state B/param between steps | B/param at peak | loss after 10 steps |\n|---|---|---|---|---|---|---|\n",
@@ -166,13 +154,13 @@ void steps_for(const std::string& name, MemoryMeter& meter) {
       auto [model, optimizer] =
           amp::initialize(net, std::move(sgd), amp::Options(config.level).low_precision_dtype(config.dtype).verbosity(0));
       torch::Tensor loss;
-      for (int i = 0; i < 10; ++i) loss = amp_step(model, optimizer, x, y);
+      for (int i = 0; i < 10; ++i) loss = bench::amp_step(model, optimizer, x, y);
       const double loss10 = loss.item<double>();
       const double between = static_cast<double>(meter.current_bytes() - baseline) / params;
       meter.reset_peak();
-      amp_step(model, optimizer, x, y);
+      bench::amp_step(model, optimizer, x, y);
       const double peak = static_cast<double>(meter.peak_bytes() - baseline) / params;
-      const double ms = 1e3 * time_per_call([&] { amp_step(model, optimizer, x, y); });
+      const double ms = 1e3 * time_per_call([&] { bench::amp_step(model, optimizer, x, y); });
       if (config.name == "O0") o0_ms = ms;
       std::printf("| %s | %.3f | %.0f | %.2fx | %.1f | %.1f | %.4f |\n", config.name.c_str(), ms,
                   1e3 * bench::batch_of(name) / ms, o0_ms / ms, between, peak, loss10);
@@ -189,81 +177,20 @@ void steps_for(const std::string& name, MemoryMeter& meter) {
   std::printf("\n");
 }
 
-// The same math as amp's O1/O2 step, written directly against LibTorch: the casts of
-// amp::AutocastGuard (O1) or a cast model with hand-kept fp32 masters (O2), loss * scale, ATen's fused
-// unscale + inf check, one host read, a conditional step and the fp32 -> bf16 copy.
-template <class Net>
-struct HandWritten {
-  Net net;
-  std::vector<torch::Tensor> lp_params, masters, fp32_params;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  bool o2;
-  double scale = 65536.0;
-  explicit HandWritten(bool o2_, bool adam = false) : o2(o2_) {
-    std::vector<torch::Tensor> stepped;
-    if (o2) {
-      for (auto& m : net->modules(true)) {
-        const bool bn = amp::is_batchnorm(*m);
-        for (auto& p : m->parameters(false)) {
-          if (bn) {
-            fp32_params.push_back(p), stepped.push_back(p);
-          } else {
-            masters.push_back(p.detach().clone().requires_grad_(true));
-            p.set_data(p.detach().to(torch::kBFloat16));
-            lp_params.push_back(p), stepped.push_back(masters.back());
-          }
-        }
-        if (!bn) for (auto& b : m->buffers(false)) b.set_data(b.to(torch::kBFloat16));
-      }
-    } else {
-      for (auto& p : net->parameters()) fp32_params.push_back(p), stepped.push_back(p);
-    }
-    if (adam) optimizer = std::make_unique<torch::optim::Adam>(stepped, torch::optim::AdamOptions(1e-4));
-    else optimizer = std::make_unique<torch::optim::SGD>(stepped, torch::optim::SGDOptions(0.01).momentum(0.9));
-  }
-  void step(const torch::Tensor& x, const torch::Tensor& y) {
-    for (auto& p : lp_params) p.mutable_grad() = torch::Tensor();
-    optimizer->zero_grad();
-    torch::Tensor out;
-    if (o2) {
-      out = net(x.to(torch::kBFloat16)).to(torch::kFloat);
-    } else {
-      amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16);
-      out = net(x);
-    }
-    (torch::nn::functional::cross_entropy(out.to(torch::kFloat), y) * scale).backward();
-    std::vector<torch::Tensor> grads;
-    for (size_t i = 0; i < masters.size(); ++i) {
-      masters[i].mutable_grad() = lp_params[i].grad().to(torch::kFloat);
-      grads.push_back(masters[i].grad());
-    }
-    for (auto& p : fp32_params) grads.push_back(p.grad());
-    auto found_inf = torch::zeros({1});
-    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch::full({1}, 1.0 / scale));
-    if (found_inf.item<float>() == 0.0f) {
-      optimizer->step();
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < masters.size(); ++i) lp_params[i].copy_(masters[i]);
-    } else {
-      scale /= 2;
-    }
-  }
-};
-
 template <class Net>
 void overhead_for(const std::string& name) {
   for (bool o2 : {false, true}) {
     torch::manual_seed(0);
     const auto x = bench::input_for(name);
     const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
-    HandWritten<Net> hand(o2);
+    bench::HandWritten<Net> hand(o2);
     Net net;
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
     auto [model, optimizer] = amp::initialize(
         net, std::move(sgd), amp::Options(o2 ? "O2" : "O1").low_precision_dtype(torch::kBFloat16).verbosity(0));
     const int64_t syncs_before = amp::detail::host_sync_count();
     int64_t amp_steps = 0;
-    const auto [amp_s, hand_s] = time_interleaved([&] { amp_step(model, optimizer, x, y); ++amp_steps; },
+    const auto [amp_s, hand_s] = time_interleaved([&] { bench::amp_step(model, optimizer, x, y); ++amp_steps; },
                                                   [&] { hand.step(x, y); });
     const double syncs = static_cast<double>(amp::detail::host_sync_count() - syncs_before) / amp_steps;
     const std::string level = o2 ? "O2 bf16" : "O1 bf16";
@@ -344,17 +271,17 @@ void fused_steps_for(const std::string& name) {
       torch::manual_seed(0);
       const auto x = bench::input_for(name);
       const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
-      HandWritten<Net> hand(o2, adam);
+      bench::HandWritten<Net> hand(o2, adam);
       Net plain_net, fused_net;
       const auto options = amp::Options(o2 ? "O2" : "O1").low_precision_dtype(torch::kBFloat16).verbosity(0);
       auto timed = [&](auto plain_opt, auto fused_opt) {
         auto [pm, plain] = amp::initialize(plain_net, std::move(plain_opt), options);
         auto [fm, fused] = amp::initialize(fused_net, std::move(fused_opt), options);
         const int64_t syncs_before = amp::detail::host_sync_count();
-        for (int i = 0; i < 10; ++i) amp_step(fm, fused, x, y);
+        for (int i = 0; i < 10; ++i) bench::amp_step(fm, fused, x, y);
         const double syncs = static_cast<double>(amp::detail::host_sync_count() - syncs_before) / 10;
-        const auto t = time_alternating({[&, &fm = fm, &fused = fused] { amp_step(fm, fused, x, y); },
-                                         [&, &pm = pm, &plain = plain] { amp_step(pm, plain, x, y); },
+        const auto t = time_alternating({[&, &fm = fm, &fused = fused] { bench::amp_step(fm, fused, x, y); },
+                                         [&, &pm = pm, &plain = plain] { bench::amp_step(pm, plain, x, y); },
                                          [&] { hand.step(x, y); }});
         return std::make_tuple(t[0], t[1], t[2], syncs);
       };

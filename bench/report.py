@@ -1,5 +1,6 @@
 """Merges amp_bench's and python_amp.py's CSV into bench/results/<date>.md and <date>.csv, adding the
-C++ / Python ratios and each target's verdict. Called by bench/run.sh."""
+C++ / Python ratios and each target's verdict. Called by bench/run.sh; with --gpu first, merges
+amp_gpu_bench's and python_amp.py --device's the same way (scripts/gpu-check.sh)."""
 import csv
 import sys
 
@@ -46,5 +47,33 @@ def main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
     print("\n".join(lines))
 
 
+def gpu_main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
+    rows = load(cpp_csv) + load(py_csv)
+    value = {(r["section"], r["name"], r["config"], r["metric"]): float(r["value"]) for r in rows}
+    lines = [open(cpp_md).read().rstrip(), "", "## Versus Python torch.amp (autocast + GradScaler, same torch)", "",
+             "| model | config | amp C++ ms | Python ms | C++ / Python | amp peak MiB | Python peak MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted({r["name"] for r in rows}):
+        for config in ("O0 fp32", "O1 fp16", "O1 bf16"):
+            cpp = value.get(("gpu", name, config, "ms_per_step"))
+            py = value.get(("python_gpu", name, config, "ms_per_step"))
+            if cpp is None or py is None:
+                continue
+            peaks = [value.get((section, name, config, "peak_MiB")) for section in ("gpu", "python_gpu")]
+            peak_text = ["" if p is None else f"{p:.0f}" for p in peaks]
+            lines.append(f"| {name} | {config} | {cpp:.3f} | {py:.3f} | {cpp / py:.2f} | {peak_text[0]} | {peak_text[1]} |")
+            rows.append({"section": "gpu_versus_python", "name": name, "config": config, "metric": "ratio", "value": cpp / py})
+    with open(out_md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["section", "name", "config", "metric", "value"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n".join(lines))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--gpu":
+        gpu_main(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

@@ -1,24 +1,46 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: on a machine with an NVIDIA GPU, CUDA's nvcc, PyTorch built with CUDA, CMake
-# and ninja, builds amp, its tests and examples against that PyTorch's LibTorch and runs the whole suite
-# (the *_cuda variants run instead of skipping), then prints which CUDA tests ran and how they ended.
-# GoogleTest, Boost and gloo's headers come from .gpu-bundle (scripts/gpu-bundle.sh, made on this
-# project's Debian machines). Logs go to $OUT when set (the device tool), else build/gpu-check.
+# The one prepared GPU check. On a machine with an NVIDIA GPU, nvcc, PyTorch built with CUDA, CMake and
+# ninja: builds amp, its tests, examples and benchmarks against that PyTorch's LibTorch, runs the whole suite
+# (the CUDA variants run instead of skipping), then the GPU benchmark (bench/gpu_bench.cpp) and its Python
+# torch.amp twin, and prints a summary. Aims to finish in under 8 minutes: each stage has a time limit.
+# GoogleTest, Boost and gloo's headers come from .gpu-bundle (scripts/gpu-bundle.sh, made on this project's
+# Debian machines). Everything goes to $OUT when set (the device tool), else build/gpu-check.
 #   here:        scripts/gpu-bundle.sh
 #   the device:  run "scripts/gpu-check.sh" with carry [".gpu-bundle"], timeout_s 600
-# Without a GPU it still builds and runs the suite (the CUDA variants skip and say why).
+# Without a GPU it stops before building and says why. AMP_GPU_CHECK_DRY_RUN=1 runs every stage on the CPU
+# instead (CUDA variants skip, the benchmarks run tiny): it checks this script, it measures nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${OUT:-build/gpu-check}")
 build=$(realpath -m "${AMP_GPU_BUILD:-/tmp/amp-gpu-build}")
+dry=${AMP_GPU_CHECK_DRY_RUN:-0}
 mkdir -p "$out"
 exec > >(tee "$out/gpu-check.log") 2>&1
+begin=$(date +%s)
+stage() { echo "gpu-check: [$(( $(date +%s) - begin )) s] $*"; }
+
+# Preconditions, all before any work: a half-run check is worse than none.
 prefix="$PWD/.gpu-bundle/prefix"
 [ -d "$prefix" ] || { echo "gpu-check: no .gpu-bundle here; run scripts/gpu-bundle.sh and carry .gpu-bundle"; exit 2; }
+python3 -c 'import torch' 2> /dev/null || { echo "gpu-check: python3 cannot import torch; this needs PyTorch built with CUDA"; exit 2; }
+python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPU:",
+            torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")'
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  if [ "$dry" != 1 ]; then
+    echo "gpu-check: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was built or run."
+    echo "gpu-check: run this on a GPU machine; on a CPU machine use scripts/test.sh (or AMP_GPU_CHECK_DRY_RUN=1 to test this script)."
+    exit 2
+  fi
+  echo "gpu-check: DRY RUN on the CPU (AMP_GPU_CHECK_DRY_RUN=1): CUDA tests skip, benchmark figures mean nothing"
+  tiny=(--device cpu --steps 1 --reps 1 --batch 2 --models gpu_cnn)  # fp16 convolutions crawl on a CPU
+  bench_args=("${tiny[@]}" --configs "O0 fp32,O1 bf16,O2 bf16,O3 bf16")
+  py_args=("${tiny[@]}" --configs "O0 fp32,O1 bf16")
+else
+  nvidia-smi -L 2> /dev/null || true
+  bench_args=(--device cuda --steps 20 --reps 3)
+  py_args=(--device cuda --steps 20 --reps 3)
+fi
 
-python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "available:",
-            torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
-nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
 torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
 args=(-S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir"
       -DCMAKE_PREFIX_PATH="$prefix" -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON)
@@ -29,15 +51,30 @@ if [ -n "$nvcc" ]; then  # TorchConfig of a CUDA build wants the toolkit that ma
   cuda_root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
   args+=(-DCMAKE_CUDA_COMPILER="$nvcc" -DCUDAToolkit_ROOT="$cuda_root" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root")
 fi
-start=$(date +%s)
+stage "configuring and building"
 cmake "${args[@]}" > "$out/configure.log" 2>&1 || { tail -n 60 "$out/configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -m 20 -B2 -A8 "error" "$out/build.log"; exit 1; }
-echo "gpu-check: built in $(( $(date +%s) - start )) s"
+stage "built"
 export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
 status=0
-(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j 4 --timeout 600 -LE long > "$out/ctest.log" 2>&1) || status=1
-grep -E "tests passed|Total Test time" "$out/ctest.log"
-grep -E "^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*_cuda " "$out/ctest.log" |
+stage "running the suite (limit 270 s)"
+(cd "$build" && OMP_NUM_THREADS=1 timeout 270 ctest --output-on-failure -j 8 --timeout 240 -LE long > "$out/ctest.log" 2>&1) ||
+  status=1
+grep -E "tests passed|Total Test time" "$out/ctest.log" || echo "gpu-check: the suite did not finish (see ctest.log)"
+grep -E "^ *[0-9]+/[0-9]+ Test +#[0-9]+: [^ ]*(_cuda|/cuda|Cuda)" "$out/ctest.log" |
   sed -E 's/.*(Passed|Skipped|Failed|Timeout|Exception).*/\1/' | sort | uniq -c | sed 's/^/gpu-check: CUDA variants: /'
-grep -E "\(Failed\)|\(Timeout\)|\(SEGFAULT\)" "$out/ctest.log" || true
+grep -E "\(Failed\)|\(Timeout\)|\(SEGFAULT\)|\*\*\*Exception" "$out/ctest.log" || true
+
+stage "GPU benchmark: amp (limit 150 s)"
+timeout 150 "$build/bench/amp_gpu_bench" "${bench_args[@]}" --csv "$out/gpu-bench-cpp.csv" > "$out/gpu-bench-cpp.md" ||
+  { status=1; echo "gpu-check: amp_gpu_bench failed or ran out of time"; }
+stage "GPU benchmark: Python torch.amp twin (limit 120 s)"
+timeout 120 python3 bench/python_amp.py "${py_args[@]}" > "$out/gpu-bench-python.csv" ||
+  { status=1; echo "gpu-check: python_amp.py --device failed or ran out of time"; }
+if [ -s "$out/gpu-bench-cpp.csv" ] && [ -s "$out/gpu-bench-python.csv" ]; then
+  python3 bench/report.py --gpu "$out/gpu-bench-cpp.csv" "$out/gpu-bench-python.csv" "$out/gpu-bench-cpp.md" \
+    "$out/gpu-bench.md" "$out/gpu-bench.csv" || status=1
+fi
+stage "done, status $status; results in $out"
 exit $status

@@ -1,0 +1,194 @@
+// amp on a GPU: O0 in fp32 (TF32 off) against O1/O2/O3 in fp16 and bf16 on two GPU-sized models, and amp's
+// O1/O2 step against the same step written by hand in LibTorch. Run by scripts/gpu-check.sh, which adds the
+// Python torch.amp + GradScaler twin (bench/python_amp.py --device cuda) on the same torch.
+//   amp_gpu_bench [--device cuda] [--steps 20] [--reps 3] [--csv FILE] [--models gpu_cnn,gpu_transformer] [--batch N]
+//                 [--configs all|"O0 fp32,O1 bf16,..."]
+// --device cpu (with tiny --steps, --batch and bf16 --configs) checks the program's logic without a GPU; its figures mean nothing.
+// Steps per second: the median of --reps timed runs of --steps steps each, synchronized at both ends. Peak
+// memory: the CUDA caching allocator's peak of allocated bytes over one step, with the model already trained
+// one step (so optimizer state is included).
+
+#include <amp/amp.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#ifdef AMP_BENCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "../examples/common/memory_meter.h"
+#include "models.h"
+#include "training_steps.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Settings {
+  torch::Device device = torch::kCUDA;
+  int steps = 20, reps = 3;
+  int64_t batch = 0;  // 0: the model's own batch
+  std::string configs = "all";
+  std::ofstream csv;
+};
+
+void record(Settings& s, const std::string& name, const std::string& config, const std::string& metric, double value) {
+  if (s.csv) s.csv << "gpu," << name << "," << config << "," << metric << "," << value << "\n";
+}
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize();
+}
+
+// Seconds per call of `step`: up to three warm-up calls, then the median of `reps` timed runs of `steps` calls.
+template <class F>
+double seconds_per_step(const Settings& s, F&& step) {
+  for (int i = 0; i < std::min(3, s.steps); ++i) step();
+  synchronize(s.device);
+  std::vector<double> samples;
+  for (int r = 0; r < s.reps; ++r) {
+    const auto start = Clock::now();
+    for (int i = 0; i < s.steps; ++i) step();
+    synchronize(s.device);
+    samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / s.steps);
+  }
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+// Peak bytes allocated on the device during `step`, above what was allocated before it.
+template <class F>
+double peak_bytes_of(const Settings& s, F&& step) {
+  synchronize(s.device);
+#ifdef AMP_BENCH_CUDA
+  if (s.device.is_cuda()) {
+    namespace alloc = c10::cuda::CUDACachingAllocator;
+    const auto index = s.device.has_index() ? s.device.index() : c10::DeviceIndex{0};
+    const size_t aggregate = 0;  // StatType::AGGREGATE, whose namespace moved between releases
+    const auto before = alloc::getDeviceStats(index).allocated_bytes[aggregate].current;
+    alloc::resetPeakStats(index);
+    step();
+    synchronize(s.device);
+    return static_cast<double>(alloc::getDeviceStats(index).allocated_bytes[aggregate].peak - before);
+  }
+#endif
+  TORCH_CHECK(s.device.is_cpu(), "amp_gpu_bench: this build has no CUDA memory statistics (built without AMP_BENCH_CUDA)");
+  MemoryMeter& meter = MemoryMeter::install();
+  const size_t before = meter.current_bytes();
+  meter.reset_peak();
+  step();
+  return static_cast<double>(meter.peak_bytes() - before);
+}
+
+struct Config {
+  std::string name;
+  const char* level;
+  c10::ScalarType dtype;
+};
+
+const std::vector<Config> kConfigs = {{"O0 fp32", "O0", torch::kFloat},  {"O1 fp16", "O1", torch::kHalf},
+                                      {"O2 fp16", "O2", torch::kHalf},   {"O3 fp16", "O3", torch::kHalf},
+                                      {"O1 bf16", "O1", torch::kBFloat16}, {"O2 bf16", "O2", torch::kBFloat16},
+                                      {"O3 bf16", "O3", torch::kBFloat16}};
+
+template <class Net>
+void bench_model(Settings& s, const std::string& name) {
+  torch::manual_seed(0);
+  auto x = bench::input_for(name);
+  x = x.narrow(0, 0, s.batch > 0 ? std::min(s.batch, x.size(0)) : x.size(0)).to(s.device);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong).to(s.device);
+  double o0_s = 0;
+  for (const auto& config : kConfigs) {
+    if (s.configs != "all" && ("," + s.configs + ",").find("," + config.name + ",") == std::string::npos) continue;
+    torch::manual_seed(0);
+    Net net;
+    net->to(s.device);
+    const auto options = amp::Options(config.level).verbosity(0).low_precision_dtype(
+        config.dtype == torch::kFloat ? torch::kHalf : config.dtype);  // O0 ignores the dtype
+    auto [model, optimizer] =
+        amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)), options);
+    auto step = [&, &model = model, &optimizer = optimizer] { bench::amp_step(model, optimizer, x, y); };
+    step();
+    const double peak = peak_bytes_of(s, step);
+    const double amp_s = seconds_per_step(s, step);
+    if (config.name == "O0 fp32") o0_s = amp_s;
+    std::string hand_ms = "", ratio = "";
+    if (std::string(config.level) == "O1" || std::string(config.level) == "O2") {
+      torch::manual_seed(0);
+      bench::HandWritten<Net> hand(std::string(config.level) == "O2", /*adam=*/false, config.dtype, s.device);
+      const double hand_s = seconds_per_step(s, [&] { hand.step(x, y); });
+      char buffer[64];
+      std::snprintf(buffer, sizeof buffer, "%.3f", 1e3 * hand_s);
+      hand_ms = buffer;
+      std::snprintf(buffer, sizeof buffer, "%.3f", amp_s / hand_s);
+      ratio = buffer;
+      record(s, name, config.name, "hand_ms_per_step", 1e3 * hand_s);
+      record(s, name, config.name, "amp_over_hand", amp_s / hand_s);
+    }
+    char speedup[32] = "";
+    if (o0_s > 0) std::snprintf(speedup, sizeof speedup, "%.2fx", o0_s / amp_s);
+    std::printf("| %s | %s | %.3f | %.1f | %s | %.0f | %s | %s |\n", name.c_str(), config.name.c_str(), 1e3 * amp_s,
+                1.0 / amp_s, speedup, peak / (1 << 20), hand_ms.c_str(), ratio.c_str());
+    std::fflush(stdout);
+    record(s, name, config.name, "ms_per_step", 1e3 * amp_s);
+    record(s, name, config.name, "steps_per_s", 1.0 / amp_s);
+    if (o0_s > 0) record(s, name, config.name, "speedup_vs_O0", o0_s / amp_s);
+    record(s, name, config.name, "peak_MiB", peak / (1 << 20));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  std::string device = "cuda", csv_path, models = "gpu_cnn,gpu_transformer";
+  amp::ProgramFlags flags("amp_gpu_bench: amp's levels and overhead on a GPU, as a markdown table");
+  flags.add("device", &device, "cuda, or cpu to check the program's logic without a GPU")
+      .add("steps", &s.steps, "steps per timed run")
+      .add("reps", &s.reps, "timed runs per measurement (the median is reported)")
+      .add("models", &models, "comma-separated: gpu_cnn, gpu_transformer")
+      .add("batch", &s.batch, "a smaller batch than the model's (logic checks on a CPU)")
+      .add("configs", &s.configs, "all, or comma-separated: O0 fp32, O1 fp16, O2 fp16, O3 fp16, O1 bf16, O2 bf16, O3 bf16")
+      .add("csv", &csv_path, "also write one CSV row per measurement to this file");
+  try {
+    if (!amp::parse_command_line(argc, argv, flags)) return 0;
+    TORCH_CHECK(device == "cuda" || device == "cpu", "amp_gpu_bench: --device must be cuda or cpu, got '", device, "'");
+    TORCH_CHECK(s.steps >= 1 && s.reps >= 1, "amp_gpu_bench: --steps and --reps must be at least 1, got ", s.steps,
+                " and ", s.reps);
+    s.device = device == "cuda" ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+    TORCH_CHECK(!s.device.is_cuda() || torch::cuda::is_available(),
+                "amp_gpu_bench: no CUDA device (torch::cuda::is_available() is false); on a machine without a GPU "
+                "pass --device cpu to check the program, not to measure");
+    if (!csv_path.empty()) {
+      s.csv.open(csv_path);
+      TORCH_CHECK(s.csv, "amp_gpu_bench: cannot write --csv ", csv_path);
+      s.csv << "section,name,config,metric,value\n";
+    }
+    // O0's figures are fp32's: TF32 would round its GEMMs and convolutions to 10 mantissa bits.
+    at::globalContext().setAllowTF32CuBLAS(false);
+    at::globalContext().setAllowTF32CuDNN(false);
+    at::globalContext().setBenchmarkCuDNN(true);
+    std::printf("## amp on %s\n\n- LibTorch %s; %d CUDA device(s); TF32 off; cuDNN autotuning on\n- SGD with momentum; "
+                "median of %d runs of %d steps; peak: caching allocator's allocated bytes over one step\n\n",
+                device.c_str(), TORCH_VERSION, static_cast<int>(torch::cuda::device_count()), s.reps, s.steps);
+    std::printf("| model | config | amp ms/step | steps/s | speedup vs O0 | peak MiB | hand ms/step | amp / hand |\n"
+                "|---|---|---|---|---|---|---|---|\n");
+    std::stringstream list(models);
+    for (std::string name; std::getline(list, name, ',');) {
+      if (name == "gpu_cnn") bench_model<bench::GpuCnn>(s, name);
+      else if (name == "gpu_transformer") bench_model<bench::GpuTransformer>(s, name);
+      else TORCH_CHECK(false, "amp_gpu_bench: unknown model '", name, "' in --models; use gpu_cnn and/or gpu_transformer");
+    }
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,167 @@
+// What only a GPU shows: the device-to-host synchronizations of a training step, counted by CUDA itself
+// (c10's sync debug mode reports every synchronizing call: .item(), blocking copies, stream syncs), at
+// every level in fp16 and bf16, with amp's optimizer, amp::optim::FusedAdam and amp::GradScaler. amp
+// reads its inf/NaN flag once per step and nothing else may wait for the GPU. Skips without a GPU.
+#include <cmath>
+
+#include "support.h"
+
+#ifdef AMP_TEST_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#endif
+
+#include "multi_tensor.h"
+
+namespace {
+
+using amp_test::dtype_label;
+
+#ifdef AMP_TEST_CUDA
+// Counts the synchronizing CUDA operations while alive: sync debug mode turns each into a warning, and this
+// guard's handler counts them (warnings raised in autograd's device threads are replayed on the caller's).
+class CountCudaSyncsGuard {
+ public:
+  CountCudaSyncsGuard() : previous_(c10::cuda::warning_state().get_sync_debug_mode()), handler_guard_(&handler_) {
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+  }
+  ~CountCudaSyncsGuard() { c10::cuda::warning_state().set_sync_debug_mode(previous_); }
+  CountCudaSyncsGuard(const CountCudaSyncsGuard&) = delete;
+  CountCudaSyncsGuard& operator=(const CountCudaSyncsGuard&) = delete;
+  int64_t count() const { return handler_.syncs; }
+
+ private:
+  struct Handler : c10::WarningHandler {
+    void process(const c10::Warning& warning) override {
+      if (warning.msg().find("synchronizing CUDA operation") != std::string::npos) ++syncs;
+    }
+    int64_t syncs = 0;
+  };
+  c10::cuda::SyncDebugMode previous_;
+  Handler handler_;
+  c10::WarningUtils::WarningHandlerGuard handler_guard_;
+};
+#endif
+
+struct Case {
+  const char* level;
+  c10::ScalarType dtype;
+  const char* optimizer;  // "SGD" (LibTorch's, momentum) or "FusedAdam" (ATen's fused kernel on CUDA)
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return std::string(info.param.level) + "_" + dtype_label(info.param.dtype) + "_" + info.param.optimizer;
+}
+
+class CudaSyncTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(torch::kCUDA);
+#ifndef AMP_TEST_CUDA
+    GTEST_SKIP() << "this LibTorch build has CUDA but amp_tests was built without AMP_TEST_CUDA";
+#endif
+  }
+};
+
+constexpr int kSteps = 5;
+
+// Runs kSteps amp steps after two warm-up steps (which allocate optimizer state and cuDNN workspaces) and
+// checks that CUDA saw at most one sync per step, and only the ones amp counted itself (FoundInf::any).
+TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
+#ifdef AMP_TEST_CUDA
+  const Case c = GetParam();
+  amp_test::use_deterministic_fp32(torch::kCUDA);
+  torch::manual_seed(0);
+  auto [x_cpu, y_cpu] = amp_test::quadrant_images(64, 3);
+  const auto x = x_cpu.to(torch::kCUDA), y = y_cpu.to(torch::kCUDA);
+  amp_test::ConvBnNet net;
+  net->to(torch::kCUDA);
+  const auto options = amp::Options(c.level).low_precision_dtype(c.dtype).verbosity(0);
+  auto run = [&](auto optimizer_in) {
+    auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
+    auto step = [&, &model = model, &optimizer = optimizer] {
+      optimizer.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model(x), y);
+      {
+        auto scaled = amp::scale_loss(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      return loss;
+    };
+    step();
+    step();
+    torch::cuda::synchronize();
+    const int64_t amp_before = amp::detail::host_sync_count();
+    int64_t cuda_syncs = 0;
+    {
+      CountCudaSyncsGuard count;
+      for (int i = 0; i < kSteps; ++i) step();
+      cuda_syncs = count.count();
+    }
+    const int64_t amp_syncs = amp::detail::host_sync_count() - amp_before;
+    EXPECT_LE(cuda_syncs, kSteps) << "CUDA reported " << cuda_syncs << " synchronizations in " << kSteps << " steps";
+    EXPECT_EQ(cuda_syncs, amp_syncs) << "syncs that amp did not make itself (amp counted " << amp_syncs << ")";
+    EXPECT_TRUE(std::isfinite(step().item<double>()));
+  };
+  if (std::string(c.optimizer) == "SGD") {
+    run(torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)));
+  } else {
+    run(amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)));
+  }
+#endif
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> out;
+  for (const char* level : {"O0", "O1", "O2", "O3"}) {
+    for (const auto dtype : amp_test::low_precision_dtypes()) {
+      for (const char* optimizer : {"SGD", "FusedAdam"}) out.push_back({level, dtype, optimizer});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, CudaSyncTest, ::testing::ValuesIn(all_cases()), case_name);
+
+// torch.amp's recipe through amp::GradScaler on a plain LibTorch model under amp::AutocastGuard: one sync per step
+// (step's found_inf read), as torch's GradScaler; update() keeps the scale on the device.
+class CudaGradScalerSyncTest : public ::testing::TestWithParam<c10::ScalarType> {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_DEVICE(torch::kCUDA); }
+};
+
+TEST_P(CudaGradScalerSyncTest, AtMostOneHostSyncPerStep) {
+#ifdef AMP_TEST_CUDA
+  amp_test::use_deterministic_fp32(torch::kCUDA);
+  torch::manual_seed(0);
+  auto [x_cpu, y_cpu] = amp_test::quadrant_images(64, 4);
+  const auto x = x_cpu.to(torch::kCUDA), y = y_cpu.to(torch::kCUDA);
+  amp_test::ConvBnNet net;
+  net->to(torch::kCUDA);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  amp::GradScaler scaler;
+  auto step = [&] {
+    optimizer.zero_grad();
+    torch::Tensor loss;
+    {
+      amp::AutocastGuard autocast(torch::kCUDA, GetParam());
+      loss = torch::nn::functional::cross_entropy(net(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(optimizer);
+    scaler.update();
+  };
+  step();
+  step();
+  torch::cuda::synchronize();
+  CountCudaSyncsGuard count;
+  for (int i = 0; i < kSteps; ++i) step();
+  EXPECT_LE(count.count(), kSteps) << "CUDA reported " << count.count() << " synchronizations in " << kSteps << " steps";
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaGradScalerSyncTest, ::testing::ValuesIn(amp_test::low_precision_dtypes()),
+                         [](const auto& info) { return dtype_label(info.param); });
+
+}  // namespace
