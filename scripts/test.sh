@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# The whole test suite: sets up, then builds and tests amp against LibTorch 2.13 (the wheel's), 1.13
-# (Debian's) and 2.13 under AddressSanitizer + UndefinedBehaviorSanitizer, runs the long soak once and
-# fuzzes the config parser for a minute. Tests that need fp16 CPU kernels skip on 1.13 and print why.
-# `scripts/test.sh cuda` also builds everything against the CUDA build of LibTorch 2.13 (a 2.6 GB download,
-# scripts/setup-cuda.sh) and runs the suite on the CPU (CUDA variants skip and say why); it is not in the
-# default run, which must stay well inside CI's time.
+# The whole test suite: sets up, then builds and tests amp against LibTorch 2.13 (the wheel's), the CUDA 13.0
+# build of LibTorch 2.13 (PyPI's default wheel in a venv, scripts/setup-cuda.sh: everything compiled and linked
+# with CUDA on, the suite run on the CPU, CUDA variants skipped with the reason), 1.13 (Debian's) and 2.13
+# under AddressSanitizer + UndefinedBehaviorSanitizer, runs the long soak once and fuzzes the config parser
+# for a minute. Tests that need fp16 CPU kernels skip on 1.13 and print why.
 #   scripts/test.sh                 # everything (what CI runs)
-#   scripts/test.sh 2.13 [1.13 ...] # just these builds
+#   scripts/test.sh 2.13 [cuda ...] # just these builds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p build
 ./scripts/setup.sh
 versions=("$@")
 full=0
-[ ${#versions[@]} -gt 0 ] || { versions=(2.13 1.13 2.13-sanitize); full=1; }
+[ ${#versions[@]} -gt 0 ] || { versions=(2.13 cuda 1.13 2.13-sanitize); full=1; }
 status=0
 for version in "${versions[@]}"; do
   echo "=== LibTorch $version: build"

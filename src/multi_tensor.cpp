@@ -155,7 +155,15 @@ void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tenso
     }
   }
   if (slow_in.empty()) return;
-  // Devices without amp's loop (CUDA): convert, then ATen's fused unscale on the fp32 copies.
+  // Devices without amp's loop (CUDA). Overwriting: two passes, no temporary -- the converting copy into the
+  // fp32 destinations (one multi-tensor launch where ATen has _foreach_copy_), then ATen's fused unscale and
+  // inf/NaN check on them. ATen has no kernel that converts and unscales in one pass.
+  if (!accumulate) {
+    copy_(slow_out, slow_in);
+    unscale_(slow_out, inv_scale, found_inf);
+    return;
+  }
+  // Accumulating: the new contribution is unscaled and checked on its own fp32 copy before it is added.
   std::vector<at::Tensor> converted;
   converted.reserve(slow_in.size());
   for (size_t i = 0; i < slow_in.size(); ++i) converted.push_back(slow_in[i].to(slow_out[i].scalar_type()));

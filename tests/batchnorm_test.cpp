@@ -1,7 +1,7 @@
-// BatchNorm under every level and dtype: BatchNorm1d/2d/3d x affine on/off x track_running_stats on/off
-// x {train, eval, frozen}. Checks no dtype error (apex #122/#614/#121/#133), the dtypes each level
-// promises, gradients flowing through eval-mode BN to the layers before it, frozen statistics never
-// changing (skipped steps included), and results close to an fp32 reference.
+// BatchNorm under every level and dtype, on every device: BatchNorm1d/2d/3d x affine on/off x
+// track_running_stats on/off x {train, eval, frozen}. Checks no dtype error (apex #122/#614/#121/#133), the
+// dtypes each level promises, gradients flowing through eval-mode BN to the layers before it, frozen
+// statistics never changing (skipped steps included), and results close to an fp32 reference.
 #include "support.h"
 
 namespace {
@@ -34,7 +34,38 @@ struct BnNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(BnNet);
 
-class BatchNormMatrixTest : public ::testing::TestWithParam<std::tuple<const char*, c10::ScalarType>> {};
+struct Case {
+  const char* level;
+  c10::ScalarType dtype;
+  c10::DeviceType device;
+};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> out;
+  for (const auto device : amp_test::test_devices()) {
+    for (const char* level : {"O0", "O1", "O2", "O3"}) {
+      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) out.push_back({level, dtype, device});
+    }
+  }
+  return out;
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype) +
+         amp_test::device_suffix(info.param.device);
+}
+
+class BatchNormMatrixTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(GetParam().device);
+    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
+    amp_test::use_deterministic_fp32(GetParam().device);
+  }
+  torch::Device device() const { return GetParam().device; }
+};
+
+class BatchNormTest : public amp_test::DeviceTest {};
 
 std::vector<torch::Tensor> stats(torch::nn::Module& bn) {
   std::vector<torch::Tensor> out;
@@ -45,8 +76,8 @@ std::vector<torch::Tensor> stats(torch::nn::Module& bn) {
 }  // namespace
 
 TEST_P(BatchNormMatrixTest, EveryVariantAndMode) {
-  const auto [level, lp] = GetParam();
-  SKIP_WITHOUT_CPU_KERNELS(lp);
+  const char* level = GetParam().level;
+  const auto lp = GetParam().dtype;
   const auto props = amp::Options(level).low_precision_dtype(lp).verbosity(0).resolve();
   const bool bn_fp32 = props.opt_level != amp::OptLevel::O3;
   for (int dims : {1, 2, 3}) {
@@ -61,6 +92,8 @@ TEST_P(BatchNormMatrixTest, EveryVariantAndMode) {
             torch::NoGradGuard no_grad;
             for (size_t i = 0; i < net->parameters().size(); ++i) reference->parameters()[i].copy_(net->parameters()[i]);
           }
+          net->to(device());
+          reference->to(device());
           if (mode == "frozen") amp::freeze_batchnorm(*net);
           torch::optim::SGD sgd(net->parameters(), 0.01);
           auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options(level).low_precision_dtype(lp).verbosity(0));
@@ -76,11 +109,13 @@ TEST_P(BatchNormMatrixTest, EveryVariantAndMode) {
             if (t.is_floating_point()) EXPECT_EQ(t.scalar_type(), bn_dtype);
           }
           const auto before = stats(net->bn_module());
-          const auto x = net->input(8);
+          const auto x = net->input(8).to(device());
           torch::Tensor y;
           ASSERT_NO_THROW(y = model(x));
           EXPECT_EQ(y.scalar_type(), torch::kFloat);
           const auto y_ref = reference(x);
+          // The error is rounding the inputs, weights and outputs to `lp` (the same on every device; CUDA
+          // accumulates fp16/bf16 convolutions and GEMMs in fp32, as the CPU does).
           const double tol = props.opt_level == amp::OptLevel::O0 ? 1e-5 : (lp == torch::kHalf ? 2e-2 : 1e-1);
           EXPECT_TRUE(torch::allclose(y, y_ref, tol, tol)) << (y - y_ref).abs().max().item<double>();
 
@@ -115,14 +150,9 @@ TEST_P(BatchNormMatrixTest, EveryVariantAndMode) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, BatchNormMatrixTest,
-                         ::testing::Combine(::testing::Values("O0", "O1", "O2", "O3"),
-                                            ::testing::Values(torch::kBFloat16, torch::kHalf)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param)) + "_" + amp_test::dtype_label(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Levels, BatchNormMatrixTest, ::testing::ValuesIn(all_cases()), case_name);
 
-TEST(BatchNormTest, CastFrozenBatchNormIsAnExplicitOptionWithItsPrecisionCost) {
+TEST_P(BatchNormTest, CastFrozenBatchNormIsAnExplicitOptionWithItsPrecisionCost) {
   for (bool cast : {false, true}) {
     amp_test::ConvBnNet net;
     {
@@ -130,6 +160,7 @@ TEST(BatchNormTest, CastFrozenBatchNormIsAnExplicitOptionWithItsPrecisionCost) {
       net->bn->running_var.uniform_(0.5, 3.0);  // "pretrained" statistics
       net->bn->running_mean.uniform_(-1.0, 1.0);
     }
+    net->to(device());
     const auto var = net->bn->running_var.clone();
     amp::freeze_batchnorm(*net);
     torch::optim::SGD sgd(net->fc->parameters(), 0.1);
@@ -139,16 +170,18 @@ TEST(BatchNormTest, CastFrozenBatchNormIsAnExplicitOptionWithItsPrecisionCost) {
     EXPECT_EQ(net->bn->running_var.scalar_type(), cast ? torch::kBFloat16 : torch::kFloat);
     // The default keeps the statistics exactly; the tutorials' cast rounds them to 8 bits of mantissa.
     EXPECT_EQ(torch::equal(net->bn->running_var.to(torch::kFloat), var), !cast);
-    EXPECT_NO_THROW(model(torch::randn({4, 1, 8, 8})));
+    EXPECT_NO_THROW(model(torch::randn({4, 1, 8, 8}).to(device())));
   }
   ASSERT_THROWS_WITH(amp::Options("O1").cast_frozen_batchnorm(true).resolve(), "applies at O2 and O3 only (got opt_level O1)");
 }
 
-TEST(BatchNormTest, Float16RunningStatisticsNeverOverflowSilently) {
-  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
-  const auto huge = torch::randn({8, 1, 8, 8}) * 4000;  // momentum 0.1 x batch variance ~5e6 > 65504 (pytorch #115500)
+TEST_P(BatchNormTest, Float16RunningStatisticsNeverOverflowSilently) {
+  if (!on_cuda()) SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  // momentum 0.1 x batch variance ~5e6 > 65504 (pytorch #115500)
+  const auto huge = (torch::randn({8, 1, 8, 8}) * 4000).to(device());
   {
     amp_test::ConvBnNet net;
+    net->to(device());
     torch::optim::SGD sgd(net->parameters(), 0.1);
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O3").low_precision_dtype(torch::kHalf).verbosity(0));
     ASSERT_THROWS_WITH(model(huge), "a BatchNorm running statistic overflowed float16");
@@ -158,9 +191,12 @@ TEST(BatchNormTest, Float16RunningStatisticsNeverOverflowSilently) {
                               amp::Options("O3").low_precision_dtype(torch::kHalf).keep_batchnorm_fp32(true),
                               amp::Options("O3").low_precision_dtype(torch::kBFloat16)}) {
     amp_test::ConvBnNet net;
+    net->to(device());
     torch::optim::SGD sgd(net->parameters(), 0.1);
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options(options).verbosity(0));
     EXPECT_NO_THROW(model(huge));
     EXPECT_TRUE(torch::isfinite(net->bn->running_var).all().item<bool>());
   }
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(BatchNormTest);

@@ -1,85 +1,118 @@
 // O1 per-op casts. Ports Apex's tests/L0/run_amp test_basic_casts.py, test_promotion.py and
-// test_cache.py to amp::AutocastGuard on the CPU, for bf16 and (where the build computes it) fp16.
+// test_cache.py to amp::AutocastGuard on every device (the CPU, and CUDA, where LibTorch's AutocastCUDA lists
+// cast most rows natively and amp's kernels the rest), for bf16 and (where the build computes it) fp16.
 #include "support.h"
 
 namespace {
 
-class CastPolicyTest : public ::testing::TestWithParam<c10::ScalarType> {
+struct Case {
+  c10::ScalarType dtype;
+  c10::DeviceType device;
+};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> out;
+  for (const auto device : amp_test::test_devices()) {
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) out.push_back({dtype, device});
+  }
+  return out;
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return amp_test::dtype_label(info.param.dtype) + amp_test::device_suffix(info.param.device);
+}
+
+class CastPolicyTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    lp = GetParam();
-    SKIP_WITHOUT_CPU_KERNELS(lp);
-    if (lp == torch::kHalf && TORCH_VERSION_MAJOR < 2) GTEST_SKIP() << "CPU autocast is bf16-only in LibTorch 1.13";
+    lp = GetParam().dtype;
+    SKIP_WITHOUT_DEVICE(GetParam().device);
+    if (GetParam().device == torch::kCPU) {
+      SKIP_WITHOUT_CPU_KERNELS(lp);
+      if (lp == torch::kHalf && TORCH_VERSION_MAJOR < 2) GTEST_SKIP() << "CPU autocast is bf16-only in LibTorch 1.13";
+    }
+    amp_test::use_deterministic_fp32(GetParam().device);
     torch::manual_seed(0);
   }
+  torch::Device device() const { return GetParam().device; }
+  c10::DeviceType device_type() const { return GetParam().device; }
+  // A tensor drawn on the CPU (as every device's variant draws it), then moved to the device.
+  torch::Tensor draw(at::IntArrayRef shape, c10::ScalarType dtype = torch::kFloat) const {
+    return torch::randn(shape).to(device(), dtype);
+  }
+  // Apex's run_layer_test: output dtype per input dtype, and grad dtype == input dtype.
+  template <class F>
+  void expect_dtypes(F&& fn, const std::vector<int64_t>& shape, bool lp_out_for_fp32_in, bool lp_out_for_lp_in,
+                     const char* what) const {
+    for (auto in_dtype : {torch::kFloat, lp}) {
+      auto x = draw(shape, in_dtype).requires_grad_(true);
+      torch::Tensor y;
+      {
+        amp::AutocastGuard casts(device_type(), lp);
+        y = fn(x);
+      }
+      const bool lp_out = in_dtype == torch::kFloat ? lp_out_for_fp32_in : lp_out_for_lp_in;
+      EXPECT_EQ(y.scalar_type(), lp_out ? lp : torch::kFloat) << what << " with input " << in_dtype;
+      y.to(torch::kFloat).sum().backward();
+      EXPECT_EQ(x.grad().scalar_type(), in_dtype) << what;
+    }
+  }
+
   c10::ScalarType lp = torch::kBFloat16;
   static constexpr int64_t h = 64, b = 16, c = 16, k = 3, t = 10;  // Apex utils.py sizes
 };
-
-// Apex's run_layer_test: output dtype per input dtype, and grad dtype == input dtype.
-template <class F>
-void expect_dtypes(F&& fn, c10::ScalarType lp, const std::vector<int64_t>& shape, bool lp_out_for_fp32_in,
-                   bool lp_out_for_lp_in, const char* what) {
-  for (auto in_dtype : {torch::kFloat, lp}) {
-    auto x = torch::randn(shape).to(in_dtype).requires_grad_(true);
-    torch::Tensor y;
-    {
-      amp::AutocastGuard casts(torch::kCPU, lp);
-      y = fn(x);
-    }
-    const bool lp_out = in_dtype == torch::kFloat ? lp_out_for_fp32_in : lp_out_for_lp_in;
-    EXPECT_EQ(y.scalar_type(), lp_out ? lp : torch::kFloat) << what << " with input " << in_dtype;
-    y.to(torch::kFloat).sum().backward();
-    EXPECT_EQ(x.grad().scalar_type(), in_dtype) << what;
-  }
-}
 
 }  // namespace
 
 TEST_P(CastPolicyTest, LinearAndConvAreAlwaysLowPrecision) {
   torch::nn::Linear linear(h, h);
-  expect_dtypes([&](const torch::Tensor& x) { return linear(x); }, lp, {b, h}, true, true, "Linear");
+  linear->to(device());
+  expect_dtypes([&](const torch::Tensor& x) { return linear(x); }, {b, h}, true, true, "Linear");
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(c, c, k).padding(1));
-  expect_dtypes([&](const torch::Tensor& x) { return conv(x); }, lp, {b, c, h, h}, true, true, "Conv2d");
-  auto w = torch::randn({h, h});
-  expect_dtypes([&](const torch::Tensor& x) { return torch::mm(x, w); }, lp, {b, h}, true, true, "mm");
-  expect_dtypes([&](const torch::Tensor& x) { return x.matmul(w); }, lp, {b, h}, true, true, "Tensor::matmul");
-  auto v = torch::randn({h});
-  expect_dtypes([&](const torch::Tensor& x) { return torch::mv(x, v); }, lp, {b, h}, true, true, "mv (amp's row)");
+  conv->to(device());
+  expect_dtypes([&](const torch::Tensor& x) { return conv(x); }, {b, c, h, h}, true, true, "Conv2d");
+  auto w = draw({h, h});
+  expect_dtypes([&](const torch::Tensor& x) { return torch::mm(x, w); }, {b, h}, true, true, "mm");
+  expect_dtypes([&](const torch::Tensor& x) { return x.matmul(w); }, {b, h}, true, true, "Tensor::matmul");
+  auto v = draw({h});
+  expect_dtypes([&](const torch::Tensor& x) { return torch::mv(x, v); }, {b, h}, true, true, "mv (amp's row)");
 }
 
 TEST_P(CastPolicyTest, ReductionsSoftmaxNormsAndLossesAreAlwaysFloat) {
-  expect_dtypes([](const torch::Tensor& x) { return torch::softmax(x, 1); }, lp, {b, h}, false, false, "softmax");
-  expect_dtypes([](const torch::Tensor& x) { return torch::log_softmax(x, 1); }, lp, {b, h}, false, false, "log_softmax");
+  expect_dtypes([](const torch::Tensor& x) { return torch::softmax(x, 1); }, {b, h}, false, false, "softmax");
+  expect_dtypes([](const torch::Tensor& x) { return torch::log_softmax(x, 1); }, {b, h}, false, false, "log_softmax");
   torch::nn::GroupNorm group_norm(torch::nn::GroupNormOptions(4, c));
-  expect_dtypes([&](const torch::Tensor& x) { return group_norm(x); }, lp, {b, c, 4, 4}, false, false, "GroupNorm");
+  group_norm->to(device());
+  expect_dtypes([&](const torch::Tensor& x) { return group_norm(x); }, {b, c, 4, 4}, false, false, "GroupNorm");
   torch::nn::LayerNorm layer_norm(torch::nn::LayerNormOptions({h}));
-  expect_dtypes([&](const torch::Tensor& x) { return layer_norm(x); }, lp, {b, h}, false, false, "LayerNorm");
-  auto target = torch::randn({b, h});
-  expect_dtypes([&](const torch::Tensor& x) { return torch::mse_loss(x, target); }, lp, {b, h}, false, false, "MSELoss");
-  expect_dtypes([](const torch::Tensor& x) { return x.exp(); }, lp, {b, h}, false, false, "exp");
-  expect_dtypes([](const torch::Tensor& x) { return x.abs().log(); }, lp, {b, h}, false, false, "log");
-  expect_dtypes([](const torch::Tensor& x) { return x.pow(2); }, lp, {b, h}, false, false, "pow");
-  expect_dtypes([](const torch::Tensor& x) { return x.sum(); }, lp, {b, h}, false, false, "sum");
-  expect_dtypes([](const torch::Tensor& x) { return x.cumsum(1); }, lp, {b, h}, false, false, "cumsum");
-  expect_dtypes([](const torch::Tensor& x) { return x.prod(1); }, lp, {b, 4}, false, false, "prod");
-  expect_dtypes([](const torch::Tensor& x) { return x.norm(); }, lp, {b, h}, false, false, "norm");
-  auto labels = torch::randint(h, {b}, torch::kLong);
-  expect_dtypes([&](const torch::Tensor& x) { return torch::nn::functional::cross_entropy(x, labels); }, lp, {b, h},
+  layer_norm->to(device());
+  expect_dtypes([&](const torch::Tensor& x) { return layer_norm(x); }, {b, h}, false, false, "LayerNorm");
+  auto target = draw({b, h});
+  expect_dtypes([&](const torch::Tensor& x) { return torch::mse_loss(x, target); }, {b, h}, false, false, "MSELoss");
+  expect_dtypes([](const torch::Tensor& x) { return x.exp(); }, {b, h}, false, false, "exp");
+  expect_dtypes([](const torch::Tensor& x) { return x.abs().log(); }, {b, h}, false, false, "log");
+  expect_dtypes([](const torch::Tensor& x) { return x.pow(2); }, {b, h}, false, false, "pow");
+  expect_dtypes([](const torch::Tensor& x) { return x.sum(); }, {b, h}, false, false, "sum");
+  expect_dtypes([](const torch::Tensor& x) { return x.cumsum(1); }, {b, h}, false, false, "cumsum");
+  expect_dtypes([](const torch::Tensor& x) { return x.prod(1); }, {b, 4}, false, false, "prod");
+  expect_dtypes([](const torch::Tensor& x) { return x.norm(); }, {b, h}, false, false, "norm");
+  auto labels = torch::randint(h, {b}, torch::kLong).to(device());
+  expect_dtypes([&](const torch::Tensor& x) { return torch::nn::functional::cross_entropy(x, labels); }, {b, h},
                 false, false, "cross_entropy");
 }
 
 TEST_P(CastPolicyTest, ReluAndBatchNormMatchTheInput) {
-  expect_dtypes([](const torch::Tensor& x) { return torch::relu(x); }, lp, {b, h}, false, true, "relu");
+  expect_dtypes([](const torch::Tensor& x) { return torch::relu(x); }, {b, h}, false, true, "relu");
   torch::nn::BatchNorm2d bn(c);
-  expect_dtypes([&](const torch::Tensor& x) { return bn(x); }, lp, {b, c, 4, 4}, false, true, "BatchNorm2d train");
+  bn->to(device());
+  expect_dtypes([&](const torch::Tensor& x) { return bn(x); }, {b, c, 4, 4}, false, true, "BatchNorm2d train");
   bn->eval();
-  expect_dtypes([&](const torch::Tensor& x) { return bn(x); }, lp, {b, c, 4, 4}, false, true, "BatchNorm2d eval");
+  expect_dtypes([&](const torch::Tensor& x) { return bn(x); }, {b, c, 4, 4}, false, true, "BatchNorm2d eval");
 }
 
 TEST_P(CastPolicyTest, MixedDtypeOpsPromoteToTheWidest) {
-  amp::AutocastGuard casts(torch::kCPU, lp);
-  auto x_lp = torch::randn({4, 4}).to(lp), x_f = torch::randn({4, 4});
+  amp::AutocastGuard casts(device_type(), lp);
+  auto x_lp = draw({4, 4}, lp), x_f = draw({4, 4});
   EXPECT_EQ(torch::atan2(x_lp, x_f).scalar_type(), torch::kFloat);
   EXPECT_EQ(torch::atan2(x_lp, x_lp).scalar_type(), lp);
   EXPECT_EQ((x_lp * x_f).scalar_type(), torch::kFloat);
@@ -90,62 +123,63 @@ TEST_P(CastPolicyTest, MixedDtypeOpsPromoteToTheWidest) {
   EXPECT_EQ(torch::addcmul(x_f, x_lp, x_lp).scalar_type(), torch::kFloat);
   EXPECT_EQ(torch::dot(x_lp.flatten(), x_f.flatten()).scalar_type(), torch::kFloat);
   // In-place ops keep self's type (test_promotion's add_).
-  auto self = torch::randn({4, 4}).to(lp);
+  auto self = draw({4, 4}, lp);
   self.add_(x_f);
   EXPECT_EQ(self.scalar_type(), lp);
 }
 
 TEST_P(CastPolicyTest, DoublesAndIntegersAreNeverCast) {
-  amp::AutocastGuard casts(torch::kCPU, lp);
-  auto d = torch::randn({4, 4}, torch::kDouble);
+  amp::AutocastGuard casts(device_type(), lp);
+  auto d = draw({4, 4}, torch::kDouble);
   EXPECT_EQ(torch::mm(d, d).scalar_type(), torch::kDouble);
   EXPECT_EQ(d.exp().scalar_type(), torch::kDouble);
-  auto i = torch::ones({4}, torch::kLong);
+  auto i = torch::ones({4}, torch::TensorOptions(device()).dtype(torch::kLong));
   EXPECT_EQ(i.sum().scalar_type(), torch::kLong);
 }
 
 TEST_P(CastPolicyTest, AmpsRowsActOnlyInsideTheGuard) {
-  auto x = torch::randn({4, 4}).to(lp);
+  auto x = draw({4, 4}, lp);
   EXPECT_EQ(torch::softmax(x, 1).scalar_type(), lp);  // no casts outside
   {
-    amp::AutocastGuard casts(torch::kCPU, lp);
+    amp::AutocastGuard casts(device_type(), lp);
     EXPECT_EQ(torch::softmax(x, 1).scalar_type(), torch::kFloat);
     amp::DisableCastsGuard off;
     EXPECT_EQ(torch::softmax(x, 1).scalar_type(), lp);
-    EXPECT_EQ(torch::mm(torch::randn({2, 2}), torch::randn({2, 2})).scalar_type(), torch::kFloat);
+    EXPECT_EQ(torch::mm(draw({2, 2}), draw({2, 2})).scalar_type(), torch::kFloat);
   }
-  EXPECT_EQ(torch::mm(torch::randn({2, 2}), torch::randn({2, 2})).scalar_type(), torch::kFloat);
+  EXPECT_EQ(torch::mm(draw({2, 2}), draw({2, 2})).scalar_type(), torch::kFloat);
 }
 
 // Apex's test_cache: a weight used in train -> no_grad eval -> train gets exactly one gradient, of its
 // own dtype, equal to the fp32 reference; and a cast made before an optimizer step is never reused.
 TEST_P(CastPolicyTest, WeightCastCacheIsInvalidatedCorrectly) {
-  auto weight = torch::randn({8, 8}).requires_grad_(true);
-  auto x = torch::randn({4, 8});
+  auto weight = draw({8, 8}).requires_grad_(true);
+  auto x = draw({4, 8});
   auto forward = [&](const torch::Tensor& w) { return torch::mm(x, w).to(torch::kFloat).pow(2).sum(); };
   {
-    amp::AutocastGuard casts(torch::kCPU, lp);
+    amp::AutocastGuard casts(device_type(), lp);
     forward(weight).backward();
   }
   {
     torch::NoGradGuard no_grad;
-    amp::AutocastGuard casts(torch::kCPU, lp);
+    amp::AutocastGuard casts(device_type(), lp);
     (void)forward(weight);
   }
   {
-    amp::AutocastGuard casts(torch::kCPU, lp);
+    amp::AutocastGuard casts(device_type(), lp);
     forward(weight).backward();
   }
   ASSERT_TRUE(weight.grad().defined());
   EXPECT_EQ(weight.grad().scalar_type(), torch::kFloat);
   auto reference_w = weight.detach().clone().requires_grad_(true);
   (torch::mm(x, reference_w).pow(2).sum() * 2).backward();
+  // Rounding x and w to lp (the same on every device; GEMMs accumulate in fp32 on both, CUDA without TF32).
   EXPECT_TRUE(torch::allclose(weight.grad(), reference_w.grad(), 0.05, 0.05));
 
   // An update between regions must be seen by the next region's cast.
   torch::Tensor before, after;
   {
-    amp::AutocastGuard casts(torch::kCPU, lp);
+    amp::AutocastGuard casts(device_type(), lp);
     before = torch::mm(x, weight);
   }
   {
@@ -153,15 +187,16 @@ TEST_P(CastPolicyTest, WeightCastCacheIsInvalidatedCorrectly) {
     weight.add_(1.0);
   }
   {
-    amp::AutocastGuard casts(torch::kCPU, lp);
+    amp::AutocastGuard casts(device_type(), lp);
     after = torch::mm(x, weight);
   }
+  // The same GEMM of the same operands on the same device: bitwise, on CUDA too (cuBLAS picks its kernel by
+  // shape, layout and alignment, all equal here).
   EXPECT_TRUE(torch::equal(after, torch::mm(x.to(lp), weight.detach().to(lp))));
   EXPECT_FALSE(torch::equal(before, after));
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, CastPolicyTest, ::testing::Values(torch::kBFloat16, torch::kHalf),
-                         [](const auto& info) { return amp_test::dtype_label(info.param); });
+INSTANTIATE_TEST_SUITE_P(Dtypes, CastPolicyTest, ::testing::ValuesIn(all_cases()), case_name);
 
 TEST(CastRulesTest, TableIsApexsLists) {
   const auto& rules = amp::o1_cast_rules();
@@ -214,14 +249,14 @@ TEST(CastRulesTest, EveryOverloadOfEveryRowIsCovered) {
 
 TEST_P(CastPolicyTest, InterpolateAndUpsampleRunInFp32) {
   namespace F = torch::nn::functional;
-  if (TORCH_VERSION_MAJOR < 2 && lp == torch::kHalf) GTEST_SKIP() << "CPU autocast is bf16-only in LibTorch 1.13";
-  const auto x = torch::randn({1, 2, 4, 4});
-  amp::AutocastGuard casts(torch::kCPU, lp);
+  const auto x = draw({1, 2, 4, 4});
+  amp::AutocastGuard casts(device_type(), lp);
   const auto input = x.to(lp);
   EXPECT_EQ(F::interpolate(input, F::InterpolateFuncOptions().size(std::vector<int64_t>{8, 8}).mode(torch::kNearest))
                 .scalar_type(), torch::kFloat);
   EXPECT_EQ(F::interpolate(input, F::InterpolateFuncOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kBilinear)
                                       .align_corners(false)).scalar_type(), torch::kFloat);
   torch::nn::Upsample upsample(torch::nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest));
+  upsample->to(device());
   EXPECT_EQ(upsample(input).scalar_type(), torch::kFloat);
 }

@@ -20,9 +20,11 @@ TORCH_MODULE(CheckpointNet);
 struct TrainingRun {
   CheckpointNet net;
   std::unique_ptr<amp::Initialized<CheckpointNet, torch::optim::SGD>> amp;
-  TrainingRun(const amp::Options& options, uint64_t seed) {
+  torch::Device device;
+  TrainingRun(const amp::Options& options, uint64_t seed, torch::Device device_) : device(device_) {
     torch::manual_seed(seed);
     net = CheckpointNet();
+    net->to(device);
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
     amp = std::make_unique<amp::Initialized<CheckpointNet, torch::optim::SGD>>(
         amp::initialize(net, std::move(sgd), options));
@@ -30,7 +32,7 @@ struct TrainingRun {
   torch::Tensor step(int iteration, int num_losses) {
     auto& [model, optimizer] = *amp;
     torch::manual_seed(1000 + iteration);
-    auto x = torch::randn({2, 1, 6, 6});
+    auto x = torch::randn({2, 1, 6, 6}).to(device);
     optimizer.zero_grad();
     torch::Tensor out;
     for (int loss_id = 0; loss_id < num_losses; ++loss_id) {
@@ -49,40 +51,50 @@ struct TrainingRun {
   }
 };
 
+// Host copies, for amp_test::bitwise_equal.
 std::vector<torch::Tensor> state_of(TrainingRun& run) {
   std::vector<torch::Tensor> out;
-  for (auto& t : run.net->parameters()) out.push_back(t.detach().clone());
-  for (auto& t : run.net->buffers()) out.push_back(t.detach().clone());
-  for (auto& t : amp::master_params(run.amp->optimizer)) out.push_back(t.detach().clone());
+  for (auto& t : run.net->parameters()) out.push_back(t.detach().clone().cpu());
+  for (auto& t : run.net->buffers()) out.push_back(t.detach().clone().cpu());
+  for (auto& t : amp::master_params(run.amp->optimizer)) out.push_back(t.detach().clone().cpu());
   return out;
 }
 
-class RestoringTest : public ::testing::TestWithParam<std::tuple<const char*, c10::ScalarType, int>> {};
+// (level, low-precision dtype, num_losses, device). Bitwise on CUDA too: both runs take the same kernels on
+// the same device, with deterministic cuDNN (amp_test::use_deterministic_fp32).
+class RestoringTest : public ::testing::TestWithParam<std::tuple<const char*, c10::ScalarType, int, c10::DeviceType>> {
+ protected:
+  void SetUp() override {
+    const c10::DeviceType device = std::get<3>(GetParam());
+    SKIP_WITHOUT_DEVICE(device);
+    if (device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(std::get<1>(GetParam()));
+    amp_test::use_deterministic_fp32(device);
+  }
+};
 
 }  // namespace
 
 TEST_P(RestoringTest, ResumingIsBitwiseIdenticalToNotStopping) {
-  const auto [level, lp, num_losses] = GetParam();
-  SKIP_WITHOUT_CPU_KERNELS(lp);
+  const auto [level, lp, num_losses, device] = GetParam();
   const auto options = amp::Options(level).low_precision_dtype(lp).num_losses(num_losses).verbosity(0);
   // Checkpoint right after the step whose backward overflowed (3), and one step later (4).
   for (int k : {3, 4}) {
     SCOPED_TRACE("checkpoint after step " + std::to_string(k));
-    TrainingRun uninterrupted(options, 7);
+    TrainingRun uninterrupted(options, 7, device);
     std::vector<torch::Tensor> outputs;
     std::stringstream model_checkpoint, optimizer_checkpoint;
     for (int i = 0; i < 10; ++i) {
-      outputs.push_back(uninterrupted.step(i, num_losses));
+      outputs.push_back(uninterrupted.step(i, num_losses).cpu());
       if (i == k) {
         torch::save(uninterrupted.net, model_checkpoint);
         torch::save(uninterrupted.amp->optimizer, optimizer_checkpoint);
       }
     }
-    TrainingRun resumed(options, 99);  // different initial weights: everything must come from the checkpoint
+    TrainingRun resumed(options, 99, device);  // different initial weights: everything must come from the checkpoint
     torch::load(resumed.net, model_checkpoint);
     torch::load(resumed.amp->optimizer, optimizer_checkpoint);
     for (int i = k + 1; i < 10; ++i) {
-      auto out = resumed.step(i, num_losses);
+      auto out = resumed.step(i, num_losses).cpu();
       EXPECT_TRUE(amp_test::bitwise_equal(out, outputs[static_cast<size_t>(i)])) << "step " << i;
     }
     const auto a = state_of(uninterrupted), b = state_of(resumed);
@@ -99,21 +111,27 @@ TEST_P(RestoringTest, ResumingIsBitwiseIdenticalToNotStopping) {
 INSTANTIATE_TEST_SUITE_P(
     Levels, RestoringTest,
     ::testing::Combine(::testing::Values("O0", "O1", "O2", "O3"), ::testing::Values(torch::kBFloat16, torch::kHalf),
-                       ::testing::Values(1, 2)),
+                       ::testing::Values(1, 2), ::testing::ValuesIn(amp_test::test_devices())),
     [](const auto& info) {
       return std::string(std::get<0>(info.param)) + "_" + amp_test::dtype_label(std::get<1>(info.param)) + "_losses" +
-             std::to_string(std::get<2>(info.param));
+             std::to_string(std::get<2>(info.param)) + amp_test::device_suffix(std::get<3>(info.param));
     });
 
-TEST(CheckpointTest, LossScaleDecreaseSurvivesSaveAndLoad) {
+namespace {
+// Saving and loading models and optimizers whose tensors (masters, momentum) live on the device.
+class CheckpointTest : public amp_test::DeviceTest {};
+}  // namespace
+
+TEST_P(CheckpointTest, LossScaleDecreaseSurvivesSaveAndLoad) {
   amp_test::Mlp net;
+  net->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
   const auto options = amp::Options("O2").num_losses(3).low_precision_dtype(torch::kBFloat16).verbosity(0);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
   for (int loss_id = 0; loss_id < 3; ++loss_id) {
     for (int k = 0; k < loss_id; ++k) {  // loss i overflows i times (inputs * 2^17 * inf)
       optimizer.zero_grad();
-      auto scaled = amp::scale_loss(model(torch::randn({2, 8}) * 131072.0 * INFINITY).sum(), optimizer,
+      auto scaled = amp::scale_loss(model((torch::randn({2, 8}) * 131072.0 * INFINITY).to(device())).sum(), optimizer,
                                     amp::ScaleLossOptions().loss_id(loss_id));
       scaled.backward();
       optimizer.step();
@@ -122,6 +140,7 @@ TEST(CheckpointTest, LossScaleDecreaseSurvivesSaveAndLoad) {
   std::stringstream checkpoint;
   torch::save(optimizer, checkpoint);
   amp_test::Mlp fresh_net;
+  fresh_net->to(device());
   torch::optim::SGD fresh_sgd(fresh_net->parameters(), 0.1);
   auto [fresh_model, fresh_optimizer] = amp::initialize(fresh_net, std::move(fresh_sgd), options);
   torch::load(fresh_optimizer, checkpoint);
@@ -131,7 +150,9 @@ TEST(CheckpointTest, LossScaleDecreaseSurvivesSaveAndLoad) {
   }
 }
 
-TEST(CheckpointTest, RefusesCheckpointsThatDoNotMatch) {
+// CheckpointTestCpu: refusals and loss-scaler state from a checkpoint's metadata, the same whatever device its
+// tensors are on.
+TEST(CheckpointTestCpu, RefusesCheckpointsThatDoNotMatch) {
   auto make = [](const amp::Options& options) {
     amp_test::Mlp net;
     torch::optim::SGD sgd(net->parameters(), 0.1);
@@ -160,7 +181,7 @@ TEST(CheckpointTest, RefusesCheckpointsThatDoNotMatch) {
 }
 
 // Issue: with min_loss_scale above 2^16 the scaler started below its minimum and resuming threw.
-TEST(CheckpointTest, MinLossScaleAboveTheDefaultInitialScaleResumes) {
+TEST(CheckpointTestCpu, MinLossScaleAboveTheDefaultInitialScaleResumes) {
   const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).min_loss_scale(1e6)
                            .max_loss_scale(1e7).verbosity(0);
   amp_test::Mlp net, fresh_net;
@@ -175,7 +196,7 @@ TEST(CheckpointTest, MinLossScaleAboveTheDefaultInitialScaleResumes) {
 
 // The loss-scaler settings travel in the checkpoint: the hysteresis countdown resumes where it was, and
 // resuming with other settings is refused rather than silently changing the schedule.
-TEST(CheckpointTest, LossScalerSettingsAndHysteresisStateRoundTrip) {
+TEST(CheckpointTestCpu, LossScalerSettingsAndHysteresisStateRoundTrip) {
   const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).hysteresis(3).verbosity(0);
   amp_test::Mlp net;
   auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options);
@@ -206,9 +227,11 @@ TEST(CheckpointTest, LossScalerSettingsAndHysteresisStateRoundTrip) {
 }
 
 // A checkpoint taken after loading new weights into an O2 model holds those weights, not the old masters.
-TEST(CheckpointTest, SavingAfterLoadingWeightsSavesTheLoadedWeights) {
+TEST_P(CheckpointTest, SavingAfterLoadingWeightsSavesTheLoadedWeights) {
   const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
   amp_test::Mlp net, fresh_net;
+  net->to(device());
+  fresh_net->to(device());
   auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options);
   {
     torch::NoGradGuard no_grad;
@@ -220,3 +243,5 @@ TEST(CheckpointTest, SavingAfterLoadingWeightsSavesTheLoadedWeights) {
   torch::load(fresh_optimizer, checkpoint);
   for (const auto& p : fresh_net->parameters()) EXPECT_TRUE(torch::all(p == 0.25).item<bool>());
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(CheckpointTest);

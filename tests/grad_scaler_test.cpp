@@ -1,7 +1,9 @@
 // amp::GradScaler against torch.amp.GradScaler's own tests (test/test_cuda.py, later test_torch.py):
 // test_grad_scaling_unscale, _update_scale, _state_dict, _run_scaling_case (autocast with SGD, Adam,
 // AdamW, enabled and disabled), _clipping, _clipping_separate_unscale, _penalty, _accumulation,
-// _multiple and test_grad_scale_will_not_overflow, with their expected values.
+// _multiple and test_grad_scale_will_not_overflow, with their expected values. Those that touch gradients run on
+// every device: on CUDA the unscale and inf/NaN check are ATen's _amp_foreach_non_finite_check_and_unscale_, and
+// control and scaled runs do the same ops on the same device, so the expectations are the same.
 #include "multi_tensor.h"
 #include "support.h"
 
@@ -10,27 +12,31 @@ namespace {
 using amp::GradScaler;
 using amp::GradScalerOptions;
 
-// _create_scaling_models_optimizers: Sequential(Linear(8, 8), Linear(8, 8)) twice, same weights.
+// _create_scaling_models_optimizers: Sequential(Linear(8, 8), Linear(8, 8)) twice, same weights, on `device`
+// (before any optimizer is made); the data is drawn on the CPU and moved.
 struct ScalingModels {
   torch::nn::Sequential control{torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)};
   torch::nn::Sequential scaling{torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)};
   std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
-  ScalingModels() {
+  explicit ScalingModels(torch::Device device) {
     torch::manual_seed(0);
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < control->parameters().size(); ++i) scaling->parameters()[i].copy_(control->parameters()[i]);
-    for (int i = 0; i < 4; ++i) data.emplace_back(torch::randn({8, 8}), torch::randn({8, 8}));
+    control->to(device);
+    scaling->to(device);
+    for (int i = 0; i < 4; ++i) data.emplace_back(torch::randn({8, 8}).to(device), torch::randn({8, 8}).to(device));
   }
 };
 
 // _run_scaling_case: init_scale 128, growth 2, growth_interval 1; an inf is injected at iteration 2 of 4.
 // The final scale is 128 * 2^unskipped * 0.5^skipped (1.0 disabled) and the parameters equal the control's:
 // bitwise where no rounding differs, else within torch's own tolerance for the case (rtol 1e-5, its atol).
+// Bitwise holds on every device: scaling by a power of two and unscaling are exact, so both runs round alike.
 constexpr double kBitwise = 0.0;
 template <class MakeOpt, class Run>
-void run_scaling_case(MakeOpt make_optimizer, Run run, bool enabled, int unskipped, int skipped, double atol,
-                      const std::string& what) {
-  ScalingModels m;
+void run_scaling_case(torch::Device device, MakeOpt make_optimizer, Run run, bool enabled, int unskipped, int skipped,
+                      double atol, const std::string& what) {
+  ScalingModels m(device);
   auto control_opt = make_optimizer(m.control->parameters());
   auto scaling_opt = make_optimizer(m.scaling->parameters());
   GradScaler scaler(GradScalerOptions().init_scale(128.0).growth_factor(2.0).enabled(enabled).growth_interval(1));
@@ -41,7 +47,7 @@ void run_scaling_case(MakeOpt make_optimizer, Run run, bool enabled, int unskipp
     const auto c = m.control->parameters()[i];
     const auto s = m.scaling->parameters()[i];
     if (atol == kBitwise) {
-      EXPECT_TRUE(amp_test::bitwise_equal(c, s)) << what << " parameter " << i;
+      EXPECT_TRUE(amp_test::bitwise_equal(c.cpu(), s.cpu())) << what << " parameter " << i;
     } else {
       EXPECT_TRUE(torch::allclose(c, s, 1e-5, atol))
           << what << " parameter " << i << ": max difference " << (c - s).abs().max().item<double>();
@@ -71,9 +77,12 @@ void autocast_run(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& da
   }
 }
 
+class GradScalerTest : public amp_test::DeviceTest {};
+
 }  // namespace
 
-TEST(GradScalerTest, DefaultsAreTorchs) {
+// Host-side state, the same on every device.
+TEST(GradScalerTestCpu, DefaultsAreTorchs) {
   GradScaler scaler;
   EXPECT_EQ(scaler.get_scale(), 65536.0);
   EXPECT_EQ(scaler.get_growth_factor(), 2.0);
@@ -84,36 +93,37 @@ TEST(GradScalerTest, DefaultsAreTorchs) {
 
 // test_grad_scaling_unscale: grads of 4.0 with scale 4 become 1.0; an inf or NaN anywhere (contiguous,
 // transposed, sliced gradients) is found.
-TEST(GradScalerTest, UnscaleDividesAndFindsInfAndNan) {
+TEST_P(GradScalerTest, UnscaleDividesAndFindsInfAndNan) {
   for (const float bad : {INFINITY, NAN}) {
     for (const char* layout : {"contiguous", "transposed", "sliced"}) {
-      auto a = torch::zeros({4, 4}, torch::requires_grad());
-      auto b = torch::zeros({4, 2}, torch::requires_grad());
+      auto a = torch::zeros({4, 4}, torch::TensorOptions(device()).requires_grad(true));
+      auto b = torch::zeros({4, 2}, torch::TensorOptions(device()).requires_grad(true));
       torch::optim::SGD sgd({a, b}, 0.1);
       GradScaler scaler(GradScalerOptions().init_scale(4.0));
-      (void)scaler.scale(torch::ones({1}));  // creates the scale, as torch's lazy _scale
-      a.mutable_grad() = torch::full({4, 4}, 4.0f);
-      torch::Tensor gb = torch::full({4, 4}, 4.0f);
+      (void)scaler.scale(torch::ones({1}, device()));  // creates the scale, as torch's lazy _scale
+      a.mutable_grad() = torch::full({4, 4}, 4.0f, device());
+      torch::Tensor gb = torch::full({4, 4}, 4.0f, device());
       if (std::string(layout) == "transposed") gb = gb.t().contiguous().t();
-      b.mutable_grad() = std::string(layout) == "sliced" ? torch::full({4, 4}, 4.0f).slice(1, 0, 2) : gb.slice(1, 0, 2);
+      b.mutable_grad() =
+          std::string(layout) == "sliced" ? torch::full({4, 4}, 4.0f, device()).slice(1, 0, 2) : gb.slice(1, 0, 2);
       scaler.unscale_(sgd);
       EXPECT_TRUE(torch::all(a.grad() == 1.0).item<bool>()) << layout;
       EXPECT_TRUE(torch::all(b.grad() == 1.0).item<bool>()) << layout;
       EXPECT_TRUE(scaler.step(sgd).has_value()) << "clean gradients step";
       scaler.update();
-      a.mutable_grad() = torch::full({4, 4}, 4.0f);
-      b.mutable_grad() = torch::full({4, 4}, 4.0f).slice(1, 0, 2);
+      a.mutable_grad() = torch::full({4, 4}, 4.0f, device());
+      b.mutable_grad() = torch::full({4, 4}, 4.0f, device()).slice(1, 0, 2);
       b.mutable_grad().select(0, 3).select(0, 1).fill_(bad);
-      const auto before = a.detach().clone();
+      const auto before = a.detach().cpu();
       EXPECT_FALSE(scaler.step(sgd).has_value()) << layout << " " << bad;
-      EXPECT_TRUE(amp_test::bitwise_equal(a, before)) << "a skipped step changes nothing";
+      EXPECT_TRUE(amp_test::bitwise_equal(a.detach().cpu(), before)) << "a skipped step changes nothing";
     }
   }
 }
 
 // test_grad_scaling_update_scale: growth 2, backoff 0.25, interval 2, scale 4.
-TEST(GradScalerTest, UpdateScaleSequence) {
-  auto w = torch::zeros({2}, torch::requires_grad());
+TEST_P(GradScalerTest, UpdateScaleSequence) {
+  auto w = torch::zeros({2}, torch::TensorOptions(device()).requires_grad(true));
   torch::optim::SGD sgd({w}, 0.0);
   GradScaler scaler(GradScalerOptions().init_scale(4.0).growth_factor(2.0).backoff_factor(0.25).growth_interval(2));
   auto iteration = [&](bool inf) {
@@ -137,8 +147,9 @@ TEST(GradScalerTest, UpdateScaleSequence) {
   EXPECT_EQ(scaler.get_scale(), 1024.0);
 }
 
-// test_grad_scaling_state_dict: loading into a scaler, lazily initialized or not.
-TEST(GradScalerTest, StateDictRoundTrip) {
+// test_grad_scaling_state_dict: loading into a scaler, lazily initialized or not. amp's scale is a host float
+// whatever the device of the scaled tensor.
+TEST(GradScalerTestCpu, StateDictRoundTrip) {
   for (const bool lazy_init_scale : {true, false}) {
     GradScaler s0(GradScalerOptions().init_scale(3.0).growth_factor(4.0).backoff_factor(0.5).growth_interval(2));
     GradScaler s1(GradScalerOptions().init_scale(6.0).growth_factor(7.0).backoff_factor(0.8).growth_interval(1));
@@ -156,24 +167,28 @@ TEST(GradScalerTest, StateDictRoundTrip) {
   }
 }
 
-TEST(GradScalerTest, ScalingCaseMatchesControl) {
+TEST_P(GradScalerTest, ScalingCaseMatchesControl) {
   using Params = std::vector<torch::Tensor>;
   for (const bool enabled : {true, false}) {
     const std::string e = enabled ? " enabled" : " disabled";
-    run_scaling_case([](Params p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
-                     autocast_run<torch::optim::SGD>, enabled, 3, 1, kBitwise, "SGD" + e);
-    run_scaling_case([](Params p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0).momentum(0.9)); },
-                     autocast_run<torch::optim::SGD>, enabled, 3, 1, kBitwise, "SGD momentum" + e);
-    run_scaling_case([](Params p) { return torch::optim::Adam(p, torch::optim::AdamOptions(1.0)); },
-                     autocast_run<torch::optim::Adam>, enabled, 3, 1, kBitwise, "Adam" + e);
-    run_scaling_case([](Params p) { return torch::optim::AdamW(p, torch::optim::AdamWOptions(1.0).amsgrad(true)); },
-                     autocast_run<torch::optim::AdamW>, enabled, 3, 1, kBitwise, "AdamW amsgrad" + e);
+    run_scaling_case(
+        device(), [](Params p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
+        autocast_run<torch::optim::SGD>, enabled, 3, 1, kBitwise, "SGD" + e);
+    run_scaling_case(
+        device(), [](Params p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0).momentum(0.9)); },
+        autocast_run<torch::optim::SGD>, enabled, 3, 1, kBitwise, "SGD momentum" + e);
+    run_scaling_case(
+        device(), [](Params p) { return torch::optim::Adam(p, torch::optim::AdamOptions(1.0)); },
+        autocast_run<torch::optim::Adam>, enabled, 3, 1, kBitwise, "Adam" + e);
+    run_scaling_case(
+        device(), [](Params p) { return torch::optim::AdamW(p, torch::optim::AdamWOptions(1.0).amsgrad(true)); },
+        autocast_run<torch::optim::AdamW>, enabled, 3, 1, kBitwise, "AdamW amsgrad" + e);
   }
 }
 
 // _clipping: clip the still-scaled gradients at max_norm * scale (close to the control, not bitwise: the
 // clip coefficient is computed from scaled norms).
-TEST(GradScalerTest, ClippingScaledGradients) {
+TEST_P(GradScalerTest, ClippingScaledGradients) {
   constexpr double kMaxNorm = 0.2;
   auto run = [](const auto& data, torch::nn::Sequential& model, torch::optim::SGD& optimizer, GradScaler* scaler,
                 bool try_scaling_api) {
@@ -194,12 +209,12 @@ TEST(GradScalerTest, ClippingScaledGradients) {
       }
     }
   };
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 3, 1,
+  run_scaling_case(device(), [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 3, 1,
                    /*atol=*/1e-5, "clipping");  // torch's test_grad_scaling_clipping uses atol 1e-5 too
 }
 
 // _clipping_separate_unscale: unscale_, then clip at max_norm: the same gradients as the control, bitwise.
-TEST(GradScalerTest, ClippingAfterSeparateUnscale) {
+TEST_P(GradScalerTest, ClippingAfterSeparateUnscale) {
   constexpr double kMaxNorm = 0.2;
   auto run = [](const auto& data, torch::nn::Sequential& model, torch::optim::SGD& optimizer, GradScaler* scaler,
                 bool try_scaling_api) {
@@ -221,12 +236,12 @@ TEST(GradScalerTest, ClippingAfterSeparateUnscale) {
       }
     }
   };
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 3, 1, kBitwise,
-                   "clipping after unscale_");
+  run_scaling_case(device(), [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 3, 1,
+                   kBitwise, "clipping after unscale_");
 }
 
 // _penalty: a gradient penalty from autograd::grad of the scaled loss, unscaled by hand.
-TEST(GradScalerTest, GradientPenalty) {
+TEST_P(GradScalerTest, GradientPenalty) {
   auto run = [](const auto& data, torch::nn::Sequential& model, torch::optim::SGD& optimizer, GradScaler* scaler,
                 bool try_scaling_api) {
     for (size_t i = 0; i < data.size(); ++i) {
@@ -241,7 +256,7 @@ TEST(GradScalerTest, GradientPenalty) {
       } else {
         grads = torch::autograd::grad({loss}, model->parameters(), {}, true, true);
       }
-      torch::Tensor norm = torch::zeros({1});
+      torch::Tensor norm = torch::zeros({1}, input.options());
       for (const auto& g : grads) norm = norm + g.pow(2).sum();
       loss = loss + norm.sqrt().squeeze();
       if (try_scaling_api) {
@@ -255,12 +270,12 @@ TEST(GradScalerTest, GradientPenalty) {
       }
     }
   };
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 3, 1, /*atol=*/1e-7,
-                   "penalty");
+  run_scaling_case(device(), [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 3, 1,
+                   /*atol=*/1e-7, "penalty");
 }
 
 // _accumulation: two micro-batches per step, no overflow: unskipped 2, skipped 0.
-TEST(GradScalerTest, Accumulation) {
+TEST_P(GradScalerTest, Accumulation) {
   auto run = [](const auto& data, torch::nn::Sequential& model, torch::optim::SGD& optimizer, GradScaler* scaler,
                 bool try_scaling_api) {
     constexpr int kIters = 2;
@@ -280,13 +295,13 @@ TEST(GradScalerTest, Accumulation) {
       }
     }
   };
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 2, 0, kBitwise,
-                   "accumulation");
+  run_scaling_case(device(), [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, 1.0); }, run, true, 2, 0,
+                   kBitwise, "accumulation");
 }
 
 // _multiple: two models, two optimizers, two losses, unscale_ on one of them; scale 128 * 2^3 * 0.5.
-TEST(GradScalerTest, MultipleModelsOptimizersAndLosses) {
-  ScalingModels m0, m1;
+TEST_P(GradScalerTest, MultipleModelsOptimizersAndLosses) {
+  ScalingModels m0(device()), m1(device());
   torch::optim::SGD c0(m0.control->parameters(), 1.0), s0(m0.scaling->parameters(), 1.0);
   torch::optim::SGD c1(m1.control->parameters(), 1.0), s1(m1.scaling->parameters(), 1.0);
   GradScaler scaler(GradScalerOptions().init_scale(128.0).growth_factor(2.0).growth_interval(1));
@@ -321,14 +336,14 @@ TEST(GradScalerTest, MultipleModelsOptimizersAndLosses) {
   EXPECT_EQ(scaler.get_scale(), 128.0 * 8.0 * 0.5);
   for (auto* m : {&m0, &m1}) {
     for (size_t i = 0; i < m->control->parameters().size(); ++i) {
-      EXPECT_TRUE(amp_test::bitwise_equal(m->control->parameters()[i], m->scaling->parameters()[i])) << i;
+      EXPECT_TRUE(amp_test::bitwise_equal(m->control->parameters()[i].cpu(), m->scaling->parameters()[i].cpu())) << i;
     }
   }
 }
 
 // test_grad_scale_will_not_overflow: growth stops where the grown scale would be inf.
-TEST(GradScalerTest, ScaleWillNotOverflow) {
-  auto w = torch::zeros({2}, torch::requires_grad());
+TEST_P(GradScalerTest, ScaleWillNotOverflow) {
+  auto w = torch::zeros({2}, torch::TensorOptions(device()).requires_grad(true));
   torch::optim::SGD sgd({w}, 0.0);
   GradScaler scaler(GradScalerOptions().init_scale(1e38).growth_factor(16.0).growth_interval(1));
   for (int i = 0; i < 3; ++i) {
@@ -341,10 +356,14 @@ TEST(GradScalerTest, ScaleWillNotOverflow) {
   EXPECT_EQ(scaler.get_scale(), static_cast<double>(1e38f));
 }
 
-// The AMP tutorials' loop: an fp32 model under AutocastGuard (bf16) with GradScaler converges.
-TEST(GradScalerTest, AutocastTutorialLoopTrains) {
-  auto [x, y] = amp_test::blobs(256, 8, 4, 3);
+// The AMP tutorials' loop: an fp32 model under AutocastGuard with GradScaler converges. CUDA autocasts to
+// float16, as the tutorials' CUDA loop (the dtype the scaler exists for); the CPU to bfloat16.
+TEST_P(GradScalerTest, AutocastTutorialLoopTrains) {
+  const auto dtype = on_cuda() ? torch::kHalf : torch::kBFloat16;
+  auto [x_cpu, y_cpu] = amp_test::blobs(256, 8, 4, 3);
+  const auto x = x_cpu.to(device()), y = y_cpu.to(device());
   amp_test::Mlp model;
+  model->to(device());
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   GradScaler scaler;
   const int64_t syncs_before = amp::detail::host_sync_count();
@@ -353,9 +372,9 @@ TEST(GradScalerTest, AutocastTutorialLoopTrains) {
     sgd.zero_grad();
     torch::Tensor loss;
     {
-      amp::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      amp::AutocastGuard autocast(device().type(), dtype);
       auto out = model(x);
-      EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+      EXPECT_EQ(out.scalar_type(), dtype);
       loss = torch::nn::functional::cross_entropy(out, y);  // fp32 under autocast
     }
     scaler.scale(loss).backward();
@@ -368,7 +387,8 @@ TEST(GradScalerTest, AutocastTutorialLoopTrains) {
   EXPECT_GT(accuracy, 0.9);
 }
 
-TEST(GradScalerTest, DisabledIsAPassThrough) {
+// A disabled scaler does nothing to tensors: device-independent.
+TEST(GradScalerTestCpu, DisabledIsAPassThrough) {
   auto w = torch::ones({2}, torch::requires_grad());
   torch::optim::SGD sgd({w}, 0.5);
   GradScaler scaler(GradScalerOptions().enabled(false));
@@ -383,7 +403,7 @@ TEST(GradScalerTest, DisabledIsAPassThrough) {
   EXPECT_EQ(scaler.state_dict().size(), 0u);
 }
 
-TEST(GradScalerTest, MisuseGetsTorchsErrors) {
+TEST(GradScalerTestCpu, MisuseGetsTorchsErrors) {
   auto w = torch::ones({2}, torch::requires_grad());
   torch::optim::SGD sgd({w}, 0.1);
   GradScaler scaler;
@@ -422,3 +442,5 @@ TEST(GradScalerTest, MisuseGetsTorchsErrors) {
   wrong.insert_or_assign("scale", c10::IValue(std::string("big")));
   ASSERT_THROWS_WITH(scaler.load_state_dict(wrong), "'scale' must be a number, got String");
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(GradScalerTest);

@@ -11,16 +11,21 @@ amp::Options quiet(const char* level, c10::ScalarType lp = torch::kBFloat16) {
   return amp::Options(level).low_precision_dtype(lp).verbosity(0);
 }
 
+// Runs on every device: the model is moved there before amp::initialize, as scripts do.
+class InitializeTest : public amp_test::DeviceTest {};
+
 }  // namespace
 
-TEST(InitializeTest, ParameterAndBufferDtypesPerLevel) {
+TEST_P(InitializeTest, ParameterAndBufferDtypesPerLevel) {
   struct Case { const char* level; c10::ScalarType conv; c10::ScalarType bn; };
   const auto bf = torch::kBFloat16;
   for (const Case& c : {Case{"O0", torch::kFloat, torch::kFloat}, Case{"O1", torch::kFloat, torch::kFloat},
                         Case{"O2", bf, torch::kFloat}, Case{"O3", bf, bf}}) {
     ConvBnNet net;
+    net->to(device());
     torch::optim::SGD sgd(net->parameters(), 0.1);
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet(c.level));
+    EXPECT_EQ(net->conv->weight.device().type(), device().type()) << c.level;  // type(): cuda:0 vs cuda
     EXPECT_EQ(net->conv->weight.scalar_type(), c.conv) << c.level;
     EXPECT_EQ(net->fc->bias.scalar_type(), c.conv) << c.level;
     EXPECT_EQ(net->bn->weight.scalar_type(), c.bn) << c.level;
@@ -30,6 +35,7 @@ TEST(InitializeTest, ParameterAndBufferDtypesPerLevel) {
     EXPECT_EQ(net->bn->num_batches_tracked.scalar_type(), torch::kLong) << c.level;
   }
   ConvBnNet net;
+  net->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O3").keep_batchnorm_fp32(true));
   EXPECT_EQ(net->bn->weight.scalar_type(), torch::kFloat);
@@ -37,8 +43,9 @@ TEST(InitializeTest, ParameterAndBufferDtypesPerLevel) {
   EXPECT_EQ(net->conv->weight.scalar_type(), torch::kBFloat16);
 }
 
-TEST(InitializeTest, O2MastersAreFp32CopiesOfTheOriginalsInParamGroups) {
+TEST_P(InitializeTest, O2MastersAreFp32CopiesOfTheOriginalsInParamGroups) {
   ConvBnNet net;
+  net->to(device());
   std::vector<torch::Tensor> originals;
   for (auto& p : net->parameters()) originals.push_back(p.detach().clone());
   torch::optim::SGD sgd(net->parameters(), 0.1);
@@ -48,6 +55,7 @@ TEST(InitializeTest, O2MastersAreFp32CopiesOfTheOriginalsInParamGroups) {
   ASSERT_EQ(masters.size(), params.size());
   for (size_t i = 0; i < masters.size(); ++i) {
     EXPECT_EQ(masters[i].scalar_type(), torch::kFloat);
+    EXPECT_EQ(masters[i].device().type(), device().type()) << i;  // beside the weight: no host copy per step
     EXPECT_TRUE(masters[i].requires_grad());
     EXPECT_TRUE(torch::equal(masters[i], originals[i])) << i;  // not rounded through bf16
     const bool is_bn = i == 2 || i == 3;                        // conv.w, conv.b, bn.w, bn.b, fc.w, fc.b
@@ -56,16 +64,17 @@ TEST(InitializeTest, O2MastersAreFp32CopiesOfTheOriginalsInParamGroups) {
   EXPECT_EQ(optimizer.param_groups()[0].params()[0].scalar_type(), torch::kFloat);
 }
 
-TEST(InitializeTest, O2MovesExistingOptimizerStateToTheMasters) {
+TEST_P(InitializeTest, O2MovesExistingOptimizerStateToTheMasters) {
   Mlp net;
+  net->to(device());
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));
-  net->forward(torch::randn({4, 8})).sum().backward();
+  net->forward(torch::randn({4, 8}).to(device())).sum().backward();
   adam.step();  // creates fp32 Adam state keyed by the fp32 params
   ASSERT_EQ(adam.state().size(), 4u);
   auto [model, optimizer] = amp::initialize(net, std::move(adam), quiet("O2"));
   EXPECT_EQ(optimizer.state().size(), 4u);
   optimizer.zero_grad();
-  auto loss = model(torch::randn({4, 8})).sum();
+  auto loss = model(torch::randn({4, 8}).to(device())).sum();
   {
     auto scaled = amp::scale_loss(loss, optimizer);
     scaled.backward();
@@ -84,14 +93,16 @@ TEST(InitializeTest, O2MovesExistingOptimizerStateToTheMasters) {
   }
 }
 
-TEST(InitializeTest, ModelCastsInputsAndOutputs) {
+TEST_P(InitializeTest, ModelCastsInputsAndOutputs) {
   Mlp net;
+  net->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
-  auto y = model(torch::randn({2, 8}, torch::kDouble));  // doubles are cast too (Apex casts every float)
+  auto y = model(torch::randn({2, 8}, torch::kDouble).to(device()));  // doubles are cast too (Apex casts every float)
   EXPECT_EQ(y.scalar_type(), torch::kFloat);
-  EXPECT_EQ(model.forward(torch::randn({2, 8})).scalar_type(), torch::kFloat);
-  EXPECT_EQ(model->forward(torch::randn({2, 8}).to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);  // no casts
+  EXPECT_EQ(y.device().type(), device().type());
+  EXPECT_EQ(model.forward(torch::randn({2, 8}).to(device())).scalar_type(), torch::kFloat);
+  EXPECT_EQ(model->forward(torch::randn({2, 8}).to(device(), torch::kBFloat16)).scalar_type(), torch::kBFloat16);  // no casts
   EXPECT_EQ((*model).fc1->weight.scalar_type(), torch::kBFloat16);
 }
 
@@ -107,45 +118,50 @@ struct TwoHeadsImpl : torch::nn::Module {
 TORCH_MODULE(TwoHeads);
 }  // namespace
 
-TEST(InitializeTest, NestedOutputsAreCastAndNonTensorsPassThrough) {
+TEST_P(InitializeTest, NestedOutputsAreCastAndNonTensorsPassThrough) {
   TwoHeads net;
+  net->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O3").cast_model_outputs(torch::kDouble));
-  auto [a, list, tag] = model(torch::randn({3, 4}), int64_t{7});
+  auto [a, list, tag] = model(torch::randn({3, 4}).to(device()), int64_t{7});
   EXPECT_EQ(a.scalar_type(), torch::kDouble);
   EXPECT_EQ(list[0].scalar_type(), torch::kDouble);
   EXPECT_EQ(list[1].scalar_type(), torch::kLong);  // integer outputs untouched
   EXPECT_EQ(tag, 7);
 }
 
-TEST(InitializeTest, SequentialAndSharedPtrModels) {
+TEST_P(InitializeTest, SequentialAndSharedPtrModels) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 2));
+  seq->to(device());
   torch::optim::SGD sgd(seq->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(seq, std::move(sgd), quiet("O2"));
-  EXPECT_EQ(model(torch::randn({3, 4})).scalar_type(), torch::kFloat);
+  EXPECT_EQ(model(torch::randn({3, 4}).to(device())).scalar_type(), torch::kFloat);
 
   auto impl = std::make_shared<amp_test::MlpImpl>();
+  impl->to(device());
   torch::optim::SGD sgd2(impl->parameters(), 0.1);
   auto [model2, optimizer2] = amp::initialize(impl, std::move(sgd2), amp::OptLevel::O0);
-  EXPECT_EQ(model2(torch::randn({3, 8})).sizes(), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(model2(torch::randn({3, 8}).to(device())).sizes(), (std::vector<int64_t>{3, 4}));
 }
 
-TEST(InitializeTest, DisabledChangesNothing) {
+TEST_P(InitializeTest, DisabledChangesNothing) {
   Mlp net;
+  net->to(device());
   auto before = net->fc1->weight.detach().clone();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2").enabled(false));
   EXPECT_EQ(net->fc1->weight.scalar_type(), torch::kFloat);
   EXPECT_TRUE(optimizer.param_groups()[0].params()[0].is_same(net->fc1->weight));
-  auto x = torch::randn({2, 8}, torch::kDouble);
+  auto x = torch::randn({2, 8}, torch::kDouble).to(device());
   EXPECT_THROW(model(x), std::exception);  // no input casts when disabled: plain LibTorch behaviour
-  auto loss = model(torch::randn({2, 8})).sum();
+  auto loss = model(torch::randn({2, 8}).to(device())).sum();
   auto scaled = amp::scale_loss(loss, optimizer);
   EXPECT_TRUE(scaled.tensor().is_same(loss));
   EXPECT_TRUE(torch::equal(net->fc1->weight, before));
 }
 
-TEST(InitializeTest, PrintsApexsBannerAtVerbosity1) {
+// The banner is text from the options alone, the same on every device.
+TEST(InitializeTestCpu, PrintsApexsBannerAtVerbosity1) {
   Mlp net;
   torch::optim::SGD sgd(net->parameters(), 0.1);
   testing::internal::CaptureStdout();
@@ -160,6 +176,9 @@ TEST(InitializeTest, PrintsApexsBannerAtVerbosity1) {
   EXPECT_NE(out.find("cast_model_type        : torch.bfloat16"), std::string::npos);
 }
 
+// InitializeErrorsTest stays on the CPU: each refusal comes from the options, the optimizer or the model's
+// structure before anything runs on a device, or (DtypeTheBuildCannotCompute..., LayerTheBuildCannotRun...)
+// from what this LibTorch's CPU kernels can do.
 TEST(InitializeErrorsTest, OptimizerParameterNotInTheModel) {
   Mlp net, other;
   torch::optim::SGD sgd(other->parameters(), 0.1);
@@ -233,8 +252,12 @@ TEST(InitializeErrorsTest, DtypeTheBuildCannotComputeIsReportedAtInitialize) {
   }
 }
 
-TEST(FrozenBatchNormTest, TrainKeepsFrozenLayersFrozen) {
+// Frozen layers' statistics must survive each device's BatchNorm kernels.
+class FrozenBatchNormTest : public amp_test::DeviceTest {};
+
+TEST_P(FrozenBatchNormTest, TrainKeepsFrozenLayersFrozen) {
   ConvBnNet net;
+  net->to(device());
   amp::freeze_batchnorm(*net);
   EXPECT_TRUE(amp::is_frozen(*net->bn));
   EXPECT_FALSE(net->bn->is_training());
@@ -247,7 +270,7 @@ TEST(FrozenBatchNormTest, TrainKeepsFrozenLayersFrozen) {
   const auto mean = net->bn->running_mean.clone(), var = net->bn->running_var.clone();
   for (int i = 0; i < 3; ++i) {
     optimizer.zero_grad();
-    auto loss = model(torch::randn({4, 1, 8, 8}) * 3 + 1).sum();
+    auto loss = model((torch::randn({4, 1, 8, 8}) * 3 + 1).to(device())).sum();
     auto scaled = amp::scale_loss(loss, optimizer);
     scaled.backward();
     optimizer.step();
@@ -292,3 +315,6 @@ TEST(InitializeErrorsTest, LayerTheBuildCannotRunInTheDtypeIsReportedAtInitializ
                        "the model has a ConvTranspose2d layer ('1'), which this LibTorch build");
   }
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(InitializeTest);
+AMP_INSTANTIATE_FOR_DEVICES(FrozenBatchNormTest);

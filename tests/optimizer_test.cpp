@@ -11,18 +11,22 @@ struct ScalingCase {
   torch::nn::Sequential control{torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)};
   torch::nn::Sequential scaled{torch::nn::Linear(8, 8), torch::nn::Linear(8, 8)};
   std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
-  ScalingCase() {
+  explicit ScalingCase(torch::Device device) {
     torch::manual_seed(0);
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < control->parameters().size(); ++i) scaled->parameters()[i].copy_(control->parameters()[i]);
-    for (int i = 0; i < 4; ++i) data.emplace_back(torch::randn({8, 8}), torch::randn({8, 8}));
+    for (int i = 0; i < 4; ++i) data.emplace_back(torch::randn({8, 8}).to(device), torch::randn({8, 8}).to(device));
+    control->to(device);
+    scaled->to(device);
   }
 };
 
+// Bitwise on CUDA too: control and scaled run the same kernels on the same device (CUDA unscales with
+// ATen's _amp_foreach_non_finite_check_and_unscale_, exact for a power-of-two scale).
 template <class MakeOpt>
-void run_scaling_case(MakeOpt make_optimizer, bool clip, const char* name) {
+void run_scaling_case(torch::Device device, MakeOpt make_optimizer, bool clip, const char* name) {
   constexpr int kSkipIter = 2;
-  ScalingCase c;
+  ScalingCase c(device);
   auto control_opt = make_optimizer(c.control->parameters());
   // O0 with a dynamic scale: fp32 math, so the scaled run must match the control exactly apart from
   // the injected overflow (power-of-two scales are exact).
@@ -50,42 +54,51 @@ void run_scaling_case(MakeOpt make_optimizer, bool clip, const char* name) {
   EXPECT_EQ(amp::loss_scale(optimizer), 65536.0 * 0.5) << name;  // 2^16 * backoff^skipped
   EXPECT_EQ(optimizer.skipped_steps(), 1) << name;
   for (size_t i = 0; i < c.control->parameters().size(); ++i) {
-    EXPECT_TRUE(amp_test::bitwise_equal(c.scaled->parameters()[i], c.control->parameters()[i])) << name << " " << i;
+    EXPECT_TRUE(amp_test::bitwise_equal(c.scaled->parameters()[i].cpu(), c.control->parameters()[i].cpu()))
+        << name << " " << i;
   }
 }
 
+class OptimizerTest : public amp_test::DeviceTest {};
+
 }  // namespace
 
-TEST(OptimizerTest, ScalingCaseMatchesControlSGD) {
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
+TEST_P(OptimizerTest, ScalingCaseMatchesControlSGD) {
+  run_scaling_case(device(),
+                   [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
                    false, "SGD");
   run_scaling_case(
+      device(),
       [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(0.5).momentum(0.9)); },
       false, "SGD momentum");
 }
 
-TEST(OptimizerTest, ScalingCaseMatchesControlAdamAndAdamW) {
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::Adam(p, torch::optim::AdamOptions(1e-2)); },
+TEST_P(OptimizerTest, ScalingCaseMatchesControlAdamAndAdamW) {
+  run_scaling_case(device(),
+                   [](std::vector<torch::Tensor> p) { return torch::optim::Adam(p, torch::optim::AdamOptions(1e-2)); },
                    false, "Adam");
   run_scaling_case(
+      device(),
       [](std::vector<torch::Tensor> p) { return torch::optim::AdamW(p, torch::optim::AdamWOptions(1e-2).amsgrad(true)); },
       false, "AdamW amsgrad");
 }
 
-TEST(OptimizerTest, ClippingMasterParamsAfterBackwardMatchesControl) {
-  run_scaling_case([](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
+TEST_P(OptimizerTest, ClippingMasterParamsAfterBackwardMatchesControl) {
+  run_scaling_case(device(),
+                   [](std::vector<torch::Tensor> p) { return torch::optim::SGD(p, torch::optim::SGDOptions(1.0)); },
                    true, "SGD clipped");
 }
 
-TEST(OptimizerTest, MultipleLossesHaveTheirOwnScalers) {
+TEST_P(OptimizerTest, MultipleLossesHaveTheirOwnScalers) {
   // _multiple / Apex's num_losses: an overflow in loss 1 halves scaler 1 only.
   amp_test::Mlp net;
+  net->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] =
       amp::initialize(net, std::move(sgd), amp::Options("O1").num_losses(2).low_precision_dtype(torch::kBFloat16).verbosity(0));
   for (int iteration = 0; iteration < 3; ++iteration) {
     optimizer.zero_grad();
-    auto x = torch::randn({4, 8});
+    auto x = torch::randn({4, 8}).to(device());
     auto out = model(x);
     {
       auto scaled = amp::scale_loss(out.pow(2).mean(), optimizer, amp::ScaleLossOptions().loss_id(0));
@@ -108,7 +121,9 @@ TEST(OptimizerTest, MultipleLossesHaveTheirOwnScalers) {
 // Apex's test_multiple_models_optimizers_losses, one model / two losses / one optimizer, at O2, with an
 // inf injected into loss 1 at iteration k: master grads equal the fp32 reference on unskipped
 // iterations, and at the end masters == reference and model params == master.to(model dtype).
-TEST(OptimizerTest, TwoLossesOneOptimizerMatchesReferenceAtO2) {
+// Exact on CUDA too: x is a multiple of 0.5 (exact in bf16), each gradient is one product, and the
+// reference's SGD runs the same ops on the same device as the masters'.
+TEST_P(OptimizerTest, TwoLossesOneOptimizerMatchesReferenceAtO2) {
   struct TwoWeights : torch::nn::Module {
     TwoWeights() {
       w0 = register_parameter("weight0", torch::full({4}, 1.0));
@@ -119,13 +134,15 @@ TEST(OptimizerTest, TwoLossesOneOptimizerMatchesReferenceAtO2) {
   for (int inject_at : {-1, 1, 2}) {
     auto module = std::make_shared<TwoWeights>();
     auto reference = std::make_shared<TwoWeights>();
+    module->to(device());
+    reference->to(device());
     torch::optim::SGD sgd(module->parameters(), torch::optim::SGDOptions(0.25).momentum(0.125));
     torch::optim::SGD ref_sgd(reference->parameters(), torch::optim::SGDOptions(0.25).momentum(0.125));
     // A module with two parameters; O2 casts both to bf16 and gives both fp32 masters.
     auto [model, optimizer] = amp::initialize(module, std::move(sgd),
                                               amp::Options("O2").num_losses(2).low_precision_dtype(torch::kBFloat16).verbosity(0));
     for (int iteration = 0; iteration < 4; ++iteration) {
-      const auto x = torch::full({4}, 0.5 + iteration);
+      const auto x = torch::full({4}, 0.5 + iteration).to(device());
       optimizer.zero_grad();
       for (int loss_id = 0; loss_id < 2; ++loss_id) {
         auto y = x.to(torch::kBFloat16) * (loss_id == 0 ? module->w0 : module->w1);
@@ -154,14 +171,15 @@ TEST(OptimizerTest, TwoLossesOneOptimizerMatchesReferenceAtO2) {
   }
 }
 
-TEST(OptimizerTest, O2StepCopiesMastersIntoTheModel) {
+TEST_P(OptimizerTest, O2StepCopiesMastersIntoTheModel) {
   amp_test::ConvBnNet net;
+  net->to(device());
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   auto [model, optimizer] =
       amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
   for (int i = 0; i < 3; ++i) {
     optimizer.zero_grad();
-    auto loss = model(torch::randn({4, 1, 8, 8})).pow(2).mean();
+    auto loss = model(torch::randn({4, 1, 8, 8}).to(device())).pow(2).mean();
     auto scaled = amp::scale_loss(loss, optimizer);
     scaled.backward();
     optimizer.step();
@@ -175,8 +193,10 @@ TEST(OptimizerTest, O2StepCopiesMastersIntoTheModel) {
 
 // Apex's test_multiple_models_optimizers_losses "2models2losses2optimizers" and the DCGAN pattern:
 // two models, two optimizers, one bank of scalers shared through loss_id.
-TEST(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
+TEST_P(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
   amp_test::Mlp net_a(8, 8, 4), net_b(4, 8, 8);
+  net_a->to(device());
+  net_b->to(device());
   torch::optim::SGD sgd_a(net_a->parameters(), 0.1);
   torch::optim::Adam adam_b(net_b->parameters(), 1e-3);
   auto [models, optimizers] =
@@ -187,7 +207,7 @@ TEST(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
   EXPECT_EQ(net_a->fc1->weight.scalar_type(), torch::kBFloat16);
   EXPECT_EQ(net_b->fc1->weight.scalar_type(), torch::kBFloat16);
 
-  auto x = torch::randn({2, 8});
+  auto x = torch::randn({2, 8}).to(device());
   optimizer_a.zero_grad();
   optimizer_b.zero_grad();
   {
@@ -210,18 +230,24 @@ TEST(OptimizerTest, SeveralModelsAndOptimizersShareTheLossScalers) {
   EXPECT_FALSE(torch::equal(net_a->fc1->weight, before));
 
   amp_test::Mlp stranger;
+  stranger->to(device());
   torch::optim::SGD wrong(stranger->parameters(), 0.1);
   amp_test::Mlp c, d;
+  c->to(device());
+  d->to(device());
   torch::optim::SGD sgd_c(c->parameters(), 0.1);
   ASSERT_THROWS_WITH(amp::initialize(std::tuple(c, d), std::tuple(std::move(sgd_c), std::move(wrong)),
                                      amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                      "is not a parameter of the models");
 }
 
-TEST(OptimizerTest, TheSameModelTwiceInOneInitializeIsRefused) {
+// Refused from the arguments alone, before anything runs on a device: CPU only.
+TEST(OptimizerTestCpu, TheSameModelTwiceInOneInitializeIsRefused) {
   amp_test::Mlp net;
   torch::optim::SGD a(net->parameters(), 0.1), b(net->parameters(), 0.1);
   ASSERT_THROWS_WITH(amp::initialize(std::tuple(net, net), std::tuple(std::move(a), std::move(b)),
                                      amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                      "the same model appears twice in the models tuple");
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(OptimizerTest);

@@ -278,16 +278,21 @@ TEST(InitProcessGroupTest, MissingRankFailsWithinTheTimeout) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 12.0);
 }
 
-TEST(SingleRankTest, DistributedTrainingOnOneRankIsBitwisePlainTraining) {
+// On CUDA the group's CUDA backend is NCCL (where amp is built with it): the gradients cross NCCL on one rank.
+class SingleRankDeviceTest : public amp_test::DeviceTest {};
+
+TEST_P(SingleRankDeviceTest, DistributedTrainingOnOneRankIsBitwisePlainTraining) {
   auto group = single_rank_group();
   EXPECT_EQ(group.rank(), 0);
   EXPECT_EQ(group.world_size(), 1);
-  EXPECT_EQ(group.backend(), "gloo");
-  auto [x, y] = amp_test::blobs(64, 8, 4, 3);
+  if (!torch::cuda::is_available()) EXPECT_EQ(group.backend(), "gloo");
+  auto [x_cpu, y_cpu] = amp_test::blobs(64, 8, 4, 3);
+  const auto x = x_cpu.to(device()), y = y_cpu.to(device());
   std::vector<torch::Tensor> results[2];
   for (int distributed = 0; distributed < 2; ++distributed) {
     torch::manual_seed(1);
     amp_test::Mlp net(8, 16, 4);
+    net->to(device());
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
     std::optional<amp::parallel::DistributedDataParallel<amp_test::Mlp>> ddp;
@@ -302,13 +307,15 @@ TEST(SingleRankTest, DistributedTrainingOnOneRankIsBitwisePlainTraining) {
       }
       optimizer.step();
     }
-    for (auto& p : amp::master_params(optimizer)) results[distributed].push_back(p.detach().clone());
+    for (auto& p : amp::master_params(optimizer)) results[distributed].push_back(p.detach().cpu().clone());
     if (ddp) {
       EXPECT_EQ(ddp->communication_stats().synced_backwards, 4);
       EXPECT_EQ(ddp->process_group().world_size(), 1);
       EXPECT_EQ(ddp->module()->fc1->weight.scalar_type(), torch::kBFloat16);
+      EXPECT_EQ(ddp->module()->fc1->weight.device().type(), device().type());
     }
   }
+  // One rank averages over one: the all-reduce must leave every gradient's bits as they were.
   for (size_t i = 0; i < results[0].size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(results[0][i], results[1][i])) << i;
 }
 
@@ -396,7 +403,9 @@ TEST(SyncBatchNormTest, ConvertRefusesBatchNormHeldByACustomModuleMember) {
   ASSERT_THROWS_WITH(amp::parallel::convert_syncbn_model(*alone, group), "the module itself is a BatchNorm layer");
 }
 
-TEST(SyncBatchNormTest, DeclaredLayersGetTheGroupAndMatchBatchNormOnOneRank) {
+class SyncBatchNormDeviceTest : public amp_test::DeviceTest {};
+
+TEST_P(SyncBatchNormDeviceTest, DeclaredLayersGetTheGroupAndMatchBatchNormOnOneRank) {
   struct NetImpl : torch::nn::Module {
     amp::parallel::SyncBatchNorm2d bn{register_module("bn", amp::parallel::SyncBatchNorm2d(3))};
   };
@@ -406,10 +415,15 @@ TEST(SyncBatchNormTest, DeclaredLayersGetTheGroupAndMatchBatchNormOnOneRank) {
   amp::parallel::convert_syncbn_model(*net, group);
   ASSERT_TRUE(net->bn->process_group().has_value());
   torch::nn::BatchNorm2d plain(3);
-  auto x = torch::randn({4, 3, 5, 5});
+  net->to(device());
+  plain->to(device());
+  auto x = torch::randn({4, 3, 5, 5}).to(device());
   EXPECT_TRUE(torch::allclose(net->bn(x), plain(x), 1e-5, 1e-6));
   EXPECT_TRUE(torch::allclose(net->bn->running_var, plain->running_var));
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(SingleRankDeviceTest);
+AMP_INSTANTIATE_FOR_DEVICES(SyncBatchNormDeviceTest);
 
 // ---- two ranks, separate processes ------------------------------------------------------------------------------
 

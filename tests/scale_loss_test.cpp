@@ -18,13 +18,25 @@ bool train_step(Model& model, Optimizer& optimizer, const torch::Tensor& x, doub
   return overflow;
 }
 
+// On CUDA, unscaling and the inf/NaN check run in ATen's _amp_foreach_non_finite_check_and_unscale_ (amp's own
+// loop on the CPU); the scale decisions and every expectation below are the same on both.
+class ScaleLossTest : public amp_test::DeviceTest {
+ protected:
+  Mlp make_net() const {
+    Mlp net;
+    net->to(device());
+    return net;
+  }
+  torch::Tensor randn(at::IntArrayRef sizes) const { return torch::randn(sizes).to(device()); }
+};
+
 }  // namespace
 
-TEST(ScaleLossTest, ScaledLossIsLossTimesScaleInFp32) {
-  Mlp net;
+TEST_P(ScaleLossTest, ScaledLossIsLossTimesScaleInFp32) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
-  auto loss = model(torch::randn({4, 8})).sum().to(torch::kBFloat16);
+  auto loss = model(randn({4, 8})).sum().to(torch::kBFloat16);
   auto scaled = amp::scale_loss(loss, optimizer);
   EXPECT_EQ(scaled.tensor().scalar_type(), torch::kFloat);
   EXPECT_EQ(scaled.tensor().item<float>(), loss.to(torch::kFloat).item<float>() * 65536.0f);
@@ -32,24 +44,24 @@ TEST(ScaleLossTest, ScaledLossIsLossTimesScaleInFp32) {
   EXPECT_FALSE(scaled.overflow());
 }
 
-TEST(ScaleLossTest, O0AndO3HandBackTheLossUnscaled) {
+TEST_P(ScaleLossTest, O0AndO3HandBackTheLossUnscaled) {
   for (const char* level : {"O0", "O3"}) {
-    Mlp net;
+    Mlp net = make_net();
     torch::optim::SGD sgd(net->parameters(), 0.1);
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet(level));
-    auto loss = model(torch::randn({4, 8})).sum();
+    auto loss = model(randn({4, 8})).sum();
     auto scaled = amp::scale_loss(loss, optimizer);
     EXPECT_TRUE(torch::equal(scaled.tensor(), loss.to(torch::kFloat))) << level;
   }
 }
 
-TEST(ScaleLossTest, OverflowSkipsTheStepAndChangesNothing) {
+TEST_P(ScaleLossTest, OverflowSkipsTheStepAndChangesNothing) {
   // Momentum SGD and Adam: a skipped step leaves parameters and every optimizer state untouched.
   for (const char* level : {"O1", "O2"}) {
-    Mlp net;
+    Mlp net = make_net();
     torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
     auto [model, optimizer] = amp::initialize(net, std::move(adam), quiet(level));
-    const auto x = torch::randn({4, 8});
+    const auto x = randn({4, 8});
     ASSERT_FALSE(train_step(model, optimizer, x));
     std::vector<torch::Tensor> params, masters;
     for (auto& p : net->parameters()) params.push_back(p.detach().clone());
@@ -72,50 +84,51 @@ TEST(ScaleLossTest, OverflowSkipsTheStepAndChangesNothing) {
   }
 }
 
-TEST(ScaleLossTest, NanLossAlsoOverflows) {
-  Mlp net;
+TEST_P(ScaleLossTest, NanLossAlsoOverflows) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
-  EXPECT_TRUE(train_step(model, optimizer, torch::full({4, 8}, std::nan(""))));
+  EXPECT_TRUE(train_step(model, optimizer, torch::full({4, 8}, std::nan("")).to(device())));
   for (auto& p : net->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
 }
 
-TEST(ScaleLossTest, PrintsApexsOverflowLine) {
-  Mlp net;
+// The parameter list comes from the device's gradients (record_overflow reads each one there).
+TEST_P(ScaleLossTest, PrintsApexsOverflowLine) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] =
       amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
-  Mlp net2;
+  Mlp net2 = make_net();
   torch::optim::SGD sgd2(net2->parameters(), 0.1);
   testing::internal::CaptureStdout();
   auto [model2, optimizer2] = amp::initialize(net2, std::move(sgd2), amp::Options("O2").low_precision_dtype(torch::kBFloat16));
-  train_step(model2, optimizer2, torch::randn({4, 8}), std::numeric_limits<float>::infinity());
+  train_step(model2, optimizer2, randn({4, 8}), std::numeric_limits<float>::infinity());
   const std::string out = testing::internal::GetCapturedStdout();
   // Apex's line, then the parameters whose gradients were non-finite (the inf scaled the whole loss).
   EXPECT_NE(out.find("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0 (non-finite "
                      "gradients: fc1.weight, fc1.bias, fc2.weight and 1 more)\n"),
             std::string::npos) << out;
   testing::internal::CaptureStdout();
-  train_step(model, optimizer, torch::randn({4, 8}), std::numeric_limits<float>::infinity());
+  train_step(model, optimizer, randn({4, 8}), std::numeric_limits<float>::infinity());
   EXPECT_EQ(testing::internal::GetCapturedStdout(), "");  // verbosity 0 is silent
 }
 
-TEST(ScaleLossTest, DestructorWithoutBackwardRestoresGradients) {
-  Mlp net;
+TEST_P(ScaleLossTest, DestructorWithoutBackwardRestoresGradients) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
   {
-    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     scaled.backward();
   }
   const auto grad = net->fc1->weight.grad().clone();
   {
-    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     // early exit: no backward
   }
   EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), grad));
   try {
-    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     throw std::runtime_error("user code failed between scale_loss and backward");
   } catch (const std::runtime_error&) {
   }
@@ -123,16 +136,16 @@ TEST(ScaleLossTest, DestructorWithoutBackwardRestoresGradients) {
   EXPECT_FALSE(optimizer.step_will_be_skipped());
 }
 
-TEST(ScaleLossTest, BackwardThatThrowsLeavesGradientsAsTheyWere) {
-  Mlp net;
+TEST_P(ScaleLossTest, BackwardThatThrowsLeavesGradientsAsTheyWere) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
   {
-    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     scaled.backward();
   }
   const auto grad = net->fc1->weight.grad().clone();
-  auto no_graph = torch::ones({}, torch::kFloat);  // does not require grad: backward throws
+  auto no_graph = torch::ones({}, torch::TensorOptions(device()).dtype(torch::kFloat));  // does not require grad: backward throws
   EXPECT_THROW(
       {
         auto scaled = amp::scale_loss(no_graph, optimizer);
@@ -142,7 +155,8 @@ TEST(ScaleLossTest, BackwardThatThrowsLeavesGradientsAsTheyWere) {
   EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), grad));
 }
 
-TEST(ScaleLossTest, MisuseErrors) {
+// Argument and protocol checks, made before anything runs on a device: CPU only.
+TEST(ScaleLossTestCpu, MisuseErrors) {
   Mlp net;
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
@@ -161,7 +175,9 @@ TEST(ScaleLossTest, MisuseErrors) {
 
 // Gradient accumulation (apex #286): plain repeated scale_loss calls sum the unscaled gradients
 // exactly, even when the two backward passes use different scales (Apex's stash + axpby).
-TEST(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
+// Bitwise on CUDA too: both sides run the same fp32 kernels on the same device, and power-of-two scales
+// are exact through them.
+TEST_P(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
   torch::manual_seed(3);
   Mlp net;
   Mlp reference;
@@ -169,17 +185,19 @@ TEST(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < net->parameters().size(); ++i) reference->parameters()[i].copy_(net->parameters()[i]);
   }
+  net->to(device());
+  reference->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1").num_losses(2));
   {  // scaler 1 overflows once: 65536 -> 32768, while scaler 0 stays at 65536
-    auto scaled = amp::scale_loss(model->forward(torch::full({4, 8}, INFINITY)).sum(), optimizer,
+    auto scaled = amp::scale_loss(model->forward(torch::full({4, 8}, INFINITY).to(device())).sum(), optimizer,
                                   amp::ScaleLossOptions().loss_id(1));
     scaled.backward();
   }
   optimizer.zero_grad();
   ASSERT_EQ(amp::loss_scale(optimizer, 0), 65536.0);
   ASSERT_EQ(amp::loss_scale(optimizer, 1), 32768.0);
-  const auto x1 = torch::randn({4, 8}), x2 = torch::randn({4, 8});
+  const auto x1 = randn({4, 8}), x2 = randn({4, 8});
   int loss_id = 0;
   for (const auto& x : {x1, x2}) {
     // model-> runs the module without casts, so the reference is the same fp32 math.
@@ -189,16 +207,16 @@ TEST(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
   reference->forward(x1).sum().backward();
   reference->forward(x2).sum().backward();
   for (size_t i = 0; i < net->parameters().size(); ++i) {
-    EXPECT_TRUE(amp_test::bitwise_equal(net->parameters()[i].grad(), reference->parameters()[i].grad())) << i;
+    EXPECT_TRUE(amp_test::bitwise_equal(net->parameters()[i].grad().cpu(), reference->parameters()[i].grad().cpu())) << i;
   }
 }
 
-TEST(ScaleLossTest, AccumulationWithAnOverflowInBetweenUsesBothScales) {
-  Mlp net;
+TEST_P(ScaleLossTest, AccumulationWithAnOverflowInBetweenUsesBothScales) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
   optimizer.zero_grad();
-  auto x = torch::randn({4, 8});
+  auto x = randn({4, 8});
   {
     auto scaled = amp::scale_loss(model(x).sum(), optimizer);
     scaled.backward();
@@ -219,11 +237,11 @@ TEST(ScaleLossTest, AccumulationWithAnOverflowInBetweenUsesBothScales) {
   EXPECT_TRUE(torch::equal(amp::master_params(optimizer)[0].grad(), first));  // same unscaled grads
 }
 
-TEST(ScaleLossTest, DelayUnscaleAccumulatesScaledThenUnscalesOnce) {
-  Mlp net;
+TEST_P(ScaleLossTest, DelayUnscaleAccumulatesScaledThenUnscalesOnce) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
-  const auto x1 = torch::randn({4, 8}), x2 = torch::randn({4, 8});
+  const auto x1 = randn({4, 8}), x2 = randn({4, 8});
   optimizer.zero_grad();
   {
     auto scaled = amp::scale_loss(model(x1).sum(), optimizer, amp::ScaleLossOptions().delay_unscale(true));
@@ -244,12 +262,12 @@ TEST(ScaleLossTest, DelayUnscaleAccumulatesScaledThenUnscalesOnce) {
   optimizer.step();
 }
 
-TEST(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
-  Mlp net;
+TEST_P(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
+  Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
   {
-    auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer);
+    auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     scaled.backward();
   }
   for (auto& p : amp::master_params(optimizer)) EXPECT_TRUE(p.grad().defined());
@@ -259,7 +277,8 @@ TEST(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
   optimizer.zero_grad(/*set_to_none=*/false);
 }
 
-TEST(ScaleLossTest, DelayUnscaleThenAnotherLossIdIsRefused) {
+// A protocol refusal from host-side state: CPU only.
+TEST(ScaleLossTestCpu, DelayUnscaleThenAnotherLossIdIsRefused) {
   Mlp net;
   torch::optim::SGD sgd(net->parameters(), 0.1);
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1").num_losses(2));
@@ -271,3 +290,5 @@ TEST(ScaleLossTest, DelayUnscaleThenAnotherLossIdIsRefused) {
                      "the gradients hold values scaled by loss scaler 0 (delay_unscale), so the next scale_loss must "
                      "use the same loss_id, got 1");
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(ScaleLossTest);

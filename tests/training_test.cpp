@@ -1,14 +1,53 @@
-// End to end: every level x {fp16, bf16} trains an MLP and a conv+BatchNorm net to a low loss on the
-// CPU; O0 is bitwise identical to plain LibTorch.
+// End to end: every level x {fp16, bf16} trains an MLP and a conv+BatchNorm net to a low loss on every
+// device; O0 is bitwise identical to plain LibTorch on the same device.
 #include "support.h"
 
 namespace {
 
-class TrainingTest : public ::testing::TestWithParam<std::tuple<const char*, c10::ScalarType>> {};
+struct Case {
+  const char* level;
+  c10::ScalarType dtype;
+  c10::DeviceType device;
+};
 
+std::vector<Case> all_cases() {
+  std::vector<Case> out;
+  for (const auto device : amp_test::test_devices()) {
+    for (const char* level : {"O0", "O1", "O2", "O3"}) {
+      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) out.push_back({level, dtype, device});
+    }
+  }
+  return out;
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype) +
+         amp_test::device_suffix(info.param.device);
+}
+
+class TrainingTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(GetParam().device);
+    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
+    amp_test::use_deterministic_fp32(GetParam().device);
+  }
+  torch::Device device() const { return GetParam().device; }
+  amp::Options options() const {
+    return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
+  }
+};
+
+class TrainingO0Test : public amp_test::DeviceTest {};
+
+// Trains `net` on (x, y), moving all three to `device` first (the data is drawn on the CPU, so every device
+// trains on the same numbers).
 template <class Net>
-std::pair<double, double> train(Net net, const torch::Tensor& x, const torch::Tensor& y, const amp::Options& options,
-                                int epochs) {
+std::pair<double, double> train(Net net, torch::Tensor x, torch::Tensor y, const amp::Options& options, int epochs,
+                                torch::Device device) {
+  net->to(device);
+  x = x.to(device);
+  y = y.to(device);
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
   double first = 0, last = 0;
@@ -40,35 +79,29 @@ std::pair<double, double> train(Net net, const torch::Tensor& x, const torch::Te
 }  // namespace
 
 TEST_P(TrainingTest, MlpConverges) {
-  const auto [level, lp] = GetParam();
-  SKIP_WITHOUT_CPU_KERNELS(lp);
   auto [x, y] = amp_test::blobs(512, 8, 4, 1);
   torch::manual_seed(2);
-  auto [loss, accuracy] = train(amp_test::Mlp(8, 32, 4), x, y, amp::Options(level).low_precision_dtype(lp).verbosity(0), 8);
-  EXPECT_GT(accuracy, 0.9) << level << " loss " << loss;
+  auto [loss, accuracy] = train(amp_test::Mlp(8, 32, 4), x, y, options(), 8, device());
+  EXPECT_GT(accuracy, 0.9) << GetParam().level << " loss " << loss;
 }
 
 TEST_P(TrainingTest, ConvBatchNormNetConverges) {
-  const auto [level, lp] = GetParam();
-  SKIP_WITHOUT_CPU_KERNELS(lp);
   auto [x, y] = amp_test::quadrant_images(384, 3);
   torch::manual_seed(4);
-  auto [loss, accuracy] = train(amp_test::ConvBnNet(4), x, y, amp::Options(level).low_precision_dtype(lp).verbosity(0), 6);
-  EXPECT_GT(accuracy, 0.9) << level << " loss " << loss;
+  auto [loss, accuracy] = train(amp_test::ConvBnNet(4), x, y, options(), 6, device());
+  EXPECT_GT(accuracy, 0.9) << GetParam().level << " loss " << loss;
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, TrainingTest,
-                         ::testing::Combine(::testing::Values("O0", "O1", "O2", "O3"),
-                                            ::testing::Values(torch::kBFloat16, torch::kHalf)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param)) + "_" + amp_test::dtype_label(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Levels, TrainingTest, ::testing::ValuesIn(all_cases()), case_name);
 
-TEST(TrainingTest, O0IsBitwiseIdenticalToPlainLibTorch) {
-  auto [x, y] = amp_test::quadrant_images(128, 5);
+// Both runs do the same ops on the same device (deterministic cuDNN on CUDA), so exact is exact there too.
+TEST_P(TrainingO0Test, O0IsBitwiseIdenticalToPlainLibTorch) {
+  auto [x_cpu, y_cpu] = amp_test::quadrant_images(128, 5);
+  const auto x = x_cpu.to(device()), y = y_cpu.to(device());
   auto run = [&](bool with_amp) {
     torch::manual_seed(11);
     amp_test::ConvBnNet net(4);
+    net->to(device());
     torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
     std::vector<torch::Tensor> losses;
     auto body = [&](auto& model, auto& optimizer) {
@@ -99,5 +132,9 @@ TEST(TrainingTest, O0IsBitwiseIdenticalToPlainLibTorch) {
   };
   const auto plain = run(false), with_amp = run(true);
   ASSERT_EQ(plain.size(), with_amp.size());
-  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(plain[i], with_amp[i])) << i;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(plain[i].cpu(), with_amp[i].cpu())) << i;
+  }
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(TrainingO0Test);

@@ -1,6 +1,7 @@
 // The fused unscale + inf/NaN check (src/multi_tensor.h). Ports PyTorch's test_grad_scaling_unscale
 // (contiguous, transposed and sliced grads, inf/NaN injection, the mixed-list "perfect storm") and
 // Apex's test_multi_tensor_scale (sizes around chunk boundaries, flag at first/middle/last element).
+// On CUDA the same calls run ATen's _amp_foreach_non_finite_check_and_unscale_ (amp's own loop on the CPU).
 #include "cpu_kernels.h"
 #include "multi_tensor.h"
 #include "support.h"
@@ -9,15 +10,22 @@ using amp::detail::FoundInf;
 
 namespace {
 
-std::vector<torch::Tensor> make_grads(c10::ScalarType dtype) {
-  // Contiguous, transposed (non-contiguous) and sliced (strided view) gradients of 4.0.
-  return {torch::full({3, 5}, 4.0, dtype), torch::full({5, 3}, 4.0, dtype).t(),
-          torch::full({4, 6}, 4.0, dtype).slice(1, 0, 6, 2), torch::full({1000}, 4.0, dtype)};
-}
+class UnscaleTest : public amp_test::DeviceTest {
+ protected:
+  torch::TensorOptions on(c10::ScalarType dtype = torch::kFloat) const {
+    return torch::TensorOptions().dtype(dtype).device(device());
+  }
+  // Contiguous, transposed (non-contiguous) and sliced (strided view) gradients of 4.0, made on the device
+  // (moving a strided view with .to() would make it contiguous).
+  std::vector<torch::Tensor> make_grads(c10::ScalarType dtype) const {
+    return {torch::full({3, 5}, 4.0, on(dtype)), torch::full({5, 3}, 4.0, on(dtype)).t(),
+            torch::full({4, 6}, 4.0, on(dtype)).slice(1, 0, 6, 2), torch::full({1000}, 4.0, on(dtype))};
+  }
+};
 
 }  // namespace
 
-TEST(UnscaleTest, UnscalesExactlyAndFindsNothingWhenClean) {
+TEST_P(UnscaleTest, UnscalesExactlyAndFindsNothingWhenClean) {
   for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
     auto grads = make_grads(dtype);
     FoundInf found;
@@ -27,7 +35,7 @@ TEST(UnscaleTest, UnscalesExactlyAndFindsNothingWhenClean) {
   }
 }
 
-TEST(UnscaleTest, FindsInfAndNanWhereverInjected) {
+TEST_P(UnscaleTest, FindsInfAndNanWhereverInjected) {
   const double bad_values[] = {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
                                std::nan("")};
   for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
@@ -43,13 +51,13 @@ TEST(UnscaleTest, FindsInfAndNanWhereverInjected) {
   }
 }
 
-TEST(UnscaleTest, PerfectStormMixedList) {
+TEST_P(UnscaleTest, PerfectStormMixedList) {
   // fp32 and fp16/bf16, contiguous and strided, in one call; the inf is found in each position.
   for (size_t position = 0; position < 6; ++position) {
-    std::vector<torch::Tensor> grads = {torch::full({7}, 2.0), torch::full({3, 3}, 2.0, torch::kHalf).t(),
-                                        torch::full({9}, 2.0, torch::kBFloat16).slice(0, 0, 9, 3),
-                                        torch::full({2, 8}, 2.0).slice(1, 1, 8, 2), torch::full({5}, 2.0, torch::kHalf),
-                                        torch::full({33333}, 2.0)};
+    std::vector<torch::Tensor> grads = {torch::full({7}, 2.0, on()), torch::full({3, 3}, 2.0, on(torch::kHalf)).t(),
+                                        torch::full({9}, 2.0, on(torch::kBFloat16)).slice(0, 0, 9, 3),
+                                        torch::full({2, 8}, 2.0, on()).slice(1, 1, 8, 2),
+                                        torch::full({5}, 2.0, on(torch::kHalf)), torch::full({33333}, 2.0, on())};
     grads[position].select(0, grads[position].size(0) / 2).fill_(INFINITY);
     FoundInf found;
     amp::detail::unscale_(grads, 0.5, found);
@@ -57,18 +65,18 @@ TEST(UnscaleTest, PerfectStormMixedList) {
   }
 }
 
-TEST(UnscaleTest, ChunkBoundarySizesFlagFirstMiddleLast) {
+TEST_P(UnscaleTest, ChunkBoundarySizesFlagFirstMiddleLast) {
   // Apex's sizes around its 2048*32 chunking and odd lengths; amp's CPU loop splits at 32768.
   for (int64_t n : {1, 555, 2048 * 32 - 1, 2048 * 32, 2048 * 32 + 1, 33333, 7777 * 77}) {
     for (auto dtype : {torch::kFloat, torch::kHalf}) {
       for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
-        auto g = torch::full({n}, 8.0, dtype);
+        auto g = torch::full({n}, 8.0, on(dtype));
         g[at] = NAN;
         FoundInf found;
         amp::detail::unscale_({g}, 0.125, found);
         ASSERT_TRUE(found.any()) << n << " " << dtype << " at " << at;
       }
-      auto clean = torch::full({n}, 8.0, dtype);
+      auto clean = torch::full({n}, 8.0, on(dtype));
       FoundInf found;
       amp::detail::unscale_({clean}, 0.125, found);
       EXPECT_FALSE(found.any());
@@ -77,17 +85,17 @@ TEST(UnscaleTest, ChunkBoundarySizesFlagFirstMiddleLast) {
   }
 }
 
-TEST(UnscaleTest, IntoFp32MastersConvertsAndAccumulates) {
+TEST_P(UnscaleTest, IntoFp32MastersConvertsAndAccumulates) {
   for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
-    auto model_grad = torch::full({4097}, 1024.0, dtype);
-    auto master_grad = torch::empty({4097});
+    auto model_grad = torch::full({4097}, 1024.0, on(dtype));
+    auto master_grad = torch::empty({4097}, on());
     FoundInf found;
     amp::detail::unscale_into({model_grad}, {master_grad}, /*accumulate=*/false, 1.0 / 512, found);
     EXPECT_FALSE(found.any());
-    EXPECT_TRUE(torch::equal(master_grad, torch::full({4097}, 2.0)));
+    EXPECT_TRUE(torch::equal(master_grad, torch::full({4097}, 2.0, on())));
     amp::detail::unscale_into({model_grad}, {master_grad}, /*accumulate=*/true, 1.0 / 1024, found);
-    EXPECT_TRUE(torch::equal(master_grad, torch::full({4097}, 3.0)));
-    EXPECT_TRUE(torch::equal(model_grad, torch::full({4097}, 1024.0, dtype)));  // the input is untouched
+    EXPECT_TRUE(torch::equal(master_grad, torch::full({4097}, 3.0, on())));
+    EXPECT_TRUE(torch::equal(model_grad, torch::full({4097}, 1024.0, on(dtype))));  // the input is untouched
 
     model_grad[17] = INFINITY;
     FoundInf found_inf;
@@ -95,34 +103,44 @@ TEST(UnscaleTest, IntoFp32MastersConvertsAndAccumulates) {
     EXPECT_TRUE(found_inf.any());
 
     // Strided inputs take the generic path, same results.
-    auto strided = torch::full({8, 8}, 64.0, dtype).t();
-    auto out = torch::empty({8, 8});
+    auto strided = torch::full({8, 8}, 64.0, on(dtype)).t();
+    auto out = torch::empty({8, 8}, on());
     FoundInf f2;
     amp::detail::unscale_into({strided}, {out}, false, 1.0 / 64, f2);
     EXPECT_FALSE(f2.any());
-    EXPECT_TRUE(torch::equal(out, torch::ones({8, 8})));
+    EXPECT_TRUE(torch::equal(out, torch::ones({8, 8}, on())));
+    FoundInf f3;
+    amp::detail::unscale_into({strided}, {out}, /*accumulate=*/true, 1.0 / 32, f3);
+    EXPECT_FALSE(f3.any());
+    EXPECT_TRUE(torch::equal(out, torch::full({8, 8}, 3.0, on())));
+    strided[2][5] = NAN;
+    FoundInf f4;
+    amp::detail::unscale_into({strided}, {out}, /*accumulate=*/false, 1.0 / 64, f4);
+    EXPECT_TRUE(f4.any());
   }
 }
 
-TEST(UnscaleTest, MixedDtypeListsAreGroupedNotRejected) {
+TEST_P(UnscaleTest, MixedDtypeListsAreGroupedNotRejected) {
   // ATen's op rejects mixed dtypes ("must have the same dtype"); amp groups by (device, dtype) first.
-  std::vector<torch::Tensor> grads = {torch::full({3}, 4.0), torch::full({3}, 4.0, torch::kHalf)};
+  std::vector<torch::Tensor> grads = {torch::full({3}, 4.0, on()), torch::full({3}, 4.0, on(torch::kHalf))};
   FoundInf found;
   amp::detail::unscale_(grads, 0.25, found);
   EXPECT_FALSE(found.any());
-  EXPECT_TRUE(torch::equal(grads[1], torch::ones({3}, torch::kHalf)));
+  EXPECT_TRUE(torch::equal(grads[0], torch::ones({3}, on())));
+  EXPECT_TRUE(torch::equal(grads[1], torch::ones({3}, on(torch::kHalf))));
 }
 
-TEST(UnscaleTest, SparseGradientsAreRefusedClearly) {
+// Refused before any device work: the message is the same everywhere.
+TEST(UnscaleTestCpu, SparseGradientsAreRefusedClearly) {
   auto sparse = torch::eye(3).to_sparse();
   FoundInf found;
   ASSERT_THROWS_WITH(amp::detail::unscale_({sparse}, 0.5, found), "sparse gradients are not supported");
 }
 
-TEST(UnscaleTest, CopyMastersIntoModel) {
+TEST_P(UnscaleTest, CopyMastersIntoModel) {
   for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
-    auto masters = std::vector<torch::Tensor>{torch::randn({100}), torch::randn({3, 4}).t()};
-    auto model = std::vector<torch::Tensor>{torch::empty({100}, dtype), torch::empty({4, 3}, dtype)};
+    auto masters = std::vector<torch::Tensor>{torch::randn({100}).to(device()), torch::randn({3, 4}).to(device()).t()};
+    auto model = std::vector<torch::Tensor>{torch::empty({100}, on(dtype)), torch::empty({4, 3}, on(dtype))};
     amp::detail::copy_(model, masters);
     for (size_t i = 0; i < model.size(); ++i) EXPECT_TRUE(torch::equal(model[i], masters[i].to(dtype)));
   }
@@ -130,7 +148,7 @@ TEST(UnscaleTest, CopyMastersIntoModel) {
 
 // amp's own vectorized loops (used on CPUs and builds without ATen's kernel, and for O2's
 // low-precision -> fp32 pass) must agree bit for bit with ATen's conversions and arithmetic.
-TEST(UnscaleTest, OwnCpuKernelsMatchATenBitForBit) {
+TEST(UnscaleTestCpu, OwnCpuKernelsMatchATenBitForBit) {
   using amp::detail::cpu::Dtype;
   torch::manual_seed(0);
   const int64_t n = 10007;  // odd: exercises the vector loops' tails
@@ -172,23 +190,34 @@ TEST(UnscaleTest, OwnCpuKernelsMatchATenBitForBit) {
 
 // The read-only check GradScaler runs before a fused step: every dtype (float16's integer test included),
 // inf or NaN at the first, a middle and the last element, strided tensors; the tensors are left unchanged.
-TEST(UnscaleTest, CheckFiniteFindsInfAndNanAndChangesNothing) {
+TEST_P(UnscaleTest, CheckFiniteFindsInfAndNanAndChangesNothing) {
+  // On the CPU amp's loop only reads: every bit stays. On CUDA the check is ATen's unscale kernel with a scale
+  // of 1, which writes each value back unmultiplied but, for float16/bfloat16, through an fp32 round trip whose
+  // conversions may canonicalize a NaN's payload: there every value and every bit of the non-NaNs must stay.
+  const auto unchanged = [&](const torch::Tensor& now, const torch::Tensor& before) {
+    const auto a = now.cpu(), b = before.cpu();
+    if (!on_cuda()) return amp_test::bitwise_equal(a, b);
+    return torch::equal(a.isnan(), b.isnan()) &&
+           amp_test::bitwise_equal(a.masked_fill(a.isnan(), 0.0), b.masked_fill(b.isnan(), 0.0));
+  };
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
     for (const int64_t n : {1, 7, 33, 70000}) {
       for (const int64_t at : {int64_t{0}, n / 2, n - 1}) {
         for (const float bad : {INFINITY, -INFINITY, NAN}) {
-          auto t = torch::randn({n}).to(dtype);
+          auto t = torch::randn({n}).to(on(dtype));
           t[at] = bad;
           const auto before = t.clone();
           amp::detail::FoundInf found;
-          amp::detail::check_finite({t, torch::ones({4, 4}, dtype).t()}, found);
+          amp::detail::check_finite({t, torch::ones({4, 4}, on(dtype)).t()}, found);
           EXPECT_TRUE(found.any()) << dtype << " n=" << n << " at " << at << " " << bad;
-          EXPECT_TRUE(amp_test::bitwise_equal(t, before));
+          EXPECT_TRUE(unchanged(t, before));
         }
       }
       amp::detail::FoundInf clean;
-      amp::detail::check_finite({torch::full({n}, 65504.0).to(dtype), torch::ones({4, 4}, dtype).t()}, clean);
+      amp::detail::check_finite({torch::full({n}, 65504.0).to(on(dtype)), torch::ones({4, 4}, on(dtype)).t()}, clean);
       EXPECT_FALSE(clean.any()) << dtype << " n=" << n << ": the largest finite float16 is finite";
     }
   }
 }
+
+AMP_INSTANTIATE_FOR_DEVICES(UnscaleTest);
