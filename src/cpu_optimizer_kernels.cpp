@@ -12,7 +12,8 @@
 // cpu_kernels.h) gives the same bits. SGD therefore equals LibTorch's step bit for bit, and Adam's moments
 // do too; Adam's parameter differs by an ulp here and there because ATen's vectorized sqrt is not the
 // correctly rounded one this loop uses (tests/fused_optimizers_test.cpp). Nothing depends on how many
-// tensors are stepped together or on whether the O2 model copy is written.
+// tensors are stepped together or on whether the O2 model copy is written. With a loss scale (inv != 1) the
+// unscaled gradient is stored back, as ATen's fused kernels do, so .grad() reads the same after any route.
 
 namespace amp::detail::cpu {
 namespace {
@@ -38,14 +39,15 @@ struct AdamFloats {
 
 // The body every Adam variant shares; inlined into each clone below so the branches on L2 and AMSGRAD are
 // resolved at compile time and each loop vectorizes.
-template <bool L2, bool AMSGRAD>
-__attribute__((always_inline)) inline void adam_body(float* __restrict p, const float* __restrict g_in,
+template <bool L2, bool AMSGRAD, bool STORE_GRAD>
+__attribute__((always_inline)) inline void adam_body(float* __restrict p, float* __restrict g_io,
                                                      float* __restrict m, float* __restrict v,
                                                      float* __restrict vmax, int64_t begin, int64_t end,
                                                      const AdamFloats& f) {
   for (int64_t i = begin; i < end; ++i) {
     const float param = p[i] * f.decay;                        // AdamW's p.mul_(1 - lr * wd); decay is 1 otherwise
-    float g = g_in[i] * f.inv;
+    float g = g_io[i] * f.inv;
+    if constexpr (STORE_GRAD) g_io[i] = g;
     if constexpr (L2) g = std::fma(param, f.wd, g);            // Adam's grad.add(p, wd)
     const float mi = std::fma(g, f.one_minus_beta1, m[i] * f.beta1);
     const float vi = std::fma(f.one_minus_beta2 * g, g, v[i] * f.beta2);
@@ -62,30 +64,28 @@ __attribute__((always_inline)) inline void adam_body(float* __restrict p, const 
   }
 }
 
-AMP_VECTOR_CLONES void adam_plain(float* p, const float* g, float* m, float* v, float* vmax, int64_t b, int64_t e,
-                                  const AdamFloats& f) {
-  adam_body<false, false>(p, g, m, v, vmax, b, e, f);
-}
-AMP_VECTOR_CLONES void adam_l2(float* p, const float* g, float* m, float* v, float* vmax, int64_t b, int64_t e,
-                               const AdamFloats& f) {
-  adam_body<true, false>(p, g, m, v, vmax, b, e, f);
-}
-AMP_VECTOR_CLONES void adam_amsgrad(float* p, const float* g, float* m, float* v, float* vmax, int64_t b, int64_t e,
-                                    const AdamFloats& f) {
-  adam_body<false, true>(p, g, m, v, vmax, b, e, f);
-}
-AMP_VECTOR_CLONES void adam_l2_amsgrad(float* p, const float* g, float* m, float* v, float* vmax, int64_t b,
-                                       int64_t e, const AdamFloats& f) {
-  adam_body<true, true>(p, g, m, v, vmax, b, e, f);
-}
+// Each clone holds both loops, with and without the gradient store, so neither branches per element.
+#define AMP_ADAM_CLONE(name, L2, AMSGRAD)                                                                   \
+  AMP_VECTOR_CLONES void name(float* p, float* g, float* m, float* v, float* vmax, int64_t b, int64_t e, \
+                              const AdamFloats& f, bool store_grad) {                                     \
+    if (store_grad) adam_body<L2, AMSGRAD, true>(p, g, m, v, vmax, b, e, f);                               \
+    else adam_body<L2, AMSGRAD, false>(p, g, m, v, vmax, b, e, f);                                         \
+  }
+AMP_ADAM_CLONE(adam_plain, false, false)
+AMP_ADAM_CLONE(adam_l2, true, false)
+AMP_ADAM_CLONE(adam_amsgrad, false, true)
+AMP_ADAM_CLONE(adam_l2_amsgrad, true, true)
+#undef AMP_ADAM_CLONE
 
-AMP_VECTOR_CLONES void sgd_range(float* __restrict p, const float* __restrict g_in, float* __restrict buf,
-                                 int64_t begin, int64_t end, float inv, float wd, float momentum,
-                                 float one_minus_dampening, float neg_lr, bool use_momentum, bool nesterov,
-                                 bool first_step) {
+template <bool STORE_GRAD>
+__attribute__((always_inline)) inline void sgd_body(float* __restrict p, float* __restrict g_io, float* __restrict buf,
+                                                    int64_t begin, int64_t end, float inv, float wd, float momentum,
+                                                    float one_minus_dampening, float neg_lr, bool use_momentum,
+                                                    bool nesterov, bool first_step) {
   for (int64_t i = begin; i < end; ++i) {
     const float param = p[i];
-    float d = g_in[i] * inv;
+    float d = g_io[i] * inv;
+    if constexpr (STORE_GRAD) g_io[i] = d;
     if (wd != 0.0f) d = std::fma(param, wd, d);                   // d_p.add(p, wd)
     if (use_momentum) {
       const float b = first_step ? d : std::fma(d, one_minus_dampening, buf[i] * momentum);
@@ -96,9 +96,19 @@ AMP_VECTOR_CLONES void sgd_range(float* __restrict p, const float* __restrict g_
   }
 }
 
+AMP_VECTOR_CLONES void sgd_range(float* p, float* g, float* buf, int64_t begin, int64_t end, float inv, float wd,
+                                 float momentum, float one_minus_dampening, float neg_lr, bool use_momentum,
+                                 bool nesterov, bool first_step, bool store_grad) {
+  if (store_grad) {
+    sgd_body<true>(p, g, buf, begin, end, inv, wd, momentum, one_minus_dampening, neg_lr, use_momentum, nesterov, first_step);
+  } else {
+    sgd_body<false>(p, g, buf, begin, end, inv, wd, momentum, one_minus_dampening, neg_lr, use_momentum, nesterov, first_step);
+  }
+}
+
 }  // namespace
 
-void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                int64_t n, const AdamScalars& s, ModelCopy copy) {
   // The scalars as LibTorch's Adam computes them (in double), then rounded to float as ATen does.
   const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(s.step));
@@ -110,16 +120,16 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
                      static_cast<float>(std::sqrt(bc2)), static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1))};
   const auto range = l2 ? (s.amsgrad ? adam_l2_amsgrad : adam_l2) : (s.amsgrad ? adam_amsgrad : adam_plain);
   chunked(n, param, copy, [&](int64_t begin, int64_t end) {
-    range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, f);
+    range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, f, s.inv_scale != 1.0f);
   });
 }
 
-void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
+void sgd_step(float* param, float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
               ModelCopy copy) {
   chunked(n, param, copy, [&](int64_t begin, int64_t end) {
     sgd_range(param, grad, momentum_buffer, begin, end, s.inv_scale, static_cast<float>(s.weight_decay),
               static_cast<float>(s.momentum), static_cast<float>(1 - s.dampening), static_cast<float>(-s.lr),
-              s.momentum != 0, s.nesterov, s.first_step);
+              s.momentum != 0, s.nesterov, s.first_step, s.inv_scale != 1.0f);
   });
 }
 

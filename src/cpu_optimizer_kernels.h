@@ -1,6 +1,6 @@
 #pragma once
 // amp's CPU loops for the fused optimizers (amp/fused_optimizers.h): one pass over a parameter reads
-// its gradient (times the inverse loss scale), updates the parameter and the optimizer state in fp32
+// its gradient (times the inverse loss scale, storing the unscaled gradient back as ATen does), updates the parameter and the optimizer state in fp32
 // and, at O2, writes the rounded copy into the model's low-precision parameter.
 //
 // Each element gets the operations of LibTorch's torch::optim::SGD / Adam / AdamW in their order, with
@@ -23,11 +23,11 @@ struct AdamScalars {
   bool decoupled_weight_decay;  // AdamW: p *= 1 - lr * weight_decay; Adam: g += weight_decay * p
   bool amsgrad;
   int64_t step;                 // after this update's increment (1 on the first step)
-  float inv_scale;              // multiplies the gradient first (1 when it is unscaled already)
+  float inv_scale;              // multiplies the gradient first, which is stored back (1: already unscaled)
 };
 
 /// One Adam/AdamW update of n fp32 elements; max_exp_avg_sq is used when amsgrad.
-void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                int64_t n, const AdamScalars& s, ModelCopy copy);
 
 struct SgdScalars {
@@ -38,7 +38,7 @@ struct SgdScalars {
 };
 
 /// One SGD update of n fp32 elements; momentum_buffer is used when momentum != 0.
-void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
+void sgd_step(float* param, float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
               ModelCopy copy);
 
 }  // namespace amp::detail::cpu

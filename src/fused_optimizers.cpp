@@ -127,7 +127,7 @@ using BatchKey = std::tuple<std::string, int, bool>;
 BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
 
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
-// ATen's kernels divide each gradient by grad_scale themselves.
+// ATen's kernels divide each gradient by grad_scale themselves and store it back unscaled.
 std::optional<at::Tensor> aten_grad_scale(const std::optional<double>& grad_scale, const at::Tensor& like) {
   if (!grad_scale) return std::nullopt;
   return at::full({}, *grad_scale, like.options().dtype(at::kFloat));
@@ -158,7 +158,7 @@ void check_adam_options(const Options& o, const char* name, size_t group) {
 template <class Options, class State>
 void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o, bool decoupled,
                  const std::optional<double>& grad_scale) {
-  if (grad_scale) grad = grad * inverse_scale(grad_scale);
+  if (grad_scale) grad.mul_(inverse_scale(grad_scale));  // unscaled in place, as ATen's fused kernels leave it
   const auto [beta1, beta2] = o.betas();
   const double bias_correction1 = 1 - std::pow(beta1, state.step());
   const double bias_correction2 = 1 - std::pow(beta2, state.step());
@@ -213,7 +213,7 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::o
           const cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(),
                                    state.step(), inverse_scale(grad_scale)};
           float* pp = p.data_ptr<float>();
-          const float* gp = grad.data_ptr<float>();
+          float* gp = grad.data_ptr<float>();
           float* mp = state.exp_avg().template data_ptr<float>();
           float* vp = state.exp_avg_sq().template data_ptr<float>();
           float* xp = vmax.defined() ? vmax.data_ptr<float>() : nullptr;
@@ -280,7 +280,8 @@ void check_sgd_options(const torch::optim::SGDOptions& o, size_t group) {
 // LibTorch's SGD step for one parameter, op for op.
 void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamState* state, bool first,
                 const torch::optim::SGDOptions& o, const std::optional<double>& grad_scale) {
-  at::Tensor d_p = grad_scale ? grad * inverse_scale(grad_scale) : grad;
+  if (grad_scale) grad.mul_(inverse_scale(grad_scale));  // unscaled in place, as ATen's fused kernels leave it
+  at::Tensor d_p = grad;
   if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
   if (o.momentum() != 0) {
     at::Tensor buf;
@@ -359,7 +360,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
                                   inverse_scale(grad_scale())};
           const at::Tensor buf = state ? state->momentum_buffer() : at::Tensor();
           float* pp = p.data_ptr<float>();
-          const float* gp = grad.data_ptr<float>();
+          float* gp = grad.data_ptr<float>();
           float* bp = buf.defined() ? buf.data_ptr<float>() : nullptr;
           const cpu::ModelCopy c = model_copy_arg(copy);
           split(p.numel(), [&](int64_t b, int64_t n) {

@@ -118,7 +118,7 @@ std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer
   const bool fused_unscale = fused != nullptr && state.stage == Stage::kReady;
   if (fused_unscale) {
     // torch's path for optimizers that take grad_scale: a read-only inf/NaN check here, and the step divides
-    // each gradient by the scale as it reads it (one pass fewer; the gradients stay scaled, as in torch).
+    // each gradient by the scale as it reads it and stores it back (one pass fewer than unscale_ then step).
     const std::vector<at::Tensor> grads = scaled_grads(optimizer);
     detail::check_finite(grads, state.found_inf);
     state.checked = !grads.empty();

@@ -102,7 +102,7 @@ TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
     const int64_t amp_syncs = amp::detail::host_sync_count() - amp_before;
     EXPECT_LE(cuda_syncs, kSteps) << "CUDA reported " << cuda_syncs << " synchronizations in " << kSteps << " steps";
     EXPECT_EQ(cuda_syncs, amp_syncs) << "syncs that amp did not make itself (amp counted " << amp_syncs << ")";
-    EXPECT_TRUE(std::isfinite(step().item<double>()));
+    EXPECT_TRUE(std::isfinite(step().template item<double>()));
   };
   if (std::string(c.optimizer) == "SGD") {
     run(torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)));

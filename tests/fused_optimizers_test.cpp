@@ -674,71 +674,77 @@ TEST_P(FusedO2Test, WeightsWrittenAfterAFusedStepReachTheMasters) {
 // torch's test_grad_scaling_autocast_fused_optimizers: a fused optimizer stepped by GradScaler without
 // unscale_ (the scale goes into the step) equals the same optimizer after an explicit unscale_ bit for bit,
 // and LibTorch's optimizer within float32 rounding; an inf skips all three alike; the scale sequence is
-// torch's. The gradients after the fused step are as its route leaves them: amp's CPU loop only reads them
-// (still scaled); ATen's kernels (CUDA) write the unscaled gradients back, as torch's fused optimizers do.
+// torch's. After the step the gradients are unscaled on every route (amp's CPU loop, LibTorch's per-op
+// algorithm, ATen's kernels), as torch's fused kernels store them back; a skipped step leaves them scaled.
 TEST_P(FusedGradScalerTest, ScaleInsideTheStepEqualsUnscaleThenStep) {
-  const bool aten_route = on_cuda() && amp::optim::detail::has_aten_fused_optimizers();
-  for (const bool amsgrad : {false, true}) {
-    for (const bool adamw : {false, true}) {
-      torch::manual_seed(8);
-      std::vector<torch::nn::Sequential> models;
-      for (int m = 0; m < 3; ++m) {
-        models.emplace_back(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
-      }
-      for (int m = 1; m < 3; ++m) {
-        torch::NoGradGuard no_grad;
-        const auto src = models[0]->parameters(), dst = models[m]->parameters();
-        for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
-      }
-      for (auto& model : models) model->to(device());
-      auto make = [&](int m, bool fused) -> std::unique_ptr<torch::optim::Optimizer> {
-        const auto params = models[m]->parameters();
-        if (adamw) {
-          const auto o = torch::optim::AdamWOptions(1e-2).amsgrad(amsgrad).weight_decay(0.01);
-          if (fused) return std::make_unique<amp::optim::FusedAdamW>(params, o);
-          return std::make_unique<torch::optim::AdamW>(params, o);
-        }
-        const auto o = torch::optim::AdamOptions(1e-2).amsgrad(amsgrad);
-        if (fused) return std::make_unique<amp::optim::FusedAdam>(params, o);
-        return std::make_unique<torch::optim::Adam>(params, o);
-      };
-      std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
-      opts.push_back(make(0, true));   // scale inside the step
-      opts.push_back(make(1, true));   // unscale_ first
-      opts.push_back(make(2, false));  // LibTorch's optimizer
-      std::vector<amp::GradScaler> scalers;
-      for (int m = 0; m < 3; ++m) scalers.emplace_back(amp::GradScalerOptions().init_scale(128.0).growth_interval(1));
-      const std::string what = std::string(adamw ? "AdamW" : "Adam") + (amsgrad ? " amsgrad" : "");
-      for (int s = 0; s < 5; ++s) {
-        torch::manual_seed(20 + s);
-        const auto x = torch::randn({16, 8}).to(device()), y = torch::randn({16, 4}).to(device());
-        std::vector<std::optional<torch::Tensor>> stepped;
+  std::vector<FusedRoute> routes = {FusedRoute::kAuto, FusedRoute::kPerOp};
+  if (amp::optim::detail::has_aten_fused_optimizers()) routes.push_back(FusedRoute::kAten);
+  for (const auto route : routes) {
+    RouteGuard forced(route);
+    for (const bool amsgrad : {false, true}) {
+      for (const bool adamw : {false, true}) {
+        torch::manual_seed(8);
+        std::vector<torch::nn::Sequential> models;
         for (int m = 0; m < 3; ++m) {
-          opts[m]->zero_grad();
-          torch::Tensor loss;
-          {
-            amp::AutocastGuard autocast(device().type(), torch::kBFloat16);
-            loss = torch::mse_loss(models[m]->forward(x).to(torch::kFloat), y);
-          }
-          scalers[m].scale(loss).backward();
-          if (s == 2) models[m]->parameters()[0].mutable_grad()[0][0] = INFINITY;
-          if (m == 1) scalers[m].unscale_(*opts[m]);
-          const auto scaled_grad = models[m]->parameters()[2].grad().clone();
-          const double scale = scalers[m].get_scale();  // a power of two: unscaling is exact
-          stepped.push_back(scalers[m].step(*opts[m]));
-          if (m == 0 && s != 2) {
-            const auto expected = aten_route ? scaled_grad / scale : scaled_grad;
-            EXPECT_TRUE(amp_test::bitwise_equal(models[m]->parameters()[2].grad().cpu(), expected.cpu())) << what;
-          }
-          scalers[m].update();
+          models.emplace_back(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
         }
-        for (int m = 0; m < 3; ++m) EXPECT_EQ(stepped[m].has_value(), s != 2) << what << " step " << s;
-      }
-      for (int m = 0; m < 3; ++m) EXPECT_EQ(scalers[m].get_scale(), 128.0 * 16 * 0.5) << what;  // 4 clean, 1 inf
-      const auto a = models[0]->parameters(), b = models[1]->parameters(), c = models[2]->parameters();
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_TRUE(amp_test::bitwise_equal(a[i].cpu(), b[i].cpu())) << what << " parameter " << i;
-        EXPECT_TRUE(torch::allclose(a[i], c[i], 1.3e-6, 1e-5)) << what << " parameter " << i;
+        for (int m = 1; m < 3; ++m) {
+          torch::NoGradGuard no_grad;
+          const auto src = models[0]->parameters(), dst = models[m]->parameters();
+          for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+        }
+        for (auto& model : models) model->to(device());
+        auto make = [&](int m, bool fused) -> std::unique_ptr<torch::optim::Optimizer> {
+          const auto params = models[m]->parameters();
+          if (adamw) {
+            const auto o = torch::optim::AdamWOptions(1e-2).amsgrad(amsgrad).weight_decay(0.01);
+            if (fused) return std::make_unique<amp::optim::FusedAdamW>(params, o);
+            return std::make_unique<torch::optim::AdamW>(params, o);
+          }
+          const auto o = torch::optim::AdamOptions(1e-2).amsgrad(amsgrad);
+          if (fused) return std::make_unique<amp::optim::FusedAdam>(params, o);
+          return std::make_unique<torch::optim::Adam>(params, o);
+        };
+        std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
+        opts.push_back(make(0, true));   // scale inside the step
+        opts.push_back(make(1, true));   // unscale_ first
+        opts.push_back(make(2, false));  // LibTorch's optimizer
+        std::vector<amp::GradScaler> scalers;
+        for (int m = 0; m < 3; ++m) scalers.emplace_back(amp::GradScalerOptions().init_scale(128.0).growth_interval(1));
+        const std::string what = std::string(adamw ? "AdamW" : "Adam") + (amsgrad ? " amsgrad" : "") + ", route " +
+                               std::to_string(static_cast<int>(route));
+        for (int s = 0; s < 5; ++s) {
+          torch::manual_seed(20 + s);
+          const auto x = torch::randn({16, 8}).to(device()), y = torch::randn({16, 4}).to(device());
+          std::vector<std::optional<torch::Tensor>> stepped;
+          for (int m = 0; m < 3; ++m) {
+            opts[m]->zero_grad();
+            torch::Tensor loss;
+            {
+              amp::AutocastGuard autocast(device().type(), torch::kBFloat16);
+              loss = torch::mse_loss(models[m]->forward(x).to(torch::kFloat), y);
+            }
+            scalers[m].scale(loss).backward();
+            if (s == 2) models[m]->parameters()[0].mutable_grad()[0][0] = INFINITY;
+            if (m == 1) scalers[m].unscale_(*opts[m]);
+            const auto scaled_grad = models[m]->parameters()[2].grad().clone();
+            const double scale = scalers[m].get_scale();  // a power of two: unscaling is exact
+            stepped.push_back(scalers[m].step(*opts[m]));
+            if (m == 0) {
+              const auto expected = s == 2 ? scaled_grad : scaled_grad / scale;
+              EXPECT_TRUE(amp_test::bitwise_equal(models[m]->parameters()[2].grad().cpu(), expected.cpu()))
+                  << what << " step " << s << ": the gradient after the step";
+            }
+            scalers[m].update();
+          }
+          for (int m = 0; m < 3; ++m) EXPECT_EQ(stepped[m].has_value(), s != 2) << what << " step " << s;
+        }
+        for (int m = 0; m < 3; ++m) EXPECT_EQ(scalers[m].get_scale(), 128.0 * 16 * 0.5) << what;  // 4 clean, 1 inf
+        const auto a = models[0]->parameters(), b = models[1]->parameters(), c = models[2]->parameters();
+        for (size_t i = 0; i < a.size(); ++i) {
+          EXPECT_TRUE(amp_test::bitwise_equal(a[i].cpu(), b[i].cpu())) << what << " parameter " << i;
+          EXPECT_TRUE(torch::allclose(a[i], c[i], 1.3e-6, 1e-5)) << what << " parameter " << i;
+        }
       }
     }
   }

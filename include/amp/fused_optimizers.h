@@ -33,7 +33,8 @@ namespace optim {
 ///     so the separate master -> model copy pass disappears;
 ///   - the loss scale its gradients still carry when amp::GradScaler::step runs it without an unscale_ first
 ///     (torch's grad_scale for fused optimizers): the step multiplies each gradient by its inverse as it reads
-///     it, instead of a separate unscale pass. As in torch, the gradients stay scaled afterwards.
+///     it and stores it back, instead of a separate unscale pass. As in torch, the gradients are unscaled afterwards
+///     (unless the step was skipped for inf/NaN: then they keep the scale).
 class FusedOptimizer {
  public:
   virtual ~FusedOptimizer() = default;

@@ -82,7 +82,7 @@ class GradScaler {
   /// Unscales (unless unscale_ ran), then steps the optimizer unless its gradients held inf/NaN.
   /// Returns the optimizer's step result, or nullopt when the step was skipped. An amp::optim::Fused*
   /// optimizer without unscale_ gets the scale instead (torch's grad_scale): a read-only inf/NaN check, then
-  /// its step unscales each gradient as it reads it, and the gradients stay scaled afterwards, as in torch.
+  /// its step unscales each gradient as it reads it and stores it back, as torch's fused kernels do.
   std::optional<torch::Tensor> step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off if any optimizer stepped (or unscaled) this iteration saw inf/NaN, else counts a
   /// clean step and grows the scale every growth_interval of them. `new_scale` sets the scale instead.
