@@ -238,7 +238,7 @@ TEST(InitProcessGroupTest, BackendsAndTimeoutAreChecked) {
                      "unknown backend 'mpi'; use \"gloo\"");
   ASSERT_THROWS_WITH(amp::parallel::init_process_group(amp::parallel::InitOptions().timeout(std::chrono::milliseconds(0))),
                      "the timeout must be positive");
-  if (!at::hasCUDA()) {
+  if (!amp_test::built_with_cuda()) {
     ASSERT_THROWS_WITH(amp::parallel::init_process_group(amp::parallel::InitOptions().backend("nccl")),
                        "backend \"nccl\" needs amp built against a CUDA LibTorch");
   }

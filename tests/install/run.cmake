@@ -1,11 +1,12 @@
 # Builds a consumer with find_package(amp) twice: against amp installed into a temporary prefix, and
 # against the build tree itself (amp_DIR=<build dir>, the exported ampTargets.cmake).
 file(REMOVE_RECURSE ${WORK_DIR})
+string(REPLACE "|" ";" consumer_args "${CONSUMER_ARGS}")  # "|-Da=1|-Db=2", joined so the test command keeps it whole
 
 # Configures, builds and runs the consumer in ${WORK_DIR}/${label}; the extra arguments locate amp.
 function(consume label)
   execute_process(COMMAND ${CMAKE_COMMAND} -S ${AMP_SOURCE_DIR}/tests/install/consumer -B ${WORK_DIR}/${label}
-                    ${ARGN} -DTorch_DIR=${TORCH_DIR}
+                    ${ARGN} ${consumer_args} -DTorch_DIR=${TORCH_DIR}
                     -DCMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER}
                   RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
