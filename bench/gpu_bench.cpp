@@ -4,7 +4,8 @@
 //   amp_gpu_bench [--device cuda] [--steps 20] [--reps 3] [--csv FILE] [--models gpu_cnn,gpu_transformer] [--batch N]
 //                 [--configs all|"O0 fp32,O1 bf16,..."]
 // --device cpu (with tiny --steps, --batch and bf16 --configs) checks the program's logic without a GPU; its figures mean nothing.
-// Steps per second: the median of --reps timed runs of --steps steps each, synchronized at both ends. Peak
+// Steps per second: the median of --reps timed runs of --steps steps each, synchronized at both ends, amp's
+// and the hand-written loop's runs taking turns. Peak
 // memory: the CUDA caching allocator's peak of allocated bytes over one step, with the model already trained
 // one step (so optimizer state is included).
 
@@ -20,7 +21,9 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "../examples/common/memory_meter.h"
@@ -47,20 +50,28 @@ void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize();
 }
 
-// Seconds per call of `step`: up to three warm-up calls, then the median of `reps` timed runs of `steps` calls.
-template <class F>
-double seconds_per_step(const Settings& s, F&& step) {
-  for (int i = 0; i < std::min(3, s.steps); ++i) step();
-  synchronize(s.device);
-  std::vector<double> samples;
-  for (int r = 0; r < s.reps; ++r) {
-    const auto start = Clock::now();
-    for (int i = 0; i < s.steps; ++i) step();
-    synchronize(s.device);
-    samples.push_back(std::chrono::duration<double>(Clock::now() - start).count() / s.steps);
+// Seconds per call of each of `steps`: up to three warm-up calls each, then `reps` timed runs of `s.steps`
+// calls, the callables taking turns run by run (so drift hits them alike); the median run of each.
+std::vector<double> seconds_per_step(const Settings& s, const std::vector<std::function<void()>>& steps) {
+  for (const auto& step : steps) {
+    for (int i = 0; i < std::min(3, s.steps); ++i) step();
   }
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
+  synchronize(s.device);
+  std::vector<std::vector<double>> samples(steps.size());
+  for (int r = 0; r < s.reps; ++r) {
+    for (size_t j = 0; j < steps.size(); ++j) {
+      const auto start = Clock::now();
+      for (int i = 0; i < s.steps; ++i) steps[j]();
+      synchronize(s.device);
+      samples[j].push_back(std::chrono::duration<double>(Clock::now() - start).count() / s.steps);
+    }
+  }
+  std::vector<double> out;
+  for (auto& runs : samples) {
+    std::sort(runs.begin(), runs.end());
+    out.push_back(runs[runs.size() / 2]);
+  }
+  return out;
 }
 
 // Peak bytes allocated on the device during `step`, above what was allocated before it.
@@ -117,13 +128,17 @@ void bench_model(Settings& s, const std::string& name) {
     auto step = [&, &model = model, &optimizer = optimizer] { bench::amp_step(model, optimizer, x, y); };
     step();
     const double peak = peak_bytes_of(s, step);
-    const double amp_s = seconds_per_step(s, step);
+    // O1 and O2 are also written by hand (bench::HandWritten), timed in turns with amp's step.
+    const bool hand_written = std::string(config.level) == "O1" || std::string(config.level) == "O2";
+    torch::manual_seed(0);
+    std::optional<bench::HandWritten<Net>> hand;
+    if (hand_written) hand.emplace(std::string(config.level) == "O2", /*adam=*/false, config.dtype, s.device);
+    const auto times = hand ? seconds_per_step(s, {step, [&] { hand->step(x, y); }}) : seconds_per_step(s, {step});
+    const double amp_s = times[0];
     if (config.name == "O0 fp32") o0_s = amp_s;
     std::string hand_ms = "", ratio = "";
-    if (std::string(config.level) == "O1" || std::string(config.level) == "O2") {
-      torch::manual_seed(0);
-      bench::HandWritten<Net> hand(std::string(config.level) == "O2", /*adam=*/false, config.dtype, s.device);
-      const double hand_s = seconds_per_step(s, [&] { hand.step(x, y); });
+    if (hand) {
+      const double hand_s = times[1];
       char buffer[64];
       std::snprintf(buffer, sizeof buffer, "%.3f", 1e3 * hand_s);
       hand_ms = buffer;

@@ -10,6 +10,16 @@ def load(path):
         return list(csv.DictReader(f))
 
 
+def write(lines, rows, out_md, out_csv):
+    with open(out_md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["section", "name", "config", "metric", "value"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n".join(lines))
+
+
 def main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
     rows = load(cpp_csv) + load(py_csv)
     value = {(r["section"], r["name"], r["config"], r["metric"]): float(r["value"]) for r in rows}
@@ -38,13 +48,7 @@ def main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
     syncs = [v for k, v in value.items() if k[3].startswith("host_syncs")]
     if syncs:
         lines.append(f"- host syncs per step/call: at most {max(syncs):.0f} (target <= 1: {'met' if max(syncs) <= 1 else 'missed'})")
-    with open(out_md, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["section", "name", "config", "metric", "value"])
-        writer.writeheader()
-        writer.writerows(rows)
-    print("\n".join(lines))
+    write(lines, rows, out_md, out_csv)
 
 
 def gpu_main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
@@ -63,13 +67,7 @@ def gpu_main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
             peak_text = ["" if p is None else f"{p:.0f}" for p in peaks]
             lines.append(f"| {name} | {config} | {cpp:.3f} | {py:.3f} | {cpp / py:.2f} | {peak_text[0]} | {peak_text[1]} |")
             rows.append({"section": "gpu_versus_python", "name": name, "config": config, "metric": "ratio", "value": cpp / py})
-    with open(out_md, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["section", "name", "config", "metric", "value"])
-        writer.writeheader()
-        writer.writerows(rows)
-    print("\n".join(lines))
+    write(lines, rows, out_md, out_csv)
 
 
 if __name__ == "__main__":

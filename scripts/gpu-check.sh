@@ -2,7 +2,8 @@
 # The one prepared GPU check. On a machine with an NVIDIA GPU, nvcc, PyTorch built with CUDA, CMake and
 # ninja: builds amp, its tests, examples and benchmarks against that PyTorch's LibTorch, runs the whole suite
 # (the CUDA variants run instead of skipping), then the GPU benchmark (bench/gpu_bench.cpp) and its Python
-# torch.amp twin, and prints a summary. Aims to finish in under 8 minutes: each stage has a time limit.
+# torch.amp twin, and prints a summary, all within 8 minutes: after the build, each stage gets a share of
+# what is left before a 7.5-minute deadline (AMP_GPU_CHECK_SECONDS) and is cut off there.
 # GoogleTest, Boost and gloo's headers come from .gpu-bundle (scripts/gpu-bundle.sh, made on this project's
 # Debian machines). Everything goes to $OUT when set (the device tool), else build/gpu-check.
 #   here:        scripts/gpu-bundle.sh
@@ -57,21 +58,43 @@ cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -m 20 -B2
 stage "built"
 export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# Every stage after the build gets what is left before the deadline, less what the stages after it need.
+deadline=$(( begin + ${AMP_GPU_CHECK_SECONDS:-450} ))  # 7.5 minutes, so the whole check stays under 8
+limit() {  # limit MAX RESERVE: seconds a stage may take (0: no time left)
+  local left=$(( deadline - $(date +%s) - $2 ))
+  (( left > $1 )) && left=$1
+  (( left > 0 )) && echo "$left" || echo 0
+}
 status=0
-stage "running the suite (limit 270 s)"
-(cd "$build" && OMP_NUM_THREADS=1 timeout 270 ctest --output-on-failure -j 8 --timeout 240 -LE long > "$out/ctest.log" 2>&1) ||
-  status=1
-grep -E "tests passed|Total Test time" "$out/ctest.log" || echo "gpu-check: the suite did not finish (see ctest.log)"
-grep -E "^ *[0-9]+/[0-9]+ Test +#[0-9]+: [^ ]*(_cuda|/cuda|Cuda)" "$out/ctest.log" |
-  sed -E 's/.*(Passed|Skipped|Failed|Timeout|Exception).*/\1/' | sort | uniq -c | sed 's/^/gpu-check: CUDA variants: /'
-grep -E "\(Failed\)|\(Timeout\)|\(SEGFAULT\)|\*\*\*Exception" "$out/ctest.log" || true
+t=$(limit 240 130)
+if [ "$t" -gt 0 ]; then
+  stage "running the suite (limit $t s)"
+  (cd "$build" && OMP_NUM_THREADS=1 timeout "$t" ctest --output-on-failure -j "$(nproc)" --timeout "$t" -LE long \
+     > "$out/ctest.log" 2>&1) || status=1
+  grep -E "tests passed|Total Test time" "$out/ctest.log" || echo "gpu-check: the suite did not finish (see ctest.log)"
+  grep -E "^ *[0-9]+/[0-9]+ Test +#[0-9]+: [^ ]*(_cuda|/cuda|Cuda)" "$out/ctest.log" |
+    sed -E 's/.*(Passed|Skipped|Failed|Timeout|Exception).*/\1/' | sort | uniq -c | sed 's/^/gpu-check: CUDA variants: /'
+  grep -E "\(Failed\)|\(Timeout\)|\(SEGFAULT\)|\*\*\*Exception" "$out/ctest.log" || true
+else
+  status=1; echo "gpu-check: no time left for the suite"
+fi
 
-stage "GPU benchmark: amp (limit 150 s)"
-timeout 150 "$build/bench/amp_gpu_bench" "${bench_args[@]}" --csv "$out/gpu-bench-cpp.csv" > "$out/gpu-bench-cpp.md" ||
-  { status=1; echo "gpu-check: amp_gpu_bench failed or ran out of time"; }
-stage "GPU benchmark: Python torch.amp twin (limit 120 s)"
-timeout 120 python3 bench/python_amp.py "${py_args[@]}" > "$out/gpu-bench-python.csv" ||
-  { status=1; echo "gpu-check: python_amp.py --device failed or ran out of time"; }
+t=$(limit 90 50)
+if [ "$t" -gt 0 ]; then
+  stage "GPU benchmark: amp (limit $t s)"
+  timeout "$t" "$build/bench/amp_gpu_bench" "${bench_args[@]}" --csv "$out/gpu-bench-cpp.csv" > "$out/gpu-bench-cpp.md" ||
+    { status=1; echo "gpu-check: amp_gpu_bench failed or ran out of time"; }
+else
+  status=1; echo "gpu-check: no time left for amp_gpu_bench"
+fi
+t=$(limit 60 0)
+if [ "$t" -gt 0 ]; then
+  stage "GPU benchmark: Python torch.amp twin (limit $t s)"
+  timeout "$t" python3 bench/python_amp.py "${py_args[@]}" > "$out/gpu-bench-python.csv" ||
+    { status=1; echo "gpu-check: python_amp.py --device failed or ran out of time"; }
+else
+  status=1; echo "gpu-check: no time left for python_amp.py"
+fi
 if [ -s "$out/gpu-bench-cpp.csv" ] && [ -s "$out/gpu-bench-python.csv" ]; then
   python3 bench/report.py --gpu "$out/gpu-bench-cpp.csv" "$out/gpu-bench-python.csv" "$out/gpu-bench-cpp.md" \
     "$out/gpu-bench.md" "$out/gpu-bench.csv" || status=1

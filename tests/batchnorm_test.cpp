@@ -34,36 +34,7 @@ struct BnNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(BnNet);
 
-struct Case {
-  const char* level;
-  c10::ScalarType dtype;
-  c10::DeviceType device;
-};
-
-std::vector<Case> all_cases() {
-  std::vector<Case> out;
-  for (const auto device : amp_test::test_devices()) {
-    for (const char* level : {"O0", "O1", "O2", "O3"}) {
-      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) out.push_back({level, dtype, device});
-    }
-  }
-  return out;
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype) +
-         amp_test::device_suffix(info.param.device);
-}
-
-class BatchNormMatrixTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    SKIP_WITHOUT_DEVICE(GetParam().device);
-    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
-    amp_test::use_deterministic_fp32(GetParam().device);
-  }
-  torch::Device device() const { return GetParam().device; }
-};
+class BatchNormMatrixTest : public amp_test::LevelTest {};
 
 class BatchNormTest : public amp_test::DeviceTest {};
 
@@ -150,7 +121,7 @@ TEST_P(BatchNormMatrixTest, EveryVariantAndMode) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, BatchNormMatrixTest, ::testing::ValuesIn(all_cases()), case_name);
+AMP_INSTANTIATE_FOR_LEVELS(BatchNormMatrixTest, amp_test::level_cases());
 
 TEST_P(BatchNormTest, CastFrozenBatchNormIsAnExplicitOptionWithItsPrecisionCost) {
   for (bool cast : {false, true}) {

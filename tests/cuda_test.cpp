@@ -41,6 +41,41 @@ class CountCudaSyncsGuard {
   Handler handler_;
   c10::WarningUtils::WarningHandlerGuard handler_guard_;
 };
+
+constexpr int kSteps = 5;
+
+struct SyncCounts {
+  int64_t cuda;  // what CUDA reported
+  int64_t amp;   // what amp counted itself (FoundInf::any)
+};
+
+// The synchronizations over kSteps calls of `step`, after two warm-up calls (which allocate optimizer state
+// and cuDNN workspaces).
+template <class Step>
+SyncCounts syncs_over(Step&& step) {
+  step();
+  step();
+  torch::cuda::synchronize();
+  const int64_t amp_before = amp::detail::host_sync_count();
+  CountCudaSyncsGuard count;
+  for (int i = 0; i < kSteps; ++i) step();
+  return {count.count(), amp::detail::host_sync_count() - amp_before};
+}
+
+// A conv + BatchNorm net and a batch of its data, on the GPU.
+struct CudaProblem {
+  explicit CudaProblem(uint64_t seed) {
+    amp_test::use_deterministic_fp32(torch::kCUDA);
+    auto [x_cpu, y_cpu] = amp_test::quadrant_images(64, seed);
+    x = x_cpu.to(torch::kCUDA);
+    y = y_cpu.to(torch::kCUDA);
+    torch::manual_seed(0);
+    net = amp_test::ConvBnNet();
+    net->to(torch::kCUDA);
+  }
+  torch::Tensor x, y;
+  amp_test::ConvBnNet net{nullptr};
+};
 #endif
 
 struct Case {
@@ -63,19 +98,12 @@ class CudaSyncTest : public ::testing::TestWithParam<Case> {
   }
 };
 
-constexpr int kSteps = 5;
-
-// Runs kSteps amp steps after two warm-up steps (which allocate optimizer state and cuDNN workspaces) and
-// checks that CUDA saw at most one sync per step, and only the ones amp counted itself (FoundInf::any).
+// Checks that CUDA saw at most one sync per amp step, and only the ones amp counted itself (FoundInf::any).
 TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
 #ifdef AMP_TEST_CUDA
   const Case c = GetParam();
-  amp_test::use_deterministic_fp32(torch::kCUDA);
-  torch::manual_seed(0);
-  auto [x_cpu, y_cpu] = amp_test::quadrant_images(64, 3);
-  const auto x = x_cpu.to(torch::kCUDA), y = y_cpu.to(torch::kCUDA);
-  amp_test::ConvBnNet net;
-  net->to(torch::kCUDA);
+  CudaProblem problem(3);
+  auto& [x, y, net] = problem;
   const auto options = amp::Options(c.level).low_precision_dtype(c.dtype).verbosity(0);
   auto run = [&](auto optimizer_in) {
     auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
@@ -89,19 +117,9 @@ TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
       optimizer.step();
       return loss;
     };
-    step();
-    step();
-    torch::cuda::synchronize();
-    const int64_t amp_before = amp::detail::host_sync_count();
-    int64_t cuda_syncs = 0;
-    {
-      CountCudaSyncsGuard count;
-      for (int i = 0; i < kSteps; ++i) step();
-      cuda_syncs = count.count();
-    }
-    const int64_t amp_syncs = amp::detail::host_sync_count() - amp_before;
-    EXPECT_LE(cuda_syncs, kSteps) << "CUDA reported " << cuda_syncs << " synchronizations in " << kSteps << " steps";
-    EXPECT_EQ(cuda_syncs, amp_syncs) << "syncs that amp did not make itself (amp counted " << amp_syncs << ")";
+    const SyncCounts syncs = syncs_over(step);
+    EXPECT_LE(syncs.cuda, kSteps) << "CUDA reported " << syncs.cuda << " synchronizations in " << kSteps << " steps";
+    EXPECT_EQ(syncs.cuda, syncs.amp) << "syncs that amp did not make itself (amp counted " << syncs.amp << ")";
     EXPECT_TRUE(std::isfinite(step().template item<double>()));
   };
   if (std::string(c.optimizer) == "SGD") {
@@ -128,20 +146,21 @@ INSTANTIATE_TEST_SUITE_P(Levels, CudaSyncTest, ::testing::ValuesIn(all_cases()),
 // (step's found_inf read), as torch's GradScaler; update() keeps the scale on the device.
 class CudaGradScalerSyncTest : public ::testing::TestWithParam<c10::ScalarType> {
  protected:
-  void SetUp() override { SKIP_WITHOUT_DEVICE(torch::kCUDA); }
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(torch::kCUDA);
+#ifndef AMP_TEST_CUDA
+    GTEST_SKIP() << "this LibTorch build has CUDA but amp_tests was built without AMP_TEST_CUDA";
+#endif
+  }
 };
 
 TEST_P(CudaGradScalerSyncTest, AtMostOneHostSyncPerStep) {
 #ifdef AMP_TEST_CUDA
-  amp_test::use_deterministic_fp32(torch::kCUDA);
-  torch::manual_seed(0);
-  auto [x_cpu, y_cpu] = amp_test::quadrant_images(64, 4);
-  const auto x = x_cpu.to(torch::kCUDA), y = y_cpu.to(torch::kCUDA);
-  amp_test::ConvBnNet net;
-  net->to(torch::kCUDA);
+  CudaProblem problem(4);
+  auto& [x, y, net] = problem;
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   amp::GradScaler scaler;
-  auto step = [&] {
+  const SyncCounts syncs = syncs_over([&] {
     optimizer.zero_grad();
     torch::Tensor loss;
     {
@@ -151,13 +170,8 @@ TEST_P(CudaGradScalerSyncTest, AtMostOneHostSyncPerStep) {
     scaler.scale(loss).backward();
     scaler.step(optimizer);
     scaler.update();
-  };
-  step();
-  step();
-  torch::cuda::synchronize();
-  CountCudaSyncsGuard count;
-  for (int i = 0; i < kSteps; ++i) step();
-  EXPECT_LE(count.count(), kSteps) << "CUDA reported " << count.count() << " synchronizations in " << kSteps << " steps";
+  });
+  EXPECT_LE(syncs.cuda, kSteps) << "CUDA reported " << syncs.cuda << " synchronizations in " << kSteps << " steps";
 #endif
 }
 

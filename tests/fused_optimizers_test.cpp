@@ -340,39 +340,7 @@ TEST(FusedOptimizersCpuTest, BadGradientsAndOptionsAreClearErrors) {
 
 namespace {
 
-struct LevelCase {
-  const char* level;
-  c10::ScalarType dtype;
-  c10::DeviceType device;
-};
-
-std::vector<LevelCase> level_cases() {
-  std::vector<LevelCase> out;
-  for (const auto device : amp_test::test_devices()) {
-    out.push_back({"O0", torch::kBFloat16, device});
-    for (const char* level : {"O1", "O2", "O3"}) {
-      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) out.push_back({level, dtype, device});
-    }
-  }
-  return out;
-}
-
-std::string level_name(const ::testing::TestParamInfo<LevelCase>& info) {
-  return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype) +
-         amp_test::device_suffix(info.param.device);
-}
-
-class FusedAtLevelTest : public ::testing::TestWithParam<LevelCase> {
- protected:
-  void SetUp() override {
-    SKIP_WITHOUT_DEVICE(GetParam().device);
-    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
-    amp_test::use_deterministic_fp32(GetParam().device);
-  }
-  amp::Options options() const {
-    return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
-  }
-};
+class FusedAtLevelTest : public amp_test::LevelTest {};
 
 class FusedO2Test : public amp_test::DeviceTest {};
 class FusedGradScalerTest : public amp_test::DeviceTest {};
@@ -497,7 +465,7 @@ TEST_P(FusedAtLevelTest, TrainsAsWithLibTorchsOptimizer) {
   if (cuda) run(LevelTolerance::update_within(0.5));
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, FusedAtLevelTest, ::testing::ValuesIn(level_cases()), level_name);
+AMP_INSTANTIATE_FOR_LEVELS(FusedAtLevelTest, amp_test::level_cases({"O0", "O1", "O2", "O3"}, /*o0_once=*/true));
 
 // O2: the step that also writes the model's low-precision copy equals, bit for bit, a plain fp32 step of
 // the same fused optimizer on the masters followed by rounding them into the model (the unfused path).

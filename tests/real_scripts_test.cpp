@@ -12,16 +12,6 @@ namespace {
 
 using amp_test::dtype_label;
 
-struct Case {
-  const char* level;
-  c10::ScalarType dtype;
-  c10::DeviceType device = torch::kCPU;
-};
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return std::string(info.param.level) + "_" + dtype_label(info.param.dtype) + amp_test::device_suffix(info.param.device);
-}
-
 // A backbone (two Linear layers) and a head: the shape of fine-tuning scripts.
 struct BackboneHeadImpl : torch::nn::Module {
   BackboneHeadImpl()
@@ -77,20 +67,12 @@ void expect_same_update(const std::vector<torch::Tensor>& before, const std::vec
   }
 }
 
-class RealScriptsTest : public ::testing::TestWithParam<Case> {
+class RealScriptsTest : public amp_test::LevelTest {
  protected:
-  void SetUp() override {
-    SKIP_WITHOUT_DEVICE(GetParam().device);
-    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
-  }
-  torch::Device device() const { return GetParam().device; }
   BackboneHead make_net() const {
     BackboneHead net;
     net->to(device());
     return net;
-  }
-  amp::Options options() const {
-    return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
   }
   bool scales() const { return std::string(GetParam().level) != "O3"; }
 };
@@ -216,7 +198,8 @@ TEST_P(RealScriptsTest, AddParamGroupAfterInitializeIsAdopted) {
 
 TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
   // Apex's documented order: initialize, then load. A checkpoint of the amp model itself (same dtypes).
-  const std::string path = ::testing::TempDir() + "amp_model_ckpt_" + GetParam().level + dtype_label(GetParam().dtype) + ".pt";
+  const std::string path = ::testing::TempDir() + "amp_model_ckpt_" + GetParam().level + dtype_label(GetParam().dtype) +
+                           amp_test::device_suffix(GetParam().device) + ".pt";
   torch::manual_seed(4);
   auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
   {
@@ -271,7 +254,8 @@ TEST_P(RealScriptsTest, InPlaceEditAfterInitializeIsKept) {
 }
 
 TEST_P(RealScriptsTest, Fp32PretrainedWeightsLoadIntoCastModel) {
-  const std::string path = ::testing::TempDir() + "amp_pretrained_" + GetParam().level + dtype_label(GetParam().dtype) + ".pt";
+  const std::string path = ::testing::TempDir() + "amp_pretrained_" + GetParam().level + dtype_label(GetParam().dtype) +
+                           amp_test::device_suffix(GetParam().device) + ".pt";
   torch::manual_seed(6);
   BackboneHead pretrained = make_net();
   torch::save(pretrained, path);
@@ -305,7 +289,8 @@ TEST_P(RealScriptsTest, Fp32PretrainedWeightsLoadIntoCastModel) {
 
 TEST_P(RealScriptsTest, TorchLoadOfFp32WeightsIntoCastModelFailsLoudly) {
   if (std::string(GetParam().level) == "O1") GTEST_SKIP() << "O1 keeps the model fp32: torch::load is right there";
-  const std::string path = ::testing::TempDir() + "amp_fp32_" + GetParam().level + dtype_label(GetParam().dtype) + ".pt";
+  const std::string path = ::testing::TempDir() + "amp_fp32_" + GetParam().level + dtype_label(GetParam().dtype) +
+                           amp_test::device_suffix(GetParam().device) + ".pt";
   torch::manual_seed(7);
   BackboneHead pretrained = make_net(), net = make_net();
   torch::save(pretrained, path);
@@ -349,17 +334,7 @@ TEST_P(RealScriptsTest, AdagradMatchesReference) {
                      GetParam().dtype, "Adagrad");
 }
 
-std::vector<Case> all_cases() {
-  std::vector<Case> out;
-  for (const auto device : amp_test::test_devices()) {
-    for (const char* level : {"O1", "O2", "O3"}) {
-      for (const auto dtype : amp_test::low_precision_dtypes()) out.push_back({level, dtype, device});
-    }
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Levels, RealScriptsTest, ::testing::ValuesIn(all_cases()), case_name);
+AMP_INSTANTIATE_FOR_LEVELS(RealScriptsTest, amp_test::level_cases({"O1", "O2", "O3"}));
 
 TEST(RealScriptsTest, AdagradAtO0IsBitwisePlainLibTorch) {
   torch::manual_seed(9);

@@ -57,6 +57,23 @@ bool built_with_cuda() {
 #endif
 }
 
+std::vector<LevelCase> level_cases(const std::vector<const char*>& levels, bool o0_once) {
+  std::vector<LevelCase> out;
+  for (const auto device : test_devices()) {
+    for (const char* level : levels) {
+      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+        if (o0_once && std::string(level) == "O0" && dtype != torch::kBFloat16) continue;
+        out.push_back({level, dtype, device});
+      }
+    }
+  }
+  return out;
+}
+
+std::string level_case_name(const ::testing::TestParamInfo<LevelCase>& info) {
+  return std::string(info.param.level) + "_" + dtype_label(info.param.dtype) + device_suffix(info.param.device);
+}
+
 void use_deterministic_fp32(c10::DeviceType device) {
   if (device != torch::kCUDA) return;
   auto& context = at::globalContext();

@@ -74,6 +74,35 @@ class DeviceTest : public ::testing::TestWithParam<c10::DeviceType> {
   bool computes(c10::ScalarType dtype) const { return on_cuda() || cpu_computes(dtype); }
 };
 
+/// The parameter of a test that runs at each opt level: level x low-precision dtype x device.
+struct LevelCase {
+  const char* level;
+  c10::ScalarType dtype;
+  c10::DeviceType device;
+};
+
+/// Every device x `levels` x {bf16, fp16}; with `o0_once`, O0 once per device (its dtype is unused).
+std::vector<LevelCase> level_cases(const std::vector<const char*>& levels = {"O0", "O1", "O2", "O3"},
+                                   bool o0_once = false);
+
+/// "O2_fp16" on the CPU, "O2_fp16_cuda" on CUDA.
+std::string level_case_name(const ::testing::TestParamInfo<LevelCase>& info);
+
+/// The fixture of a level-parametrized test (AMP_INSTANTIATE_FOR_LEVELS): skips a CUDA case without a GPU
+/// and a CPU case whose dtype this build cannot compute; deterministic fp32 on CUDA.
+class LevelTest : public ::testing::TestWithParam<LevelCase> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE(GetParam().device);
+    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
+    use_deterministic_fp32(GetParam().device);
+  }
+  torch::Device device() const { return GetParam().device; }
+  amp::Options options() const {
+    return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
+  }
+};
+
 std::string message(const std::exception& e);
 
 /// Returns whether the two tensors have the same dtype, shape and bits.
@@ -116,6 +145,10 @@ std::pair<torch::Tensor, torch::Tensor> blobs(int64_t n, int64_t features, int64
 std::pair<torch::Tensor, torch::Tensor> quadrant_images(int64_t n, uint64_t seed);
 
 }  // namespace amp_test
+
+/// Runs the LevelTest-derived `suite` over `cases` (amp_test::level_cases(...)).
+#define AMP_INSTANTIATE_FOR_LEVELS(suite, cases) \
+  INSTANTIATE_TEST_SUITE_P(Levels, suite, ::testing::ValuesIn(cases), amp_test::level_case_name)
 
 /// Runs the DeviceTest-derived `suite` on the CPU and on CUDA.
 #define AMP_INSTANTIATE_FOR_DEVICES(suite) \

@@ -4,39 +4,7 @@
 
 namespace {
 
-struct Case {
-  const char* level;
-  c10::ScalarType dtype;
-  c10::DeviceType device;
-};
-
-std::vector<Case> all_cases() {
-  std::vector<Case> out;
-  for (const auto device : amp_test::test_devices()) {
-    for (const char* level : {"O0", "O1", "O2", "O3"}) {
-      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) out.push_back({level, dtype, device});
-    }
-  }
-  return out;
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype) +
-         amp_test::device_suffix(info.param.device);
-}
-
-class TrainingTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    SKIP_WITHOUT_DEVICE(GetParam().device);
-    if (GetParam().device == torch::kCPU) SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
-    amp_test::use_deterministic_fp32(GetParam().device);
-  }
-  torch::Device device() const { return GetParam().device; }
-  amp::Options options() const {
-    return amp::Options(GetParam().level).low_precision_dtype(GetParam().dtype).verbosity(0);
-  }
-};
+class TrainingTest : public amp_test::LevelTest {};
 
 class TrainingO0Test : public amp_test::DeviceTest {};
 
@@ -92,7 +60,7 @@ TEST_P(TrainingTest, ConvBatchNormNetConverges) {
   EXPECT_GT(accuracy, 0.9) << GetParam().level << " loss " << loss;
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, TrainingTest, ::testing::ValuesIn(all_cases()), case_name);
+AMP_INSTANTIATE_FOR_LEVELS(TrainingTest, amp_test::level_cases());
 
 // Both runs do the same ops on the same device (deterministic cuDNN on CUDA), so exact is exact there too.
 TEST_P(TrainingO0Test, O0IsBitwiseIdenticalToPlainLibTorch) {
