@@ -13,6 +13,17 @@
 
 #include "multi_tensor.h"
 
+// Skips without a GPU, or in a build that cannot read CUDA's own counters.
+#ifdef AMP_TEST_CUDA
+#define SKIP_WITHOUT_CUDA_COUNTERS() SKIP_WITHOUT_DEVICE(torch::kCUDA)
+#else
+#define SKIP_WITHOUT_CUDA_COUNTERS()                                                              \
+  do {                                                                                            \
+    SKIP_WITHOUT_DEVICE(torch::kCUDA);                                                            \
+    GTEST_SKIP() << "this LibTorch build has CUDA but amp_tests was built without AMP_TEST_CUDA"; \
+  } while (0)
+#endif
+
 namespace {
 
 using amp_test::dtype_label;
@@ -90,12 +101,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 class CudaSyncTest : public ::testing::TestWithParam<Case> {
  protected:
-  void SetUp() override {
-    SKIP_WITHOUT_DEVICE(torch::kCUDA);
-#ifndef AMP_TEST_CUDA
-    GTEST_SKIP() << "this LibTorch build has CUDA but amp_tests was built without AMP_TEST_CUDA";
-#endif
-  }
+  void SetUp() override { SKIP_WITHOUT_CUDA_COUNTERS(); }
 };
 
 // Checks that CUDA saw at most one sync per amp step, and only the ones amp counted itself (FoundInf::any).
@@ -143,15 +149,10 @@ std::vector<Case> all_cases() {
 INSTANTIATE_TEST_SUITE_P(Levels, CudaSyncTest, ::testing::ValuesIn(all_cases()), case_name);
 
 // torch.amp's recipe through amp::GradScaler on a plain LibTorch model under amp::AutocastGuard: one sync per step
-// (step's found_inf read), as torch's GradScaler; update() keeps the scale on the device.
+// (step's found_inf read); amp keeps the scale on the host, so update() needs none.
 class CudaGradScalerSyncTest : public ::testing::TestWithParam<c10::ScalarType> {
  protected:
-  void SetUp() override {
-    SKIP_WITHOUT_DEVICE(torch::kCUDA);
-#ifndef AMP_TEST_CUDA
-    GTEST_SKIP() << "this LibTorch build has CUDA but amp_tests was built without AMP_TEST_CUDA";
-#endif
-  }
+  void SetUp() override { SKIP_WITHOUT_CUDA_COUNTERS(); }
 };
 
 TEST_P(CudaGradScalerSyncTest, AtMostOneHostSyncPerStep) {
