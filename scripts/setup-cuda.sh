@@ -17,8 +17,11 @@ if ! installed; then
   # --isolated: this machine's pip configuration prefers the local CPU wheel; isolated mode ignores it, so the
   # CA bundle it names is passed by hand.
   cert=$(python3 -m pip config get global.cert 2>/dev/null || true)
-  "$python" -m pip install --isolated ${cert:+--cert "$cert"} --quiet --disable-pip-version-check \
-    torch==2.13.0 "cuda-toolkit[nvcc,cccl,crt,nvvm]==13.0.3" >&2
+  # A stalled download fails within 20 minutes and says so, rather than holding CI (isolated mode also drops the
+  # configured socket timeout and retries, so they are given here).
+  timeout 1200 "$python" -m pip install --isolated ${cert:+--cert "$cert"} --quiet --disable-pip-version-check \
+    --timeout 60 --retries 3 torch==2.13.0 "cuda-toolkit[nvcc,cccl,crt,nvvm]==13.0.3" >&2 ||
+    { echo "setup-cuda: installing the CUDA wheels failed or took over 20 minutes (see pip's output above)" >&2; exit 1; }
 fi
 site=$("$python" -c 'import site; print(site.getsitepackages()[0])')
 # The nvidia-* wheels ship only versioned sonames (libcudart.so.13); CMake's FindCUDAToolkit looks for
