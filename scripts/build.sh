@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Configures and builds amp against one LibTorch: scripts/build.sh [2.13|1.13|2.13-sanitize|cuda|custom] [cmake args...]
+# Configures and builds amp against one LibTorch: scripts/build.sh [2.13|1.13|2.13-sanitize|cuda|custom|main] [cmake args...]
 #   2.13           the torch==2.13.0 wheel's bundled LibTorch (build/torch-2.13)
+#   main           the main job's build: the library and examples/train only, against the wheel (build/main)
 #   cuda           the CUDA 13.0 build of torch==2.13.0 (PyPI's default wheel, in a venv: scripts/setup-cuda.sh)
 #                  with CUDA code on; builds and runs without a GPU (CUDA tests skip) (build/torch-cuda)
 #   1.13           Debian's libtorch-dev 1.13.1 (build/torch-1.13)
@@ -16,7 +17,7 @@ if [ -z "$version" ]; then
   if [ -n "${Torch_DIR:-}${CMAKE_PREFIX_PATH:-}" ]; then version=custom; else version=2.13; fi
 fi
 case "$version" in
-  2.13|2.13-sanitize) torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch" ;;
+  2.13|2.13-sanitize|main) torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch" ;;
   1.13) torch_dir=/usr/lib/x86_64-linux-gnu/cmake/Torch
         [ -d "$torch_dir" ] || torch_dir="$(dirname "$(dpkg -L libtorch-dev | grep '/TorchConfig.cmake$' | head -n1)")" ;;
   cuda) venv=$(./scripts/setup-cuda.sh)
@@ -28,10 +29,11 @@ case "$version" in
         cuda_args=(-DCaffe2_DIR="$torch_dir/../Caffe2" -DCUDA_TOOLKIT_ROOT_DIR="$cu" -DCUDAToolkit_ROOT="$cu"
                    -DCMAKE_CUDA_COMPILER="$cu/bin/nvcc") ;;
   custom) torch_dir="${Torch_DIR:-}" ;;
-  *) echo "usage: scripts/build.sh [2.13|1.13|2.13-sanitize|cuda|custom] [cmake args...]" >&2; exit 2 ;;
+  *) echo "usage: scripts/build.sh [2.13|1.13|2.13-sanitize|cuda|custom|main] [cmake args...]" >&2; exit 2 ;;
 esac
 
 build_dir="build/torch-$version"
+[ "$version" = main ] && build_dir=build/main
 mkdir -p build
 args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON)
 [ -n "$torch_dir" ] && args+=(-DTorch_DIR="$torch_dir")
@@ -42,5 +44,13 @@ case "$version" in 1.13|2.13-sanitize) args+=(-DAMP_BUILD_EXAMPLES=OFF) ;; esac
 # -g1: line tables are all a sanitizer report needs, and full debug info slows this, the longest build.
 [ "$version" = 2.13-sanitize ] && args+=(-DAMP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG")
 [ "$version" = cuda ] && args+=("${cuda_args[@]}")
+targets=()
+if [ "$version" = main ]; then
+  # The main job trains within minutes of a fresh clone: no tests, no benchmarks, one example, and the
+  # library's own sources share one precompiled <torch/torch.h> (the test flavors compile them without it,
+  # so their includes stay checked).
+  args+=(-DAMP_BUILD_TESTS=OFF -DAMP_BUILD_BENCH=OFF -DAMP_PRECOMPILE_LIBRARY=ON)
+  targets=(--target train)
+fi
 cmake "${args[@]}" "$@" > "$build_dir.configure.log" 2>&1 || { mkdir -p build; cat "$build_dir.configure.log"; exit 1; }
-cmake --build "$build_dir" -j "${AMP_JOBS:-2}"
+cmake --build "$build_dir" -j "${AMP_JOBS:-2}" "${targets[@]}"

@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Installs everything amp's build, tests, examples and benchmarks need. Idempotent: a second run
-# installs nothing. Two LibTorch versions are installed side by side:
-#   - LibTorch 2.13 (CPU), bundled in the pip wheel torch==2.13.0 (the primary build);
-#   - LibTorch 1.13.1 (CPU), Debian's libtorch-dev (the second supported version).
+# Installs what amp needs. Idempotent: a second run installs nothing.
+#   scripts/setup.sh          everything the test suite, examples and benchmarks need (the test command):
+#                             LibTorch 2.13 (CPU), bundled in the pip wheel torch==2.13.0 (the primary build),
+#                             and LibTorch 1.13.1 (CPU), Debian's libtorch-dev (the second supported version)
+#   scripts/setup.sh --main   only what the main job (scripts/train.sh) needs: the wheel, a compiler, CMake,
+#                             Boost.Program_options and gloo's headers
 set -euo pipefail
 
-apt_packages=(libtorch-dev libgtest-dev libgmock-dev libbenchmark-dev libboost-program-options-dev
-              ccache cmake g++ make python3-sklearn gnuplot-nox clang libclang-rt-14-dev libgloo-dev)
+main_only=0
+[ "${1:-}" = --main ] && main_only=1
+
+if [ $main_only = 1 ]; then
+  apt_packages=(libboost-program-options-dev libgloo-dev g++ make)
+  command -v cmake > /dev/null || apt_packages+=(cmake)
+else
+  apt_packages=(libtorch-dev libgtest-dev libgmock-dev libbenchmark-dev libboost-program-options-dev
+                ccache cmake g++ make python3-sklearn gnuplot-nox clang libclang-rt-14-dev libgloo-dev)
+fi
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +33,7 @@ if ! python3 -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("
   echo "setup: installing torch==2.13.0 (CPU wheel; its bundled LibTorch is what amp builds against)"
   python3 -m pip install --quiet torch==2.13.0
 fi
+[ $main_only = 1 ] && { echo "setup: done (main job)"; exit 0; }
 # Python's tensorboard reads back the event files amp::SummaryWriter writes (tests/tensorboard_test.cpp,
 # examples/tests/check_tensorboard.sh). It does not depend on torch, so the wheel above stays as it is.
 if ! python3 -c 'import tensorboard, sys; sys.exit(0 if tensorboard.__version__ == "2.21.0" else 1)' 2>/dev/null; then

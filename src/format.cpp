@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 
 namespace amp::detail {
@@ -38,6 +39,53 @@ std::string format_float(double value) {
     out += exp_buf;
   }
   return negative ? "-" + out : out;
+}
+
+std::optional<size_t> invalid_utf8_at(std::string_view text, bool surrogates) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if (c >= 0xc2 && c <= 0xdf) {
+      len = 2, cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      len = 3, cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return i;  // a continuation byte, 0xc0/0xc1 (overlong) or 0xf5.. (above U+10FFFF)
+    }
+    if (n - i < len) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((s[i + k] & 0xc0) != 0x80) return i;
+      cp = (cp << 6) | (s[i + k] & 0x3f);
+    }
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff))) return i;  // overlong, too large
+    if (!surrogates && cp >= 0xd800 && cp <= 0xdfff) return i;
+    i += len;
+  }
+  return std::nullopt;
+}
+
+std::string escape_bytes(std::string_view text) {
+  std::string out;
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += ch;
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out;
 }
 
 }  // namespace amp::detail

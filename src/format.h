@@ -1,12 +1,23 @@
 #pragma once
-// Number formatting shared by amp's messages.
+// Number and text formatting shared by amp's messages.
 
+#include <cstddef>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace amp::detail {
 
 /// Formats a double as Python's repr() does ("32768.0", "0.5", "1e-05", "inf"), so that amp's
 /// messages read exactly like Apex's.
 std::string format_float(double value);
+
+/// Returns the offset of the first byte where `text` stops being valid UTF-8 (overlong forms, code points
+/// above U+10FFFF and truncated sequences are invalid, as in Python's strict decoder), or nullopt if it is
+/// valid. `surrogates` accepts encoded U+D800..U+DFFF, as pickle's 'surrogatepass' does for str opcodes.
+std::optional<size_t> invalid_utf8_at(std::string_view text, bool surrogates = false);
+
+/// Returns `text` with every byte outside printable ASCII written as \xNN, for messages.
+std::string escape_bytes(std::string_view text);
 
 }  // namespace amp::detail

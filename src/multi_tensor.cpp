@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 
 #include "cpu_kernels.h"
@@ -83,6 +84,69 @@ bool FoundInf::any() const {
   return total.item<float>() > 0.0f;
 }
 
+namespace {
+thread_local bool force_fp32_route = false;
+std::atomic<int64_t> fp32_routed{0};
+constexpr int64_t kFp32ChunkElements = int64_t{1} << 24;  // 64 MB of fp32 temporaries at most
+}  // namespace
+
+Fp32UnscaleRouteGuard::Fp32UnscaleRouteGuard() : previous_(force_fp32_route) { force_fp32_route = true; }
+Fp32UnscaleRouteGuard::~Fp32UnscaleRouteGuard() { force_fp32_route = previous_; }
+int64_t Fp32UnscaleRouteGuard::groups_routed() { return fp32_routed.load(); }
+
+bool aten_unscale_takes(const c10::Device& device, c10::ScalarType dtype) {
+  if (!has_aten_unscale_kernel(device.type())) return false;
+  if (dtype != at::kBFloat16) return true;
+  if (force_fp32_route) return false;
+  // One probe per device type: dispatching the kernel on a 1-element tensor throws "not implemented for
+  // 'BFloat16'" before any launch where the build lacks the case.
+  static std::mutex mutex;
+  static std::map<c10::DeviceType, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(device.type());
+  if (it != known.end()) return it->second;
+  bool takes = true;
+  try {
+    const auto options = at::TensorOptions().device(device);
+    std::vector<at::Tensor> probe{at::ones({1}, options.dtype(at::kBFloat16))};
+    at::Tensor flag = at::zeros({1}, options.dtype(at::kFloat));
+    at::_amp_foreach_non_finite_check_and_unscale_(probe, flag, at::ones({1}, options.dtype(at::kFloat)));
+  } catch (const c10::Error&) {
+    takes = false;
+  }
+  known.emplace(device.type(), takes);
+  return takes;
+}
+
+void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf) {
+  fp32_routed.fetch_add(1, std::memory_order_relaxed);
+  c10::NoGradGuard no_grad;
+  const at::Tensor inv = at::full({1}, static_cast<float>(inv_scale), found_inf.options());
+  const bool aten = has_aten_unscale_kernel(found_inf.device().type());
+  std::vector<at::Tensor> chunk, wide;
+  int64_t elements = 0;
+  auto flush = [&] {
+    if (chunk.empty()) return;
+    if (aten) {
+      at::_amp_foreach_non_finite_check_and_unscale_(wide, found_inf, inv);
+    } else {  // CPU LibTorch < 2.3: the same check and product, two passes
+      for (const auto& w : wide) {
+        found_inf.add_(at::isfinite(w).all().logical_not());
+        w.mul_(inv);
+      }
+    }
+    copy_(chunk, wide);  // rounds once into the gradient's dtype, as the kernel does
+    chunk.clear(), wide.clear(), elements = 0;
+  };
+  for (const auto& t : group) {
+    chunk.push_back(t);
+    wide.push_back(t.to(at::kFloat));
+    elements += t.numel();
+    if (elements >= kFp32ChunkElements) flush();
+  }
+  flush();
+}
+
 bool has_aten_unscale_kernel(c10::DeviceType device) {
   static const auto handle =
       c10::Dispatcher::singleton().findSchema({"aten::_amp_foreach_non_finite_check_and_unscale_", ""});
@@ -101,8 +165,12 @@ void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf
   for (auto& [key, group] : groups) {
     const c10::Device device = group.front().device();
     at::Tensor& flag = found_inf.on(device);
-    if (has_aten_unscale_kernel(device.type())) {
+    if (aten_unscale_takes(device, key.second)) {
       at::_amp_foreach_non_finite_check_and_unscale_(group, flag, at::full({1}, inv, flag.options()));
+      continue;
+    }
+    if (key.second == at::kBFloat16 && (force_fp32_route || !device.is_cpu())) {
+      unscale_through_fp32_(group, inv_scale, flag);
       continue;
     }
     bool bad = false;
@@ -123,7 +191,7 @@ void check_finite(const std::vector<at::Tensor>& tensors, FoundInf& found_inf) {
   for (const auto& t : tensors) {
     check_dense(t);
     const auto dtype = cpu_dtype(t.scalar_type());
-    if (!dtype || !cpu_fast_path(t)) {
+    if (!dtype || !cpu_fast_path(t) || (force_fp32_route && t.scalar_type() == at::kBFloat16)) {
       rest.push_back(t);
       continue;
     }

@@ -47,4 +47,27 @@ int64_t host_sync_count();
 /// Returns whether the build has ATen's fused unscale kernel for `device`.
 bool has_aten_unscale_kernel(c10::DeviceType device);
 
+/// Returns whether ATen's fused unscale kernel takes `dtype` on `device` (CUDA has no BFloat16 kernel:
+/// pytorch #127176; probed once per device type and dtype, so a build that gains it uses it).
+bool aten_unscale_takes(const c10::Device& device, c10::ScalarType dtype);
+
+/// Unscales and checks a group that ATen's kernel cannot take in its own dtype: chunk by chunk through
+/// fp32 copies (the kernel's own arithmetic: the product in fp32, rounded once into the gradient's dtype).
+void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf);
+
+/// Sends every bfloat16 group through unscale_through_fp32_ while alive (this thread), so that the route
+/// CUDA's bf16 gradients take can be tested on the CPU.
+class Fp32UnscaleRouteGuard {
+ public:
+  Fp32UnscaleRouteGuard();
+  ~Fp32UnscaleRouteGuard();
+  Fp32UnscaleRouteGuard(const Fp32UnscaleRouteGuard&) = delete;
+  Fp32UnscaleRouteGuard& operator=(const Fp32UnscaleRouteGuard&) = delete;
+  /// How many groups took the route in this process.
+  static int64_t groups_routed();
+
+ private:
+  bool previous_;
+};
+
 }  // namespace amp::detail

@@ -60,10 +60,11 @@ std::string describe_parameters(const std::vector<std::string>& names) {
 
 // The loss-scaler hyperparameters a checkpoint records and a resume must match, as doubles (init_scale
 // matters only before the first step, so it may differ).
-std::vector<std::pair<std::string, double>> scaler_settings(const Properties& p) {
-  return {{"growth_factor", p.growth_factor},
-          {"backoff_factor", p.backoff_factor},
-          {"growth_interval", static_cast<double>(p.growth_interval)},
+// The schedule the bank's scalers run (PythonCheckpoint::load_amp may have restored a Python GradScaler's).
+std::vector<std::pair<std::string, double>> scaler_settings(const Properties& p, const LossScaler& s) {
+  return {{"growth_factor", s.growth_factor()},
+          {"backoff_factor", s.backoff_factor()},
+          {"growth_interval", static_cast<double>(s.growth_interval())},
           {"hysteresis", static_cast<double>(p.hysteresis)}};
 }
 
@@ -487,7 +488,7 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
     amp_archive.write(prefix + "unskipped", c10::IValue(scalers[i].unskipped()));
     amp_archive.write(prefix + "hysteresis_left", c10::IValue(static_cast<int64_t>(scalers[i].hysteresis_left())));
   }
-  for (const auto& [key, value] : scaler_settings(properties_)) amp_archive.write(key, c10::IValue(value));
+  for (const auto& [key, value] : scaler_settings(properties_, scalers.front())) amp_archive.write(key, c10::IValue(value));
   for (size_t i = 0; i < masters_->size(); ++i) amp_archive.write("master/" + std::to_string(i), masters_->master()[i]);
   archive.write("amp", amp_archive);
 }
@@ -516,7 +517,7 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(num_masters == static_cast<int64_t>(masters_->size()), "amp::Optimizer::load: the checkpoint has ",
               num_masters, " fp32 master weights, this optimizer has ", masters_->size(),
               ". Resume with the same model, opt level, master_weights setting and param groups.");
-  for (const auto& [key, value] : scaler_settings(properties_)) {
+  for (const auto& [key, value] : scaler_settings(properties_, scalers_->front())) {
     c10::IValue saved;
     if (!amp_archive.try_read(key, saved)) continue;  // checkpoints from before these settings: Apex's values
     TORCH_CHECK(saved.isDouble() && saved.toDouble() == value, "amp::Optimizer::load: the checkpoint was saved with ",

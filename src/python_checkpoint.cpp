@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -27,10 +28,12 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "amp/grad_scaler.h"
 #include "amp/optimizer.h"
 #include "format.h"
 #include "master_weights.h"
 #include "optimizer_state_key.h"
+#include "zip_directory.h"
 
 // NOTE [Reading Python pickles without LibTorch's unpickler]
 // torch.save writes a zip whose data.pkl is a pickle (protocol 2 by default) and whose data/<key>
@@ -66,6 +69,12 @@ struct Node {
   std::string text;            // string, bytes; "module.name" of a global or an object's type
   at::Tensor tensor;           // tensor; storage (1-D, all its elements)
   std::vector<NodePtr> items;  // list and tuple elements; dict keys and values, interleaved
+  std::optional<size_t> bad_utf8;  // a str whose bytes are not UTF-8: the offset of the first bad byte
+};
+
+// A str that Python's torch.load would refuse (UnicodeDecodeError): load() refuses the whole file too.
+struct InvalidText : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
 };
 
 NodePtr make(Node::Kind kind) { return std::make_shared<Node>(kind); }
@@ -110,6 +119,9 @@ class Unpickler {
  public:
   Unpickler(const char* data, size_t size, StorageLoader load_storage)
       : data_(data), size_(size), load_storage_(std::move(load_storage)) {}
+
+  /// The pickle offset of the first str that is not UTF-8, wherever it is (inside opaque objects too).
+  std::optional<size_t> first_bad_utf8() const { return first_bad_utf8_; }
 
   NodePtr run() {
     while (true) {
@@ -202,10 +214,17 @@ class Unpickler {
     if (n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);  // sign-extend
     return integer(static_cast<int64_t>(v));
   }
-  NodePtr string(Node::Kind kind, size_t n) {
+  // `unicode`: a Python 3 str opcode, decoded with 'surrogatepass' as pickle does; Python 2 str opcodes
+  // (BINSTRING) are decoded strictly, with torch.load's encoding='utf-8'.
+  NodePtr string(Node::Kind kind, size_t n, bool unicode = true) {
     check(n <= size_ - pos_, "a string longer than the pickle");
     auto node = make(kind);
+    const size_t at = pos_;
     node->text = text(n);
+    if (kind == Node::Kind::kString) {
+      node->bad_utf8 = detail::invalid_utf8_at(node->text, /*surrogates=*/unicode);
+      if (node->bad_utf8 && !first_bad_utf8_) first_bad_utf8_ = at + *node->bad_utf8;
+    }
     return node;
   }
 
@@ -303,7 +322,9 @@ class Unpickler {
     if (name == "torch.torch_version.TorchVersion" && args.size() == 1 && args[0]->kind == Node::Kind::kString) {
       return args[0];  // torch.__version__, a str subclass scripts like to save
     }
-    if (name == "torch.Size" && !args.empty() && args[0]->kind == Node::Kind::kList) {
+    // torch.Size pickles as torch.Size((2, 3)): a tuple of ints, which is how C++ reads it.
+    if (name == "torch.Size" && args.size() == 1 &&
+        (args[0]->kind == Node::Kind::kTuple || args[0]->kind == Node::Kind::kList)) {
       return tuple(args[0]->items);
     }
     auto object = make(Node::Kind::kObject);  // anything else: kept as an opaque placeholder
@@ -375,8 +396,8 @@ class Unpickler {
       case 'X': push(string(Node::Kind::kString, little(4))); break;     // BINUNICODE
       case 0x8c: push(string(Node::Kind::kString, u8())); break;         // SHORT_BINUNICODE
       case 0x8d: push(string(Node::Kind::kString, little(8))); break;    // BINUNICODE8
-      case 'T': push(string(Node::Kind::kString, little(4))); break;     // BINSTRING (Python 2 str)
-      case 'U': push(string(Node::Kind::kString, u8())); break;          // SHORT_BINSTRING
+      case 'T': push(string(Node::Kind::kString, little(4), false)); break;  // BINSTRING (Python 2 str)
+      case 'U': push(string(Node::Kind::kString, u8(), false)); break;       // SHORT_BINSTRING
       case 'B': push(string(Node::Kind::kBytes, little(4))); break;      // BINBYTES
       case 'C': push(string(Node::Kind::kBytes, u8())); break;           // SHORT_BINBYTES
       case 0x8e: push(string(Node::Kind::kBytes, little(8))); break;     // BINBYTES8
@@ -498,6 +519,7 @@ class Unpickler {
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, NodePtr> memo_;
   std::unordered_map<std::string, NodePtr> storages_;
+  std::optional<size_t> first_bad_utf8_;
 };
 
 // Converts the tree into IValues; throws (with the path inside the entry) on what C++ cannot hold.
@@ -514,6 +536,12 @@ class ToIValue {
       case Node::Kind::kInt: out = node->integer; break;
       case Node::Kind::kFloat: out = node->number; break;
       case Node::Kind::kString:
+        if (node->bad_utf8) {
+          throw InvalidText(path + " is a str that is not valid UTF-8 (byte " + std::to_string(*node->bad_utf8) +
+                            " of '" + detail::escape_bytes(node->text) + "')");
+        }
+        out = node->text;
+        break;
       case Node::Kind::kBytes: out = node->text; break;
       case Node::Kind::kTensor:
       case Node::Kind::kStorage: out = node->tensor; break;
@@ -605,6 +633,35 @@ const char* storage_name(c10::ScalarType t) {
   }
 }
 
+// Python's torch.load decodes every str as UTF-8 and refuses the whole file otherwise, so amp refuses to
+// write one: `method` names the call, `path` the value.
+void check_text(const std::string& text, const std::string& path, const char* method) {
+  const auto bad = detail::invalid_utf8_at(text);
+  TORCH_CHECK(!bad, "amp::PythonCheckpoint::", method, ": ", path, " is a string that is not valid UTF-8 (byte ",
+              bad.value_or(0), " of '", detail::escape_bytes(text), "'); Python's torch.load could not open the file "
+              "(UnicodeDecodeError). Convert the text to UTF-8 first (a Latin-1 \\xe9 is \\xc3\\xa9 in UTF-8).");
+}
+
+void check_texts(const c10::IValue& v, const std::string& path, const char* method, int depth = 0) {
+  TORCH_CHECK(depth <= 200, "amp::PythonCheckpoint::", method, ": ", path, " is nested more than 200 levels deep.");
+  if (v.isString()) {
+    check_text(v.toStringRef(), path, method);
+  } else if (v.isTuple()) {
+    const auto& items = v.toTupleRef().elements();
+    for (size_t i = 0; i < items.size(); ++i) check_texts(items[i], path + "[" + std::to_string(i) + "]", method, depth + 1);
+  } else if (v.isList()) {
+    const auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) check_texts(list.get(i), path + "[" + std::to_string(i) + "]", method, depth + 1);
+  } else if (v.isGenericDict()) {
+    for (const auto& item : v.toGenericDict()) {
+      check_texts(item.key(), path + " (a key)", method, depth + 1);
+      const std::string key = item.key().isString() ? "'" + detail::escape_bytes(item.key().toStringRef()) + "'"
+                                                    : ToIValue::describe(item.key());
+      check_texts(item.value(), path + "[" + key + "]", method, depth + 1);
+    }
+  }
+}
+
 class Pickler {
  public:
   Pickler() { op(0x80), op(2); }  // PROTO 2
@@ -619,6 +676,7 @@ class Pickler {
     } else if (v.isDouble()) {
       floating(v.toDouble());
     } else if (v.isString()) {
+      check_text(v.toStringRef(), path, "save");
       string(v.toStringRef());
     } else if (v.isTensor()) {
       tensor(v.toTensor(), path);
@@ -907,19 +965,65 @@ PythonCheckpoint PythonCheckpoint::load(const std::string& path) {
   TORCH_CHECK(reader->hasRecord("data.pkl") && !reader->hasRecord("constants.pkl"), "amp::PythonCheckpoint::load: '",
               path, "' is a TorchScript module or a C++ torch::save archive, not a file written by Python's torch.save. "
               "Load C++ archives with torch::load or amp::load_weights, TorchScript with torch::jit::load.");
-  if (reader->hasRecord("byteorder")) {
-    auto [data, size] = reader->getRecord("byteorder");
-    const std::string order(static_cast<const char*>(data.get()), size);
-    TORCH_CHECK(order == "little", "amp::PythonCheckpoint::load: '", path, "' was written on a ", order,
-                "-endian machine; amp reads little-endian checkpoints.");
+  // Every record is checked against the zip's central directory before its bytes are used: the stream
+  // reader returns uninitialized memory for a record miniz skips (see zip_directory.h).
+  std::map<std::string, detail::ZipRecord> directory;
+  try {
+    directory = detail::read_zip_directory(path);
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "amp::PythonCheckpoint::load: '", path, "' cannot be read: ", e.what(),
+                ". The file is damaged or truncated; save it again.");
   }
-  auto [pickle, pickle_size] = reader->getRecord("data.pkl");
+  std::string prefix;  // torch.save's archive name, "<name>/"
+  for (const auto& [name, record] : directory) {
+    if (name.size() >= 9 && name.compare(name.size() - 9, 9, "/data.pkl") == 0) prefix = name.substr(0, name.size() - 8);
+  }
+  auto read_record = [&](const std::string& record) {
+    const auto it = directory.find(prefix + record);
+    if (it == directory.end()) throw std::runtime_error("the record '" + record + "' is missing from the zip directory");
+    const detail::ZipRecord& z = it->second;
+    auto damaged = [&](const std::string& why) {
+      return std::runtime_error("the record '" + record + "' " + why + "; the file is damaged, save it again");
+    };
+    if (z.is_directory) {
+      std::ostringstream attributes;
+      attributes << std::hex << z.external_attributes;
+      throw damaged("is marked as a directory in the zip directory (external attributes 0x" + attributes.str() +
+                    "), so its bytes would not be read");
+    }
+    if (z.method != 0 && z.method != 8) throw damaged("has compression method " + std::to_string(z.method));
+    if (z.uncompressed_size > 0 && (z.compressed_size == 0 || (z.method == 0 && z.compressed_size != z.uncompressed_size))) {
+      throw damaged("has a compressed size of " + std::to_string(z.compressed_size) + " bytes for " +
+                    std::to_string(z.uncompressed_size) + " bytes of data");
+    }
+    auto [data, size] = reader->getRecord(record);
+    if (size != z.uncompressed_size) {
+      throw damaged("holds " + std::to_string(size) + " bytes where the zip directory says " +
+                    std::to_string(z.uncompressed_size));
+    }
+    // torch.save with compute_crc32=False writes 0 and leaves nothing to compare with.
+    if (z.crc32 != 0 && detail::crc32(data.get(), size) != z.crc32) throw damaged("does not match its CRC-32");
+    return std::make_pair(std::move(data), size);
+  };
+  std::pair<at::DataPtr, size_t> pickle_record;
+  try {
+    if (reader->hasRecord("byteorder")) {
+      auto [data, size] = read_record("byteorder");
+      const std::string order(static_cast<const char*>(data.get()), size);
+      TORCH_CHECK(order == "little", "amp::PythonCheckpoint::load: '", path, "' was written on a ", order,
+                  "-endian machine; amp reads little-endian checkpoints.");
+    }
+    pickle_record = read_record("data.pkl");
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "amp::PythonCheckpoint::load: '", path, "' is not a valid torch.save checkpoint: ", e.what(), ".");
+  }
+  auto& [pickle, pickle_size] = pickle_record;
   auto load_storage = [&](const std::string& key, c10::ScalarType dtype, int64_t numel) {
     const std::string record = "data/" + key;
     if (!reader->hasRecord(record)) {
       throw std::runtime_error("the tensor data '" + record + "' is missing from the archive");
     }
-    auto [data, size] = reader->getRecord(record);
+    auto [data, size] = read_record(record);
     const size_t item = c10::elementSize(dtype);
     if (static_cast<uint64_t>(numel) > size / item) {
       throw std::runtime_error("the tensor data '" + record + "' has " + std::to_string(size) + " bytes, less than " +
@@ -931,8 +1035,9 @@ PythonCheckpoint PythonCheckpoint::load(const std::string& path) {
     return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
   };
   NodePtr root;
+  Unpickler unpickler(static_cast<const char*>(pickle.get()), pickle_size, load_storage);
   try {
-    root = Unpickler(static_cast<const char*>(pickle.get()), pickle_size, load_storage).run();
+    root = unpickler.run();
   } catch (const std::exception& e) {
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK(false, "amp::PythonCheckpoint::load: '", path, "' is not a valid torch.save checkpoint: ",
@@ -950,9 +1055,16 @@ PythonCheckpoint PythonCheckpoint::load(const std::string& path) {
     const NodePtr& key = root->items[i];
     TORCH_CHECK(key->kind == Node::Kind::kString, "amp::PythonCheckpoint::load: '", path, "' is a dict with a key "
                 "that is ", kind_name(key->kind), "; PythonCheckpoint reads dicts with str keys.");
+    TORCH_CHECK(!key->bad_utf8, "amp::PythonCheckpoint::load: '", path, "' has an entry whose name '",
+                detail::escape_bytes(key->text), "' is not valid UTF-8 (byte ", key->bad_utf8.value_or(0), "); Python's "
+                "torch.load refuses such a file with UnicodeDecodeError. Re-save it with str keys that are UTF-8 text.");
     Entry entry{key->text, c10::IValue(), ""};
     try {
       entry.value = converter.convert(root->items[i + 1], "entry '" + key->text + "'");
+    } catch (const InvalidText& e) {
+      TORCH_CHECK(false, "amp::PythonCheckpoint::load: '", path, "': ", e.what(), "; Python's torch.load refuses such "
+                  "a file with UnicodeDecodeError. Re-save that value in Python as bytes, or as text decoded from its "
+                  "real encoding (e.g. b.decode('latin-1')).");
     } catch (const std::runtime_error& e) {
       entry.unreadable = e.what();
     }
@@ -965,6 +1077,10 @@ PythonCheckpoint PythonCheckpoint::load(const std::string& path) {
       checkpoint.entries_.push_back(std::move(entry));
     }
   }
+  // A bad str inside a value C++ keeps opaque (an object's state, a set): Python refuses the file all the same.
+  TORCH_CHECK(!unpickler.first_bad_utf8(), "amp::PythonCheckpoint::load: '", path, "' holds a str that is not valid "
+              "UTF-8 (data.pkl byte ", unpickler.first_bad_utf8().value_or(0), "), inside a Python object; Python's "
+              "torch.load refuses such a file with UnicodeDecodeError. Re-save it with that text as UTF-8 or bytes.");
   return checkpoint;
 }
 
@@ -1094,6 +1210,31 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
 }
 
 void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
+  if (optimizer.properties().enabled) optimizer.sync_param_groups();
+  // Names of the tensors in param_groups, for messages (masters at O2 carry their model parameter's name).
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  if (optimizer.masters_) {
+    for (size_t i = 0; i < optimizer.masters_->size(); ++i) {
+      names.emplace(optimizer.masters_->master()[i].unsafeGetTensorImpl(), optimizer.masters_->name(i));
+    }
+  }
+  for (size_t i = 0; i < optimizer.direct_params_.size(); ++i) {
+    names.emplace(optimizer.direct_params_[i].unsafeGetTensorImpl(), optimizer.direct_names_[i]);
+  }
+  load_optimizer_state(optimizer.torch_optimizer(), key, [&](const at::Tensor& p) {
+    const auto it = names.find(p.unsafeGetTensorImpl());
+    return it != names.end() ? it->second : std::string();
+  });
+}
+
+void PythonCheckpoint::load_optimizer(torch::optim::Optimizer& optimizer, std::string_view key) const {
+  // An amp::Optimizer reached through its torch::optim base: its masters and names come along.
+  if (auto* amp_optimizer = dynamic_cast<OptimizerBase*>(&optimizer)) return load_optimizer(*amp_optimizer, key);
+  load_optimizer_state(optimizer, key, [](const at::Tensor&) { return std::string(); });
+}
+
+void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::string_view key,
+                                            const std::function<std::string(const at::Tensor&)>& name_of) const {
   const std::string what = "entry '" + key_text(key) + "'";
   const char* m = "amp::PythonCheckpoint::load_optimizer: ";
   const c10::IValue& value = value_of(key, "load_optimizer");
@@ -1110,25 +1251,12 @@ void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view
   const auto py_state = py_state_value.toGenericDict();
   const auto py_groups = py_groups_value.toList();
 
-  torch::optim::Optimizer& opt = optimizer.torch_optimizer();
   const auto type = cpp_optimizer_type(opt);
   TORCH_CHECK(type.has_value(), m, "this optimizer is not one whose Python state_dict amp reads; amp reads SGD, "
-              "Adam, AdamW, RMSprop and Adagrad.");
-  if (optimizer.properties().enabled) optimizer.sync_param_groups();
+              "Adam, AdamW, RMSprop and Adagrad (and amp::optim's fused ones).");
   auto& groups = opt.param_groups();
   TORCH_CHECK(py_groups.size() == groups.size(), m, what, " has ", py_groups.size(), " param group(s), this optimizer has ",
               groups.size(), ". Build the optimizer's param groups as the Python script did.");
-
-  // Names of the tensors in param_groups, for messages (masters at O2 carry their model parameter's name).
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
-  if (optimizer.masters_) {
-    for (size_t i = 0; i < optimizer.masters_->size(); ++i) {
-      names.emplace(optimizer.masters_->master()[i].unsafeGetTensorImpl(), optimizer.masters_->name(i));
-    }
-  }
-  for (size_t i = 0; i < optimizer.direct_params_.size(); ++i) {
-    names.emplace(optimizer.direct_params_[i].unsafeGetTensorImpl(), optimizer.direct_names_[i]);
-  }
 
   std::vector<Hyperparameters> hyper(groups.size());
   std::vector<PendingState> pending;
@@ -1186,9 +1314,9 @@ void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view
                 "as the Python script.");
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
-      const auto name_it = names.find(p.unsafeGetTensorImpl());
+      const std::string name = name_of(p);
       const std::string param_what = "param group " + std::to_string(g) + ", parameter " + std::to_string(i) +
-                                     (name_it != names.end() ? " ('" + name_it->second + "')" : std::string());
+                                     (!name.empty() ? " ('" + name + "')" : std::string());
       const c10::IValue& id = ids.get(i);
       TORCH_CHECK(id.isInt(), m, group_what, "['params'][", i, "] is ", type_of(id), ", not a parameter index.");
       TORCH_CHECK(seen_ids.insert(id.toInt()).second, m, group_what, " lists parameter index ", id.toInt(), " twice.");
@@ -1335,6 +1463,11 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
     int64_t unskipped;
   };
   std::vector<Loaded> loaded;
+  struct Schedule {
+    double growth_factor, backoff_factor;
+    int growth_interval;
+  };
+  std::optional<Schedule> schedule;  // a GradScaler state's growth schedule
 
   bool apex = false, grad_scaler = false;
   std::vector<std::string> keys;
@@ -1377,24 +1510,27 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
                 " loss scalers (num_losses); load a GradScaler's state into an optimizer with num_losses 1.");
     const double scale = number(dict, "scale", what);
     const double tracker = number(dict, "_growth_tracker", what);
-    const std::vector<std::pair<std::string, double>> settings = {
-        {"growth_factor", props.growth_factor},
-        {"backoff_factor", props.backoff_factor},
-        {"growth_interval", static_cast<double>(props.growth_interval)}};
-    for (const auto& [name, mine] : settings) {
-      const double theirs = number(dict, name, what);
-      auto text = [&, &name = name](double v) {
-        return name == "growth_interval" ? std::to_string(static_cast<int64_t>(v)) : detail::format_float(v);
-      };
-      TORCH_CHECK(theirs == mine, m, what, " has ", name, " = ", text(theirs), " (the Python GradScaler's setting), this "
-                  "optimizer has ", name, " = ", text(mine), ". Initialize with amp::Options(...).", name, "(",
-                  text(theirs), ") to continue with the same schedule.");
-    }
+    // As torch's GradScaler.load_state_dict: the schedule comes with the state.
+    const double growth_factor = number(dict, "growth_factor", what);
+    const double backoff_factor = number(dict, "backoff_factor", what);
+    const double growth_interval = number(dict, "growth_interval", what);
+    TORCH_CHECK(growth_factor > 1.0 && std::isfinite(growth_factor), m, what, "['growth_factor'] is ",
+                detail::format_float(growth_factor), "; a GradScaler's growth_factor is a finite number above 1.0.");
+    TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, m, what, "['backoff_factor'] is ",
+                detail::format_float(backoff_factor), "; a GradScaler's backoff_factor is in (0, 1).");
+    TORCH_CHECK(growth_interval >= 1 && std::floor(growth_interval) == growth_interval && growth_interval < 2147483648.0,
+                m, what, "['growth_interval'] is ", detail::format_float(growth_interval), "; a GradScaler's "
+                "growth_interval is a whole number of steps, at least 1.");
     TORCH_CHECK(tracker >= 0 && std::floor(tracker) == tracker && tracker < 9.2e18, m, what,
                 "['_growth_tracker'] is not a count.");
+    schedule = Schedule{growth_factor, backoff_factor, static_cast<int>(growth_interval)};
     loaded.push_back({scale, static_cast<int64_t>(tracker)});
   }
   std::vector<LossScaler> scalers = *optimizer.scalers_;
+  const LossScaler before = scalers.front();
+  if (schedule) {
+    for (auto& scaler : scalers) scaler.set_schedule(schedule->growth_factor, schedule->backoff_factor, schedule->growth_interval);
+  }
   for (size_t i = 0; i < scalers.size(); ++i) {
     TORCH_CHECK(!(loaded[i].scale > props.max_loss_scale), m, what, " has loss scale ",
                 detail::format_float(loaded[i].scale), ", above this optimizer's max_loss_scale ",
@@ -1407,12 +1543,51 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
     }
   }
   *optimizer.scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
+  if (schedule) {
+    Properties& props_out = optimizer.properties_;
+    props_out.growth_factor = schedule->growth_factor;
+    props_out.backoff_factor = schedule->backoff_factor;
+    props_out.growth_interval = schedule->growth_interval;
+    std::string changes;
+    auto note = [&](const char* name, const std::string& was, const std::string& now) {
+      if (was != now) changes += std::string(changes.empty() ? "" : ", ") + name + " " + was + " -> " + now;
+    };
+    note("growth_factor", detail::format_float(before.growth_factor()), detail::format_float(schedule->growth_factor));
+    note("backoff_factor", detail::format_float(before.backoff_factor()), detail::format_float(schedule->backoff_factor));
+    note("growth_interval", std::to_string(before.growth_interval()), std::to_string(schedule->growth_interval));
+    if (!changes.empty() && props.verbosity >= 1) {
+      std::cout << "amp::PythonCheckpoint::load_amp: the GradScaler state in " << what << " sets " << changes
+                << " (as torch's GradScaler.load_state_dict does)" << std::endl;
+    }
+  }
+}
+
+void PythonCheckpoint::load_grad_scaler(GradScaler& scaler, std::string_view key) const {
+  const std::string what = "entry '" + key_text(key) + "'";
+  const char* m = "amp::PythonCheckpoint::load_grad_scaler: ";
+  const c10::IValue& value = value_of(key, "load_grad_scaler");
+  TORCH_CHECK(value.isGenericDict(), m, what, " of ", where(), " is ", type_of(value),
+              ", not a GradScaler.state_dict().");
+  c10::Dict<std::string, c10::IValue> state;
+  for (const auto& item : value.toGenericDict()) {
+    TORCH_CHECK(item.key().isString(), m, what, " has a key that is ", type_of(item.key()), ", not a str.");
+    state.insert(item.key().toStringRef(), item.value());
+  }
+  TORCH_CHECK(!state.contains("loss_scaler0"), m, what, " is Apex's amp.state_dict(), not a GradScaler's; load it "
+              "into an amp::Optimizer with load_amp.");
+  try {
+    scaler.load_state_dict(state);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, m, what, " of ", where(), ": ", e.what_without_backtrace());
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
 // PythonCheckpoint: writing
 
 void PythonCheckpoint::put(std::string_view key, c10::IValue value) {
+  check_text(key_text(key), "the entry name", "put");
+  check_texts(value, "entry '" + detail::escape_bytes(key) + "'", "put");
   for (auto& e : entries_) {
     if (e.key == key) {
       e.value = std::move(value);
@@ -1448,11 +1623,19 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
-  torch::optim::Optimizer& opt = optimizer.torch_optimizer();
+  if (optimizer.properties().enabled) optimizer.sync_param_groups();
+  put_optimizer_state(key, optimizer.torch_optimizer());
+}
+
+void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer) {
+  if (auto* amp_optimizer = dynamic_cast<OptimizerBase*>(&optimizer)) return put_optimizer(key, *amp_optimizer);
+  put_optimizer_state(key, optimizer);
+}
+
+void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::Optimizer& opt) {
   const auto type = cpp_optimizer_type(opt);
   TORCH_CHECK(type.has_value(), "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python "
-              "state_dict amp writes; amp writes SGD, Adam, AdamW, RMSprop and Adagrad.");
-  if (optimizer.properties().enabled) optimizer.sync_param_groups();
+              "state_dict amp writes; amp writes SGD, Adam, AdamW, RMSprop and Adagrad (and amp::optim's fused ones).");
   auto& state = opt.state();
   c10::impl::GenericDict py_state(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList py_groups(c10::AnyType::get());
@@ -1573,14 +1756,19 @@ void PythonCheckpoint::put_amp(std::string_view key, const OptimizerBase& optimi
   put(key, out);
 }
 
+void PythonCheckpoint::put_grad_scaler(std::string_view key, const GradScaler& scaler) {
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& item : scaler.state_dict()) out.insert(item.key(), item.value());
+  put(key, out);
+}
+
 void PythonCheckpoint::put_grad_scaler(std::string_view key, const OptimizerBase& optimizer, int loss_id) {
   const LossScaler& scaler = optimizer.loss_scaler(loss_id);
-  const Properties& props = optimizer.properties();
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
   out.insert("scale", scaler.loss_scale());
-  out.insert("growth_factor", props.growth_factor);
-  out.insert("backoff_factor", props.backoff_factor);
-  out.insert("growth_interval", static_cast<int64_t>(props.growth_interval));
+  out.insert("growth_factor", scaler.growth_factor());
+  out.insert("backoff_factor", scaler.backoff_factor());
+  out.insert("growth_interval", static_cast<int64_t>(scaler.growth_interval()));
   out.insert("_growth_tracker", scaler.unskipped());
   put(key, out);
 }

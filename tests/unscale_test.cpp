@@ -221,3 +221,145 @@ TEST_P(UnscaleTest, CheckFiniteFindsInfAndNanAndChangesNothing) {
 }
 
 AMP_INSTANTIATE_FOR_DEVICES(UnscaleTest);
+
+// CUDA has no BFloat16 case in _amp_foreach_non_finite_check_and_unscale_ (pytorch #127176), so bf16 groups go
+// through fp32 copies there (issue 19). Fp32UnscaleRouteGuard sends CPU bf16 groups the same way: the route must
+// give the kernel's bits (the product in fp32, rounded once) and the same inf/NaN verdicts.
+namespace {
+
+struct RoutedRun {
+  std::vector<torch::Tensor> tensors;
+  std::vector<double> scales;
+  int64_t routed;
+};
+
+// Runs `train` once on ATen's (or amp's CPU) path and once forced through fp32; returns both.
+template <class Train>
+std::pair<RoutedRun, RoutedRun> both_routes(Train train) {
+  const int64_t before = amp::detail::Fp32UnscaleRouteGuard::groups_routed();
+  RoutedRun plain = train();
+  plain.routed = amp::detail::Fp32UnscaleRouteGuard::groups_routed() - before;
+  amp::detail::Fp32UnscaleRouteGuard guard;
+  RoutedRun routed = train();
+  routed.routed = amp::detail::Fp32UnscaleRouteGuard::groups_routed() - before - plain.routed;
+  return {plain, routed};
+}
+
+void expect_same_run(const std::pair<RoutedRun, RoutedRun>& runs, bool on_cuda) {
+  const auto& [plain, routed] = runs;
+  EXPECT_GT(routed.routed, 0) << "the fp32 route was not taken";
+  if (!on_cuda) EXPECT_EQ(plain.routed, 0) << "CPU bf16 groups take the fused kernel unless forced";
+  EXPECT_EQ(plain.scales, routed.scales);
+  ASSERT_EQ(plain.tensors.size(), routed.tensors.size());
+  for (size_t i = 0; i < plain.tensors.size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(plain.tensors[i].cpu(), routed.tensors[i].cpu())) << "tensor " << i;
+  }
+}
+
+}  // namespace
+
+TEST_P(UnscaleTest, Bf16GroupsThroughFp32GiveTheKernelsBits) {
+  for (const double inv : {1.0 / 65536.0, 1.0 / 3.0, 1.0, 3.0e38}) {
+    for (const int64_t bad_at : {int64_t{-1}, int64_t{0}, int64_t{4999}}) {
+      torch::manual_seed(7);
+      const auto values = torch::randn({5000}) * 100.0;
+      auto make = [&] {
+        std::vector<torch::Tensor> grads = {values.to(on(torch::kBFloat16)),
+                                            values.slice(0, 0, 1000).reshape({10, 100}).to(on(torch::kBFloat16)).t(),
+                                            values.to(on(torch::kBFloat16)).slice(0, 0, 5000, 7)};
+        if (bad_at >= 0) grads[0][bad_at] = NAN;
+        return grads;
+      };
+      auto kernel = make(), routed = make();
+      FoundInf kernel_found, routed_found;
+      amp::detail::unscale_(kernel, inv, kernel_found);  // on CUDA this already is the route
+      at::Tensor flag = routed_found.on(device());
+      amp::detail::unscale_through_fp32_(routed, inv, flag);
+      const bool expect_bad = bad_at >= 0;  // the kernel checks its inputs: 100 * 3e38 overflows but is no verdict
+      EXPECT_EQ(kernel_found.any(), expect_bad) << inv;
+      EXPECT_EQ(routed_found.any(), expect_bad) << inv;
+      for (size_t i = 0; i < kernel.size(); ++i) {
+        // The reference, computed here on the CPU: the fp32 product rounded once to bf16.
+        const auto reference = (make()[i].cpu().to(torch::kFloat) * static_cast<float>(inv)).to(torch::kBFloat16);
+        const auto nan_safe = [](const torch::Tensor& t) { return t.cpu().masked_fill(t.cpu().isnan(), 0.0); };
+        EXPECT_TRUE(amp_test::bitwise_equal(nan_safe(routed[i]), nan_safe(reference))) << "tensor " << i << " inv " << inv;
+        EXPECT_TRUE(amp_test::bitwise_equal(nan_safe(kernel[i]), nan_safe(reference))) << "tensor " << i << " inv " << inv;
+      }
+    }
+  }
+}
+
+TEST_P(UnscaleTest, GradScalerOnBf16ParametersTakesTheFp32Route) {
+  const auto runs = both_routes([&] {
+    torch::manual_seed(3);
+    amp_test::Mlp net;
+    net->to(device(), torch::kBFloat16);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+    RoutedRun run;
+    const auto x = torch::randn({8, 8}).to(on(torch::kBFloat16));
+    for (int step = 0; step < 5; ++step) {
+      sgd.zero_grad();
+      auto loss = net(x).to(torch::kFloat).pow(2).mean() * (step == 2 ? INFINITY : 1.0);
+      scaler.scale(loss).backward();
+      scaler.step(sgd);
+      scaler.update();
+      run.scales.push_back(scaler.get_scale());
+    }
+    for (const auto& p : net->parameters()) run.tensors.push_back(p.detach().clone());
+    return run;
+  });
+  expect_same_run(runs, on_cuda());
+  EXPECT_EQ(runs.first.scales, (std::vector<double>{1024.0, 2048.0, 1024.0, 1024.0, 2048.0}));
+}
+
+TEST_P(UnscaleTest, O3Bf16WithADynamicScaleTakesTheFp32Route) {
+  const auto runs = both_routes([&] {
+    torch::manual_seed(4);
+    amp_test::Mlp net;
+    net->to(device());
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05));
+    auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O3").low_precision_dtype(torch::kBFloat16)
+                                                                       .loss_scale(amp::LossScale::dynamic()).verbosity(0));
+    RoutedRun run;
+    const auto x = torch::randn({8, 8}).to(device());
+    for (int step = 0; step < 4; ++step) {
+      optimizer.zero_grad();
+      auto loss = model(x).pow(2).mean() * (step == 1 ? INFINITY : 1.0);
+      {
+        auto scaled = amp::scale_loss(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      run.scales.push_back(amp::loss_scale(optimizer));
+    }
+    for (const auto& p : net->parameters()) run.tensors.push_back(p.detach().clone());
+    return run;
+  });
+  expect_same_run(runs, on_cuda());
+  EXPECT_EQ(runs.first.scales, (std::vector<double>{65536.0, 32768.0, 32768.0, 32768.0}));
+}
+
+TEST_P(UnscaleTest, FusedOptimizerStepByGradScalerOnBf16GradientsTakesTheFp32Route) {
+  const auto runs = both_routes([&] {
+    torch::manual_seed(5);
+    amp_test::Mlp net;
+    net->to(device(), torch::kBFloat16);
+    amp::optim::FusedAdam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+    amp::GradScaler scaler;
+    RoutedRun run;
+    const auto x = torch::randn({8, 8}).to(on(torch::kBFloat16));
+    for (int step = 0; step < 3; ++step) {
+      adam.zero_grad();
+      auto loss = net(x).to(torch::kFloat).pow(2).mean() * (step == 1 ? INFINITY : 1.0);
+      scaler.scale(loss).backward();
+      scaler.step(adam);
+      scaler.update();
+      run.scales.push_back(scaler.get_scale());
+    }
+    for (const auto& p : net->parameters()) run.tensors.push_back(p.detach().clone());
+    return run;
+  });
+  expect_same_run(runs, on_cuda());
+  EXPECT_EQ(runs.first.scales, (std::vector<double>{65536.0, 32768.0, 32768.0}));
+}

@@ -43,6 +43,16 @@ class LossScaler {
   double min_loss_scale() const noexcept { return min_scale_; }
   /// Returns the clean backward passes in a row after which the scale grows.
   int growth_interval() const noexcept { return growth_interval_; }
+  /// Returns the factor the scale grows by after growth_interval clean passes.
+  double growth_factor() const noexcept { return growth_factor_; }
+  /// Returns the factor an overflow multiplies the scale by.
+  double backoff_factor() const noexcept { return backoff_factor_; }
+
+  /// Replaces the growth schedule (what torch's GradScaler.load_state_dict restores from a state); the
+  /// caller validates the values (growth_factor > 1, backoff_factor in (0, 1), growth_interval >= 1).
+  void set_schedule(double growth_factor, double backoff_factor, int growth_interval) noexcept {
+    growth_factor_ = growth_factor, backoff_factor_ = backoff_factor, growth_interval_ = growth_interval;
+  }
 
   /// Applies one backward pass's outcome (Apex's update_scale()); returns whether the step must be skipped.
   bool update_scale(bool overflow);

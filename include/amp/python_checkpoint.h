@@ -4,7 +4,9 @@
 
 #include <ATen/core/ivalue.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -13,6 +15,9 @@
 namespace amp {
 
 class OptimizerBase;
+class GradScaler;
+template <class Opt>
+class Optimizer;
 
 /// How PythonCheckpoint::load_model matches the checkpoint's names to the module's.
 ///
@@ -94,10 +99,19 @@ class PythonCheckpoint {
   /// has) into `optimizer`: per-parameter state, at O2 into the fp32 masters' state, and each group's
   /// hyperparameters (the file's win, as in Python).
   void load_optimizer(OptimizerBase& optimizer, std::string_view key = "optimizer") const;
+  /// The same for a plain torch::optim optimizer (a script ported as torch::optim::Adam + amp::GradScaler).
+  void load_optimizer(torch::optim::Optimizer& optimizer, std::string_view key = "optimizer") const;
+  template <class Opt>
+  void load_optimizer(Optimizer<Opt>& optimizer, std::string_view key = "optimizer") const {
+    load_optimizer(static_cast<OptimizerBase&>(optimizer), key);  // amp::Optimizer is both: take amp's route
+  }
   /// Loads the loss scale and its clean-step counter from Apex's `amp.state_dict()` (`loss_scaler<i>`:
   /// `loss_scale`, `unskipped`) or torch.amp's `GradScaler.state_dict()` (`scale`, `_growth_tracker`, ...),
   /// told apart by their keys.
   void load_amp(OptimizerBase& optimizer, std::string_view key = "amp") const;
+  /// Loads a torch.amp `GradScaler.state_dict()` into an amp::GradScaler (its scale, growth tracker and
+  /// schedule), as `scaler.load_state_dict(checkpoint["scaler"])`.
+  void load_grad_scaler(GradScaler& scaler, std::string_view key = "scaler") const;
 
   /// Sets the entry `key` (replacing one of that name in place): dicts with string/int keys, lists,
   /// tuples, strings, ints, floats, bools, None and tensors.
@@ -109,10 +123,17 @@ class PythonCheckpoint {
   void put_model(std::string_view key, torch::nn::Module& module);
   /// Puts `optimizer`'s state in `optimizer.state_dict()`'s format, for `optimizer.load_state_dict`.
   void put_optimizer(std::string_view key, OptimizerBase& optimizer);
+  void put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer);
+  template <class Opt>
+  void put_optimizer(std::string_view key, Optimizer<Opt>& optimizer) {
+    put_optimizer(key, static_cast<OptimizerBase&>(optimizer));
+  }
   /// Puts the loss scalers in Apex's `amp.state_dict()` format, for `amp.load_state_dict`.
   void put_amp(std::string_view key, const OptimizerBase& optimizer);
   /// Puts loss scaler `loss_id` in torch.amp's `GradScaler.state_dict()` format, for `scaler.load_state_dict`.
   void put_grad_scaler(std::string_view key, const OptimizerBase& optimizer, int loss_id = 0);
+  /// Puts an amp::GradScaler's `state_dict()`, for Python's `scaler.load_state_dict`.
+  void put_grad_scaler(std::string_view key, const GradScaler& scaler);
 
   /// Writes the checkpoint for Python's torch.load (to a temporary file, then renamed over `path`).
   void save(const std::string& path) const;
@@ -125,6 +146,9 @@ class PythonCheckpoint {
   };
   const Entry* find(std::string_view key) const;
   const c10::IValue& value_of(std::string_view key, const char* method) const;
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, std::string_view key,
+                            const std::function<std::string(const at::Tensor&)>& name_of) const;
+  void put_optimizer_state(std::string_view key, torch::optim::Optimizer& optimizer);
   std::string where() const;
 
   std::vector<Entry> entries_;

@@ -4,6 +4,8 @@
   python_checkpoint.py train  --case sgd-O2-bf16 --dir DIR   # N steps, save DIR/python.pt; resume it for M steps
   python_checkpoint.py resume --case sgd-O2-bf16 --dir DIR   # load DIR/cpp.pt (written by C++), train K steps
   python_checkpoint.py bad    --dir DIR                      # the malformed files of the error tests
+  python_checkpoint.py corners --dir DIR                     # damaged zips, non-UTF-8 str, torch.Size
+  python_checkpoint.py check_utf8 --dir DIR                  # does torch.load read DIR/cpp_text.pt (written by C++)
 
 Levels, as a Python script would run them on the CPU:
   O1: torch.autocast('cpu', dtype) + torch.amp.GradScaler('cpu'); the checkpoint holds 'scaler'.
@@ -17,6 +19,8 @@ Every step draws its batch from DIR/data.pt, which C++ reads too, so both sides 
 import argparse
 import collections
 import os
+import struct
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -247,17 +251,105 @@ def bad(args):
     torch.save({"scaler": scaler}, os.path.join(d, "scaler_missing_field.pt"))
     torch.save({"scaler": torch.amp.GradScaler("cpu", growth_interval=100).state_dict()},
                os.path.join(d, "scaler_interval.pt"))
+    odd = torch.amp.GradScaler("cpu").state_dict()
+    odd["backoff_factor"] = 2.0
+    torch.save({"scaler": odd}, os.path.join(d, "scaler_bad_backoff.pt"))
     torch.save({"model": state}, os.path.join(d, "protocol4.pt"), pickle_protocol=4)
+
+
+def zip_entries(data):
+    """(offset of the central directory header, name) of every entry of a torch.save zip."""
+    out, pos = [], 0
+    while True:
+        p = data.find(b"PK\x01\x02", pos)
+        if p < 0:
+            return out
+        name_len = struct.unpack_from("<H", data, p + 28)[0]
+        out.append((p, data[p + 46:p + 46 + name_len].decode()))
+        pos = p + 46
+
+
+def patch_record(data, suffix, patch):
+    hits = [p for p, name in zip_entries(data) if name.endswith(suffix)]
+    assert len(hits) == 1, (suffix, zip_entries(data))
+    patch(data, hits[0])
+
+
+def replace_in_pickle(data, old, new):
+    """Rewrites bytes of data.pkl in place (same length) and fixes its CRC-32 in both zip headers."""
+    assert len(old) == len(new)
+    (cd, name), = [(p, n) for p, n in zip_entries(data) if n.endswith("/data.pkl")]
+    local = struct.unpack_from("<I", data, cd + 42)[0]
+    start = local + 30 + sum(struct.unpack_from("<HH", data, local + 26))
+    size = struct.unpack_from("<I", data, cd + 24)[0]
+    pickle = bytes(data[start:start + size])
+    assert pickle.count(old) == 1, (old, pickle)
+    pickle = pickle.replace(old, new)
+    data[start:start + size] = pickle
+    crc = zlib.crc32(pickle)
+    struct.pack_into("<I", data, cd + 16, crc)
+    struct.pack_into("<I", data, local + 14, crc)
+
+
+def corners(args):
+    d = args.dir
+    values = {"w": torch.tensor([-0.1, 0.0, 0.1]), "b": torch.tensor([1.0, 2.0])}
+    clean = os.path.join(d, "clean.pt")
+    torch.save(values, clean)
+    raw = bytearray(open(clean, "rb").read())
+
+    def damaged(name, suffix, patch):
+        data = bytearray(raw)
+        patch_record(data, suffix, patch)
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+
+    # The directory bit (0x10) of the external attributes of w's storage: miniz then extracts nothing.
+    damaged("directory_bit.pt", "/data/0", lambda data, p: data.__setitem__(p + 38, data[p + 38] | 0x10))
+    # A compressed size of 0 in the central directory: miniz extracts nothing either.
+    damaged("compressed_size.pt", "/data/0", lambda data, p: struct.pack_into("<I", data, p + 20, 0))
+    # A wrong CRC-32: the bytes are not the ones written.
+    damaged("crc.pt", "/data/0", lambda data, p: data.__setitem__(p + 16, data[p + 16] ^ 0xff))
+    # torch's own reader, for the record: no error for the first, so C++ must not rely on it.
+    try:
+        loaded = torch.load(os.path.join(d, "directory_bit.pt"))
+        print("torch.load(directory_bit.pt) returned", loaded["w"].tolist(), "without an error")
+    except Exception as e:  # noqa: BLE001 - only informative
+        print("torch.load(directory_bit.pt) raised", type(e).__name__)
+
+    # A str that is not UTF-8, made by rewriting the pickle's bytes (Python cannot pickle one); Python refuses it.
+    torch.save({"path": "/data/cafe.csv", "epoch": 3}, os.path.join(d, "text.pt"))
+    data = bytearray(open(os.path.join(d, "text.pt"), "rb").read())
+    replace_in_pickle(data, b"cafe", b"caf\xe9")
+    with open(os.path.join(d, "latin1.pt"), "wb") as f:
+        f.write(data)
+    try:
+        torch.load(os.path.join(d, "latin1.pt"))
+        raise SystemExit("torch.load accepted a str that is not UTF-8")
+    except UnicodeDecodeError:
+        pass
+    # Non-ASCII text that is UTF-8, and a lone surrogate, which pickle writes and reads with 'surrogatepass'.
+    torch.save({"name": "caf\u00e9 \u2713 \U0001F600", "surrogate": "a\udc80b"}, os.path.join(d, "unicode.pt"))
+
+    # torch.Size, as real checkpoints hold it.
+    x = torch.randn(2, 3, 4)
+    torch.save({"input_shape": x.shape, "empty_shape": torch.Size([]), "shapes": [x.shape, x[0].shape]},
+               os.path.join(d, "size.pt"))
+
+
+def check_utf8(args):
+    ck = torch.load(os.path.join(args.dir, "cpp_text.pt"))
+    assert ck["name"] == "caf\u00e9 \u2713", ck
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "resume", "bad"])
+    parser.add_argument("mode", choices=["train", "resume", "bad", "corners", "check_utf8"])
     parser.add_argument("--case", default="sgd-O1-bf16")
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"train": train, "resume": resume, "bad": bad}[args.mode](args)
+    {"train": train, "resume": resume, "bad": bad, "corners": corners, "check_utf8": check_utf8}[args.mode](args)
 
 
 if __name__ == "__main__":
