@@ -8,6 +8,8 @@
 //   test_DistributedDataParallel (model vs. single process on the global batch) -> TwoRanks.Train ("weights match"),
 //   test_ddp_comm_hook_* (custom reduction) -> allreduce_always_fp32 / gradient_predivide_factor checks,
 //   test_ddp_unused_params / frozen parameters -> "frozen first layer",
+//   test_find_unused_parameters_kwarg (parameters unused on some ranks; here with delay_allreduce)
+//   -> TwoRanks.DelayAllreduceWithParametersOnlySomeRanksReach,
 //   test_ddp_multiple_backward / test_ddp_multiple_losses -> "two losses",
 //   test_ddp_buffer_sync (broadcast_buffers) -> TwoRanks.SyncBatchNorm ("broadcast_buffers"),
 //   test_ddp_model_diff_shape_across_ranks -> TwoRanks.MismatchedModels,
@@ -440,6 +442,15 @@ TEST(TwoRanksTest, SyncBatchNorm) {
   std::cout << outputs(ranks);
   ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
   ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+}
+
+// delay_allreduce with parameters that only some ranks reach (torch DDP's find_unused_parameters semantics).
+TEST(TwoRanksTest, DelayAllreduceWithParametersOnlySomeRanksReach) {
+  const auto ranks = two_ranks("unused");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  EXPECT_NE(ranks[0].output.find("ALL OK"), std::string::npos);
 }
 
 TEST(TwoRanksTest, MismatchedModels) {

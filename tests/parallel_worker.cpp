@@ -12,6 +12,9 @@
 //            + O2 training, buffers broadcast before each forward.
 //   mismatch rank 1 builds a different model: make_distributed throws on both ranks, naming the parameter.
 //   dies     rank 1 exits after joining; rank 0's next backward fails with amp's error within the timeout.
+//   unused   delay_allreduce with parameters only some ranks reach (MoE-style routing to head a or b, head c never
+//            used): O0/O2 against 1 process x full batch, ranks bit-identical, no_sync accumulation, an inf routed
+//            to a head only one rank reached, heads no rank reached keep no gradient (torch's find_unused_parameters).
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/version.h>
@@ -541,6 +544,247 @@ void scenario_syncbn(const ProcessGroup& group) {
   }
 }
 
+// ---- Parameters only some ranks reach (delay_allreduce) -------------------------------------------------------
+
+// A trunk and three heads: a sample goes to head `a` when its first feature is positive, to `b` otherwise (MoE-style
+// routing: a head that none of a rank's samples is routed to gets no gradient on that rank); `c` is never used.
+struct RouterImpl : torch::nn::Module {
+  torch::nn::Linear trunk{register_module("trunk", torch::nn::Linear(12, 16))};
+  torch::nn::Linear a{register_module("a", torch::nn::Linear(16, 5))};
+  torch::nn::Linear b{register_module("b", torch::nn::Linear(16, 5))};
+  torch::nn::Linear c{register_module("c", torch::nn::Linear(16, 5))};
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(trunk(x));
+    auto to_a = x.select(1, 0) > 0;
+    auto ia = to_a.nonzero().select(1, 0), ib = to_a.logical_not().nonzero().select(1, 0);
+    auto out = torch::zeros({x.size(0), 5}, h.options());
+    if (ia.numel() > 0) out = out.index_copy(0, ia, a(h.index_select(0, ia)));
+    if (ib.numel() > 0) out = out.index_copy(0, ib, b(h.index_select(0, ib)));
+    return out;
+  }
+};
+TORCH_MODULE(Router);
+
+// Whether row `row` of the global batch (rank row / 8, local row row % 8) goes to head a at `step`.
+//   "ab":    rank 0's samples all go to a, rank 1's all to b (same shapes, different parameters per rank).
+//   "mixed": by step % 4: rank 0 -> a, rank 1 -> b; rank 0 both, rank 1 only b (a unused on rank 1 only); rank 0
+//            only a, rank 1 both (b unused on rank 0 only); everything to a (b unused on every rank).
+//   "accumulate": micro-batch 0 (local rows 0-3, under no_sync) sends rank (step % 2)'s samples to a, the
+//            other's to b; micro-batch 1 (the synchronized one) sends all to b: a is reached by one rank and only
+//            inside no_sync().
+bool routes_to_a(const std::string& routing, int step, int64_t row) {
+  const int64_t rank = row / 8, local = row % 8;
+  if (routing == "ab") return rank == 0;
+  if (routing == "accumulate") return local < 4 && rank == step % 2;
+  switch (step % 4) {
+    case 0: return rank == 0;
+    case 1: return rank == 0 && local % 2 == 0;
+    case 2: return rank == 0 || local % 2 == 0;
+    default: return true;
+  }
+}
+
+Batch routed_batch(const std::string& routing, int step) {
+  Batch b = global_batch(step, kGlobal);
+  auto sign = torch::empty({kGlobal});
+  for (int64_t row = 0; row < kGlobal; ++row) sign[row] = routes_to_a(routing, step, row) ? 1.0 : -1.0;
+  auto first = b.x.select(1, 0);
+  first.copy_(first.abs().clamp_min(0.1) * sign);
+  return b;
+}
+
+// SGD momentum buffers in parameter order, zeros where a parameter has none (yet): same length on every rank.
+std::vector<torch::Tensor> momentum_or_zeros(torch::optim::SGD& sgd) {
+  std::vector<torch::Tensor> out;
+  auto& state = sgd.state();
+  for (auto& group : sgd.param_groups()) {
+    for (auto& p : group.params()) {
+      auto it = state.find(state_key(state, p));
+      out.push_back(it != state.end() ? static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone()
+                                      : torch::zeros_like(p));
+    }
+  }
+  return out;
+}
+
+struct RouterSetup {
+  std::string label;
+  amp::Options options{"O2"};
+  amp::parallel::DistributedDataParallelOptions ddp = amp::parallel::DistributedDataParallelOptions().delay_allreduce(true);
+  std::string routing = "mixed";
+  int steps = 8;
+};
+
+struct RouterRun {
+  std::vector<torch::Tensor> masters;
+  std::vector<torch::Tensor> c_weights;  // the model's head c after training
+  double a_bias = 0;                     // master of a.bias[0] after training
+  double scale = 0;
+  int64_t skipped = 0;
+  bool b_grad_when_unused = false;       // b had a gradient after a backward where no rank reached it
+  bool c_grad_ever = false;              // c had a gradient after some backward
+  bool equal_every_step = true;
+  amp::parallel::CommunicationStats stats;
+};
+
+constexpr int64_t kRouterInfRow = 13;  // rank 1's local row 5, routed to b in the "mixed" pattern's step 0
+
+RouterRun train_router(const RouterSetup& setup, const ProcessGroup* group) {
+  const int rank = group ? group->rank() : 0;
+  torch::manual_seed(group ? 200 + rank : 200);  // rank 1 starts from other weights: make_distributed broadcasts rank 0's
+  Router net;
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), setup.options);
+  std::optional<amp::parallel::DistributedDataParallel<Router>> ddp;
+  if (group) ddp.emplace(amp::parallel::make_distributed(model, *group, setup.ddp));
+  auto forward = [&](const torch::Tensor& x) { return ddp ? (*ddp)(x) : model(x); };
+  const bool dynamic = setup.options.resolve().loss_scale.is_dynamic();
+  RouterRun run;
+  auto watch = [&](int step) {
+    if (setup.routing == "mixed" && step % 4 == 3 && net->b->weight.grad().defined()) run.b_grad_when_unused = true;
+    if (net->c->weight.grad().defined() || net->c->bias.grad().defined()) run.c_grad_ever = true;
+  };
+  for (int step = 0; step < setup.steps; ++step) {
+    const Batch global = routed_batch(setup.routing, step);
+    optimizer.zero_grad();
+    if (setup.routing == "accumulate") {
+      for (int micro = 0; micro < 2; ++micro) {
+        Batch mine;
+        if (group) {
+          mine = rows(global, rank * 8 + micro * 4, 4);
+        } else {
+          auto r0 = rows(global, micro * 4, 4), r1 = rows(global, 8 + micro * 4, 4);
+          mine = {torch::cat({r0.x, r1.x}), torch::cat({r0.y, r1.y})};
+        }
+        if (micro == 0 && ddp) {
+          auto no_sync = ddp->no_sync();
+          auto scaled = amp::scale_loss(loss_of(forward(mine.x), mine.y), optimizer, amp::ScaleLossOptions().delay_unscale(true));
+          scaled.backward();
+        } else {
+          auto scaled = amp::scale_loss(loss_of(forward(mine.x), mine.y), optimizer,
+                                        amp::ScaleLossOptions().delay_unscale(micro == 0));
+          scaled.backward();
+          watch(step);
+        }
+      }
+    } else {
+      // An inf in one sample of rank 1's batch at step 4 (dynamic loss scales): routed to b, which rank 0 didn't reach.
+      const int64_t inf_global = setup.routing == "mixed" && step == 4 && dynamic ? kRouterInfRow : -1;
+      const Batch mine = group ? rows(global, rank * 8, 8) : global;
+      const int64_t inf_local = inf_global - rank * 8;
+      const int64_t inf_at = group ? (inf_global >= 0 && inf_local >= 0 && inf_local < 8 ? inf_local : -1) : inf_global;
+      auto scaled = amp::scale_loss(loss_of(forward(mine.x), mine.y, inf_at), optimizer);
+      scaled.backward();
+      watch(step);
+    }
+    optimizer.step();
+    if (group) {
+      std::vector<torch::Tensor> state = clones(model->parameters());
+      for (auto& t : amp::master_params(optimizer)) state.push_back(t.detach());
+      for (auto& t : momentum_or_zeros(optimizer)) state.push_back(t);
+      state.push_back(torch::tensor({amp::loss_scale(optimizer), static_cast<double>(optimizer.skipped_steps())},
+                                    torch::kDouble));
+      run.equal_every_step = same_on_all_ranks(*group, state) && run.equal_every_step;
+    }
+  }
+  run.masters = clones(amp::master_params(optimizer));
+  run.a_bias = run.masters[3][0].item<double>();  // trunk.weight, trunk.bias, a.weight, a.bias, ...
+  run.c_weights = clones(net->c->parameters());
+  run.scale = amp::loss_scale(optimizer);
+  run.skipped = optimizer.skipped_steps();
+  if (ddp) run.stats = ddp->communication_stats();
+  return run;
+}
+
+void compare_router(const RouterSetup& setup, const ProcessGroup& group, double tolerance, int64_t expected_calls = -1) {
+  const RouterRun ddp = train_router(setup, &group);
+  const RouterRun single = train_router(setup, nullptr);
+  const double d = max_abs_diff(ddp.masters, single.masters);
+  report(ddp.equal_every_step, setup.label + ": parameters, masters, momentum and loss scale bit-identical on all "
+                               "ranks after every step");
+  report(d <= tolerance, setup.label + ": weights match 1 process x full batch",
+         "max |2 ranks - 1 process| = " + str(d) + " (tolerance " + str(tolerance) + "); a.bias[0]: " +
+             str(ddp.a_bias) + " on rank " + std::to_string(group.rank()) + ", " + str(single.a_bias) + " in 1 process");
+  report(ddp.scale == single.scale && ddp.skipped == single.skipped,
+         setup.label + ": loss scale and skipped steps equal 1 process x full batch",
+         "2 ranks: scale " + str(ddp.scale) + ", skipped " + std::to_string(ddp.skipped) + "; 1 process: scale " +
+             str(single.scale) + ", skipped " + std::to_string(single.skipped));
+  if (setup.routing == "mixed" && setup.options.resolve().loss_scale.is_dynamic()) {
+    report(ddp.skipped == 1, setup.label + ": an inf routed to a head only rank 1 reached skipped the step on every rank");
+  }
+  if (setup.routing == "mixed") {
+    report(!ddp.b_grad_when_unused && !single.b_grad_when_unused,
+           setup.label + ": a head no rank reached in a backward keeps no gradient (torch's find_unused_parameters)");
+  }
+  torch::manual_seed(200);
+  Router initial;
+  std::vector<torch::Tensor> c0 = {initial->c->weight.to(ddp.c_weights[0].scalar_type()),
+                                   initial->c->bias.to(ddp.c_weights[1].scalar_type())};
+  report(!ddp.c_grad_ever && max_abs_diff(ddp.c_weights, c0) == 0,
+         setup.label + ": a head no rank ever reaches keeps no gradient and rank 0's initial weights");
+  report(ddp.stats.synced_backwards == setup.steps && ddp.stats.allreduce_calls >= setup.steps,
+         setup.label + ": every synchronized backward reduced",
+         std::to_string(ddp.stats.allreduce_calls) + " all-reduces over " + std::to_string(ddp.stats.synced_backwards) +
+             " backward passes");
+  if (expected_calls >= 0) {
+    report(ddp.stats.allreduce_calls == expected_calls, setup.label + ": the same buckets on every rank; a bucket no "
+           "rank reached is skipped everywhere", std::to_string(ddp.stats.allreduce_calls) + " all-reduces, expected " +
+           std::to_string(expected_calls));
+  }
+}
+
+void scenario_unused(const ProcessGroup& group) {
+  const auto bf16 = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const auto o0 = amp::Options("O0").verbosity(0);
+  // Tolerances as in scenario_train: O0 summation order only, O2 bf16 a few bf16 ulps of each rank's gradient.
+  RouterSetup ab;
+  ab.label = "delay_allreduce O0, rank 0 routes to a, rank 1 to b";
+  ab.options = o0;
+  ab.routing = "ab";
+  ab.steps = 3;
+  compare_router(ab, group, 1e-5);
+  RouterSetup ab2 = ab;
+  ab2.label = "delay_allreduce O2 bf16, rank 0 routes to a, rank 1 to b";
+  ab2.options = bf16;
+  compare_router(ab2, group, 2e-2);
+  RouterSetup acc;
+  acc.label = "delay_allreduce O0 no_sync accumulation, a reached on one rank inside no_sync only";
+  acc.options = o0;
+  acc.routing = "accumulate";
+  acc.steps = 4;
+  compare_router(acc, group, 1e-5);
+  RouterSetup acc2 = acc;
+  acc2.label = "delay_allreduce O2 bf16 no_sync accumulation, a reached on one rank inside no_sync only";
+  acc2.options = bf16;
+  compare_router(acc2, group, 2e-2);
+  RouterSetup mixed;
+  mixed.label = "delay_allreduce O0, heads unused on one rank or on all";
+  mixed.options = o0;
+  compare_router(mixed, group, 1e-5);
+  RouterSetup mixed2 = mixed;
+  mixed2.label = "delay_allreduce O2 bf16, heads unused on one rank or on all";
+  mixed2.options = bf16;
+  compare_router(mixed2, group, 2e-2);
+  // bucket_cap_mb 0.0001 (104 bytes): buckets trunk.weight | the four biases | a.weight | b.weight | c.weight, so
+  // 4 all-reduces per step, 3 where no rank reaches b (step % 4 == 3), none ever for c.weight: 2 * (4+4+4+3) = 30.
+  // (In fp32, O0, c.bias no longer fits with the other biases: its own bucket, never reduced either.)
+  RouterSetup knobs = mixed2;
+  knobs.label = "delay_allreduce O2 bf16 allreduce_always_fp32 + gradient_predivide_factor 3 + bucket_cap_mb 0.0001, "
+                "heads unused on one rank or on all";
+  knobs.ddp.allreduce_always_fp32(true).gradient_predivide_factor(3.0).bucket_cap_mb(0.0001);
+  compare_router(knobs, group, 2e-2, 30);
+  RouterSetup knobs0 = mixed;
+  knobs0.label = "delay_allreduce O0 gradient_predivide_factor 3 + bucket_cap_mb 0.0001, heads unused on one rank or on all";
+  knobs0.ddp.gradient_predivide_factor(3.0).bucket_cap_mb(0.0001);
+  compare_router(knobs0, group, 1e-5, 30);
+#if TORCH_VERSION_MAJOR >= 2
+  RouterSetup fp16 = mixed;
+  fp16.label = "delay_allreduce O2 fp16, heads unused on one rank or on all";
+  fp16.options = amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0);
+  compare_router(fp16, group, 5e-3);
+#endif
+}
+
 void scenario_mismatch(const ProcessGroup& group) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -589,7 +833,7 @@ void scenario_dies(const ProcessGroup& group) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: amp_parallel_worker train|quick|syncbn|mismatch|dies" << std::endl;
+    std::cerr << "usage: amp_parallel_worker train|quick|syncbn|unused|mismatch|dies" << std::endl;
     return 2;
   }
   const std::string scenario = argv[1];
@@ -604,6 +848,8 @@ int main(int argc, char** argv) {
       scenario_train(group, scenario == "quick");
     } else if (scenario == "syncbn") {
       scenario_syncbn(group);
+    } else if (scenario == "unused") {
+      scenario_unused(group);
     } else if (scenario == "mismatch") {
       scenario_mismatch(group);
     } else if (scenario == "dies") {

@@ -40,7 +40,22 @@
 // several backward passes per forward (one scale_loss per loss), so our own post hook, registered before the
 // Reducer's and so run before it, arms the Reducer at the first gradient of every backward instead. With
 // delay_allreduce, the same hook only records which parameters received a gradient, and the end-of-backward
-// callback reduces those (Apex's delay_allreduce), which also allows a backward that reaches only some of them.
+// callback reduces them (Apex's delay_allreduce), which also allows a backward that reaches only some of them.
+//
+// NOTE [Parameters only some ranks reach]
+// With delay_allreduce, ranks may reach different parameters (a mixture-of-experts routing, a branch taken on
+// some batches only). Every rank must still reduce the same buckets, in the same order, or gradients of
+// different parameters get averaged together (same sizes) or Gloo aborts (different sizes). So the delayed
+// reduction follows torch's DDP with find_unused_parameters=True: the ranks first all-reduce (MAX) one int32
+// flag per parameter, "this rank accumulated a gradient for it since the last synchronized backward" (no_sync
+// backward passes included: torch's local_used_map); then every parameter flagged on some rank is reduced on
+// every rank, in the fixed bucket layout built at wrap time; a rank without a gradient for it contributes
+// zeros (its .grad becomes a zero tensor before the sum, so the result is the mean over ranks with a missing
+// gradient counted as zero: what one process computes on the whole batch). A parameter no rank reached is
+// not reduced and its .grad is left untouched (undefined after zero_grad), as torch's reducer does for
+// globally unused parameters. The flags cost one extra tiny collective per synchronized backward (not counted
+// in CommunicationStats, which counts gradients). Zeros stay zero through gradient_predivide_factor, the fp32
+// wire dtype and amp's unscale, and add no inf/NaN, so overflow decisions stay those of the ranks' gradients.
 
 namespace amp::parallel::detail {
 namespace {
@@ -139,10 +154,12 @@ struct DistributedCore::Impl {
   };
   std::vector<GradSnapshot> unsynced;  // gradients a no_sync() backward left, awaiting a synchronized backward
   std::vector<std::string> last_missing;
+  // Parameters this rank accumulated a gradient for since the last synchronized backward (no_sync ones included).
+  std::vector<bool> used;
 
   void on_ready(size_t i);
   void end_of_backward();
-  void reduce_delayed(const std::vector<bool>& reached);
+  void reduce_delayed(const std::vector<bool>& used_here);
   void check_unsynced() const;
 };
 
@@ -169,6 +186,11 @@ void DistributedCore::Impl::end_of_backward() {
     synced = backward_synced;
     reached = fired;
   }
+  // Only a gradient that exists counts (a hook may run without one), as in torch's local_used_map.
+  if (used.size() != params.size()) used.assign(params.size(), false);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (reached[i] && params[i].grad().defined()) used[i] = true;
+  }
   if (!synced) {
     // Remember the accumulated gradients: the next forward checks that amp left them scaled (see NoSyncGuard).
     unsynced.assign(params.size(), GradSnapshot{});
@@ -185,6 +207,8 @@ void DistributedCore::Impl::end_of_backward() {
     if (!reached[i]) missing.push_back(names[i]);
   }
   last_missing = missing;
+  std::vector<bool> used_here(params.size(), false);
+  used_here.swap(used);  // the next accumulation window starts empty
   if (reducer) {
     // The Reducer's own callback, queued after this one, waits for the buckets and writes .grad.
     TORCH_CHECK(missing.empty(), kWhere, ": this backward produced no gradient for ", missing.size(),
@@ -195,11 +219,24 @@ void DistributedCore::Impl::end_of_backward() {
                 "which reduces whatever each backward reached.");
     return;
   }
-  reduce_delayed(reached);
+  reduce_delayed(used_here);
 }
 
-void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& reached) {
+void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
   c10::NoGradGuard no_grad;
+  // NOTE [Parameters only some ranks reach]: agree on what any rank reached; reduce that everywhere.
+  std::vector<bool> used_anywhere = used_here;
+  if (state.world_size > 1) {
+    at::Tensor flags = at::zeros({static_cast<int64_t>(params.size())}, at::TensorOptions().dtype(at::kInt));
+    int32_t* f = flags.data_ptr<int32_t>();
+    for (size_t i = 0; i < params.size(); ++i) f[i] = used_here[i] ? 1 : 0;
+    std::vector<at::Tensor> tensors{flags};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    wait(state.group->allreduce(tensors, max), state,
+         "the gradient all-reduce (agreeing on which parameters some rank has a gradient for)");
+    for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = f[i] != 0;
+  }
   struct Pending {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     at::Tensor flat;
@@ -210,9 +247,11 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& reached) {
     Pending p;
     std::vector<at::Tensor> pieces;
     for (size_t i : bucket) {
-      if (!reached[i] || !params[i].grad().defined()) continue;
-      p.grads.push_back(params[i].grad());
-      pieces.push_back(params[i].grad().reshape({-1}));
+      if (!used_anywhere[i]) continue;
+      at::Tensor& grad = params[i].mutable_grad();
+      if (!grad.defined()) grad = at::zeros_like(params[i]);  // reached on another rank: this rank adds zeros
+      p.grads.push_back(grad);
+      pieces.push_back(grad.reshape({-1}));
     }
     if (pieces.empty()) continue;
     p.flat = at::cat(pieces);
