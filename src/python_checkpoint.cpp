@@ -1568,7 +1568,8 @@ void PythonCheckpoint::load_grad_scaler(GradScaler& scaler, std::string_view key
   const c10::IValue& value = value_of(key, "load_grad_scaler");
   TORCH_CHECK(value.isGenericDict(), m, what, " of ", where(), " is ", type_of(value),
               ", not a GradScaler.state_dict().");
-  c10::Dict<std::string, c10::IValue> state;
+  auto state = c10::impl::toTypedDict<std::string, c10::IValue>(
+      c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
   for (const auto& item : value.toGenericDict()) {
     TORCH_CHECK(item.key().isString(), m, what, " has a key that is ", type_of(item.key()), ", not a str.");
     state.insert(item.key().toStringRef(), item.value());
