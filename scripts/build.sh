@@ -51,6 +51,8 @@ if [ "$version" = main ]; then
   # flavors compile each source alone, so their includes stay checked).
   args+=(-DAMP_BUILD_TESTS=OFF -DAMP_BUILD_BENCH=OFF -DAMP_PRECOMPILE_TORCH=OFF -DAMP_QUICK_LIBRARY_BUILD=ON)
   targets=(--target train)
+  # Ninja (pip's, where the machine has it) compiles examples/train beside the library; make waits for the library.
+  if command -v ninja > /dev/null && [ ! -f "$build_dir/Makefile" ]; then args+=(-G Ninja); fi
 fi
 cmake "${args[@]}" "$@" > "$build_dir.configure.log" 2>&1 || { mkdir -p build; cat "$build_dir.configure.log"; exit 1; }
 cmake --build "$build_dir" -j "${AMP_JOBS:-2}" "${targets[@]}"
