@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 mkdir -p build/data
 start=$(date +%s)
 ./scripts/setup.sh --main
-echo "train.sh: building amp and examples/train (build/main; a few minutes on a fresh machine, seconds after)"
+set_up=$(date +%s)
+echo "train.sh: set up in $((set_up - start)) s; building amp and examples/train (build/main: about 2 minutes on a fresh machine, seconds after)"
 ./scripts/build.sh main > build/main.build.log 2>&1 || { tail -n 50 build/main.build.log; exit 1; }
+echo "train.sh: built in $(( $(date +%s) - set_up )) s"
 
 # scikit-learn's digits, as Debian's python3-sklearn ships them: 1797 8x8 images, 10 classes. Read from the
 # installed package where the test command installed it, else from the package file itself (2 MB, not installed).
