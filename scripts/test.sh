@@ -3,7 +3,7 @@
 # build of LibTorch 2.13 (PyPI's default wheel in a venv, scripts/setup-cuda.sh: everything compiled and linked
 # with CUDA on, the suite run on the CPU, CUDA variants skipped with the reason), 1.13 (Debian's) and 2.13
 # under AddressSanitizer + UndefinedBehaviorSanitizer, runs the long soak once and fuzzes the config parser
-# for 30 s. Tests that need fp16 CPU kernels skip on 1.13 and print why.
+# and the pickle reader for 30 s each. Tests that need fp16 CPU kernels skip on 1.13 and print why.
 #   scripts/test.sh                 # everything (what CI runs)
 #   scripts/test.sh 2.13 [cuda ...] # just these builds
 set -euo pipefail
@@ -40,7 +40,9 @@ for version in "${versions[@]}"; do
   echo "=== LibTorch $version: tests took $(( $(date +%s) - built )) s"
 done
 if [ $full = 1 ]; then
-  echo "=== fuzzing the config parser for 30 s"
-  ./scripts/fuzz.sh -max_total_time=30 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" || status=1
+  for target in config pickle; do
+    echo "=== fuzzing the $target reader for 30 s"
+    ./scripts/fuzz.sh "$target" -max_total_time=30 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" || status=1
+  done
 fi
 exit $status
