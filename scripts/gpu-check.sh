@@ -44,7 +44,7 @@ fi
 
 torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
 args=(-S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir"
-      -DCMAKE_PREFIX_PATH="$prefix" -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON)
+      -DCMAKE_PREFIX_PATH="$prefix" -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON -DAMP_CTEST_PER_TEST=ON)
 command -v ninja > /dev/null && args+=(-G Ninja)
 nvcc=$(command -v nvcc || true)
 [ -z "$nvcc" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc

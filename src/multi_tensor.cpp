@@ -118,8 +118,9 @@ bool aten_unscale_takes(const c10::Device& device, c10::ScalarType dtype) {
   return takes;
 }
 
-void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf) {
-  fp32_routed.fetch_add(1, std::memory_order_relaxed);
+namespace {
+// The product in fp32, rounded once into the gradient's dtype (uncounted: unscale_through_fp32_ counts).
+void unscale_fp32_copies_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf) {
   c10::NoGradGuard no_grad;
   const at::Tensor inv = at::full({1}, static_cast<float>(inv_scale), found_inf.options());
   const bool aten = has_aten_unscale_kernel(found_inf.device().type());
@@ -145,6 +146,12 @@ void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scal
     if (elements >= kFp32ChunkElements) flush();
   }
   flush();
+}
+}  // namespace
+
+void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf) {
+  fp32_routed.fetch_add(1, std::memory_order_relaxed);
+  unscale_fp32_copies_(group, inv_scale, found_inf);
 }
 
 bool has_aten_unscale_kernel(c10::DeviceType device) {
@@ -174,14 +181,18 @@ void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf
       continue;
     }
     bool bad = false;
+    std::vector<at::Tensor> strided_reduced;
     for (const auto& t : group) {
       if (cpu_fast_path(t)) {
         bad |= scale_cpu(t, t, inv, /*accumulate=*/false);
-      } else {  // strided tensors: still no host sync, two passes
+      } else if (t.scalar_type() == at::kFloat) {  // strided tensors: still no host sync, two passes
         flag.add_(at::isfinite(t).all().logical_not());
         t.mul_(inv);
+      } else {  // bf16 t.mul_(inv) on LibTorch 1.13 rounds inv to bf16 first: 1/3 would unscale by 0.333984
+        strided_reduced.push_back(t);
       }
     }
+    if (!strided_reduced.empty()) unscale_fp32_copies_(strided_reduced, inv_scale, flag);
     if (bad) mark(flag);
   }
 }

@@ -1,0 +1,30 @@
+# amp_gtest_suites(<target> [TIMEOUT <s>]): one ctest test per GoogleTest suite of <target>, listed after each
+# build (as gtest_discover_tests lists single tests). A test process costs about 0.6 s before its first line
+# (loading LibTorch), so a process per test spent some 5 minutes of each CI flavor on starting ~480 processes.
+# gtest still reports every test by name, and `ctest -R Suite` / `--gtest_filter` pick one out.
+# -DAMP_CTEST_PER_TEST=ON registers every test on its own instead (scripts/gpu-check.sh: many cores).
+option(AMP_CTEST_PER_TEST "One ctest test per GoogleTest test instead of per suite" OFF)
+include(GoogleTest)
+
+function(amp_gtest_suites target)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "" ${ARGN})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 900)
+  endif()
+  if(AMP_CTEST_PER_TEST)
+    gtest_discover_tests(${target} DISCOVERY_TIMEOUT 120
+      PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=1" SKIP_REGULAR_EXPRESSION "SKIPPED" TIMEOUT ${ARG_TIMEOUT})
+    return()
+  endif()
+  set(suites "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites.cmake")
+  set(include_file "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites_include.cmake")
+  add_custom_command(TARGET ${target} POST_BUILD
+    COMMAND ${CMAKE_COMMAND} -DEXECUTABLE=$<TARGET_FILE:${target}> -DOUTPUT=${suites} -DTIMEOUT=${ARG_TIMEOUT}
+            -P ${PROJECT_SOURCE_DIR}/cmake/write_gtest_suites.cmake
+    BYPRODUCTS ${suites} VERBATIM)
+  # ctest reads the list when it runs; before the first build there is none, and ctest says so.
+  file(WRITE "${include_file}"
+       "if(EXISTS \"${suites}\")\n  include(\"${suites}\")\nelse()\n"
+       "  add_test(${target}_NOT_BUILT ${target}_NOT_BUILT)\nendif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${include_file}")
+endfunction()
