@@ -5,7 +5,7 @@ using amp_test::Mlp;
 
 namespace {
 
-amp::Options quiet(const char* level) { return amp::Options(level).low_precision_dtype(torch::kBFloat16).verbosity(0); }
+amp::Options quiet_bf16(const char* level) { return amp::Options(level).low_precision_dtype(torch::kBFloat16).verbosity(0); }
 
 template <class Model, class Optimizer>
 bool train_step(Model& model, Optimizer& optimizer, const torch::Tensor& x, double input_scale = 1.0) {
@@ -35,7 +35,7 @@ class ScaleLossTest : public amp_test::DeviceTest {
 TEST_P(ScaleLossTest, ScaledLossIsLossTimesScaleInFp32) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O2"));
   auto loss = model(randn({4, 8})).sum().to(torch::kBFloat16);
   auto scaled = amp::scale_loss(loss, optimizer);
   EXPECT_EQ(scaled.tensor().scalar_type(), torch::kFloat);
@@ -48,7 +48,7 @@ TEST_P(ScaleLossTest, O0AndO3HandBackTheLossUnscaled) {
   for (const char* level : {"O0", "O3"}) {
     Mlp net = make_net();
     torch::optim::SGD sgd(net->parameters(), 0.1);
-    auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet(level));
+    auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16(level));
     auto loss = model(randn({4, 8})).sum();
     auto scaled = amp::scale_loss(loss, optimizer);
     EXPECT_TRUE(torch::equal(scaled.tensor(), loss.to(torch::kFloat))) << level;
@@ -60,7 +60,7 @@ TEST_P(ScaleLossTest, OverflowSkipsTheStepAndChangesNothing) {
   for (const char* level : {"O1", "O2"}) {
     Mlp net = make_net();
     torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
-    auto [model, optimizer] = amp::initialize(net, std::move(adam), quiet(level));
+    auto [model, optimizer] = amp::initialize(net, std::move(adam), quiet_bf16(level));
     const auto x = randn({4, 8});
     ASSERT_FALSE(train_step(model, optimizer, x));
     std::vector<torch::Tensor> params, masters;
@@ -87,7 +87,7 @@ TEST_P(ScaleLossTest, OverflowSkipsTheStepAndChangesNothing) {
 TEST_P(ScaleLossTest, NanLossAlsoOverflows) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O2"));
   EXPECT_TRUE(train_step(model, optimizer, torch::full({4, 8}, std::nan("")).to(device())));
   for (auto& p : net->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
 }
@@ -116,7 +116,7 @@ TEST_P(ScaleLossTest, PrintsApexsOverflowLine) {
 TEST_P(ScaleLossTest, DestructorWithoutBackwardRestoresGradients) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O1"));
   {
     auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     scaled.backward();
@@ -139,7 +139,7 @@ TEST_P(ScaleLossTest, DestructorWithoutBackwardRestoresGradients) {
 TEST_P(ScaleLossTest, BackwardThatThrowsLeavesGradientsAsTheyWere) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O1"));
   {
     auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     scaled.backward();
@@ -159,7 +159,7 @@ TEST_P(ScaleLossTest, BackwardThatThrowsLeavesGradientsAsTheyWere) {
 TEST(ScaleLossTestCpu, MisuseErrors) {
   Mlp net;
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O2"));
   auto out = model(torch::randn({4, 8}));
   ASSERT_THROWS_WITH(amp::scale_loss(out, optimizer), "must be a single-element tensor, got shape [4, 4]");
   ASSERT_THROWS_WITH(amp::scale_loss(torch::Tensor(), optimizer), "undefined tensor");
@@ -188,7 +188,7 @@ TEST_P(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
   net->to(device());
   reference->to(device());
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1").num_losses(2));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O1").num_losses(2));
   {  // scaler 1 overflows once: 65536 -> 32768, while scaler 0 stays at 65536
     auto scaled = amp::scale_loss(model->forward(torch::full({4, 8}, INFINITY).to(device())).sum(), optimizer,
                                   amp::ScaleLossOptions().loss_id(1));
@@ -214,7 +214,7 @@ TEST_P(ScaleLossTest, AccumulationIsExactAcrossScaleChanges) {
 TEST_P(ScaleLossTest, AccumulationWithAnOverflowInBetweenUsesBothScales) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O2"));
   optimizer.zero_grad();
   auto x = randn({4, 8});
   {
@@ -240,7 +240,7 @@ TEST_P(ScaleLossTest, AccumulationWithAnOverflowInBetweenUsesBothScales) {
 TEST_P(ScaleLossTest, DelayUnscaleAccumulatesScaledThenUnscalesOnce) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O1"));
   const auto x1 = randn({4, 8}), x2 = randn({4, 8});
   optimizer.zero_grad();
   {
@@ -265,7 +265,7 @@ TEST_P(ScaleLossTest, DelayUnscaleAccumulatesScaledThenUnscalesOnce) {
 TEST_P(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
   Mlp net = make_net();
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O2"));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O2"));
   {
     auto scaled = amp::scale_loss(model(randn({4, 8})).sum(), optimizer);
     scaled.backward();
@@ -281,7 +281,7 @@ TEST_P(ScaleLossTest, ZeroGradClearsModelAndMasterGradients) {
 TEST(ScaleLossTestCpu, DelayUnscaleThenAnotherLossIdIsRefused) {
   Mlp net;
   torch::optim::SGD sgd(net->parameters(), 0.1);
-  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet("O1").num_losses(2));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), quiet_bf16("O1").num_losses(2));
   {
     auto scaled = amp::scale_loss(model(torch::randn({4, 8})).sum(), optimizer, amp::ScaleLossOptions().delay_unscale(true));
     scaled.backward();
