@@ -131,10 +131,10 @@ std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer
   state.stage = Stage::kStepped;
   if (*state.found_on_host) return std::nullopt;
   if (!fused_unscale) return optimizer.step();
-  fused->grad_scale_ = static_cast<double>(*scale_);
+  fused->set_grad_scale(static_cast<double>(*scale_));
   struct ResetGuard {
     optim::FusedOptimizer* fused;
-    ~ResetGuard() { fused->grad_scale_.reset(); }
+    ~ResetGuard() { fused->set_grad_scale(std::nullopt); }
   } reset{fused};
   return optimizer.step();
 }

@@ -106,6 +106,30 @@ void OptimizerBase::check_loss_id(int loss_id) const {
               "]. Raise num_losses in amp::Options to scale more losses separately.");
 }
 
+torch::optim::Optimizer& OptimizerBase::synced_torch_optimizer() {
+  if (properties_.enabled) sync_param_groups();
+  return torch_optimizer();
+}
+
+std::unordered_map<const c10::TensorImpl*, std::string> OptimizerBase::param_group_names() const {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  if (masters_) {
+    for (size_t i = 0; i < masters_->size(); ++i) names.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->name(i));
+  }
+  for (size_t i = 0; i < direct_params_.size(); ++i) names.emplace(direct_params_[i].unsafeGetTensorImpl(), direct_names_[i]);
+  return names;
+}
+
+void OptimizerBase::restore_loss_scalers(std::vector<LossScaler> scalers) {
+  TORCH_CHECK(scalers.size() == scalers_->size(), "amp: restoring ", scalers.size(), " loss scaler(s) into an optimizer "
+              "with ", scalers_->size(), " (num_losses).");
+  // The schedule lives in the properties too (banner, torch::save archives): both follow the restored scalers.
+  properties_.growth_factor = scalers.front().growth_factor();
+  properties_.backoff_factor = scalers.front().backoff_factor();
+  properties_.growth_interval = scalers.front().growth_interval();
+  *scalers_ = std::move(scalers);
+}
+
 std::vector<at::Tensor> OptimizerBase::master_params() {
   if (properties_.enabled) {
     sync_param_groups();
@@ -281,10 +305,9 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
   }
   // A fused optimizer writes each master's rounded copy into the model in its own pass (no copy_to_model).
   if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&opt)) {
-    fused->model_copies_.clear();
-    for (size_t i = 0; i < masters_->size(); ++i) {
-      fused->model_copies_.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->model()[i]);
-    }
+    std::unordered_map<const c10::TensorImpl*, at::Tensor> copies;
+    for (size_t i = 0; i < masters_->size(); ++i) copies.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->model()[i]);
+    fused->set_model_copies(std::move(copies));
     step_writes_model_ = true;
   }
   model_side_ = masters_->model();

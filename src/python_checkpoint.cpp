@@ -3,11 +3,6 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <caffe2/serialize/inline_container.h>
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -32,6 +27,7 @@
 #include "amp/optimizer.h"
 #include "format.h"
 #include "master_weights.h"
+#include "optimizer_formats.h"
 #include "optimizer_state_key.h"
 #include "pickle.h"
 #include "zip_directory.h"
@@ -96,59 +92,6 @@ std::optional<double> as_number(const c10::IValue& v) {
   if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<double>();
   return std::nullopt;
 }
-
-enum class OptimizerType { kSGD, kAdam, kAdamW, kRMSprop, kAdagrad };
-
-const char* optimizer_type_name(OptimizerType t) {
-  switch (t) {
-    case OptimizerType::kSGD: return "SGD";
-    case OptimizerType::kAdam: return "Adam";
-    case OptimizerType::kAdamW: return "AdamW";
-    case OptimizerType::kRMSprop: return "RMSprop";
-    case OptimizerType::kAdagrad: return "Adagrad";
-  }
-  return "?";
-}
-
-std::optional<OptimizerType> cpp_optimizer_type(const torch::optim::Optimizer& opt) {
-  if (dynamic_cast<const torch::optim::SGD*>(&opt)) return OptimizerType::kSGD;
-  if (dynamic_cast<const torch::optim::Adam*>(&opt)) return OptimizerType::kAdam;
-  if (dynamic_cast<const torch::optim::AdamW*>(&opt)) return OptimizerType::kAdamW;
-  if (dynamic_cast<const torch::optim::RMSprop*>(&opt)) return OptimizerType::kRMSprop;
-  if (dynamic_cast<const torch::optim::Adagrad*>(&opt)) return OptimizerType::kAdagrad;
-  return std::nullopt;
-}
-
-// Which torch.optim class wrote a param group, from its hyperparameter keys.
-std::optional<OptimizerType> python_optimizer_type(const c10::impl::GenericDict& group) {
-  auto has = [&](const char* key) { return group.contains(c10::IValue(std::string(key))); };
-  if (has("betas") && has("amsgrad")) {
-    if (has("decoupled_weight_decay")) {
-      const auto decoupled = as_number(group.at(c10::IValue(std::string("decoupled_weight_decay"))));
-      return decoupled && *decoupled != 0.0 ? OptimizerType::kAdamW : OptimizerType::kAdam;
-    }
-    // Before torch 2.7 Adam and AdamW wrote the same keys; the weight decay default tells them apart best.
-    return std::nullopt;
-  }
-  if (has("dampening") && has("nesterov")) return OptimizerType::kSGD;
-  if (has("alpha") && has("centered")) return OptimizerType::kRMSprop;
-  if (has("lr_decay") && has("initial_accumulator_value")) return OptimizerType::kAdagrad;
-  return std::nullopt;
-}
-
-std::vector<std::string> required_group_keys(OptimizerType t) {
-  switch (t) {
-    case OptimizerType::kSGD: return {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
-    case OptimizerType::kAdam:
-    case OptimizerType::kAdamW: return {"lr", "betas", "eps", "weight_decay", "amsgrad"};
-    case OptimizerType::kRMSprop: return {"lr", "alpha", "eps", "weight_decay", "momentum", "centered"};
-    case OptimizerType::kAdagrad: return {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"};
-  }
-  return {};
-}
-
-// A hyperparameter group's values, read from the file (numbers as doubles).
-using Hyperparameters = std::map<std::string, double>;
 
 // One parameter's state, read and checked, ready to be installed.
 struct PendingState {
@@ -462,18 +405,9 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
 }
 
 void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
-  if (optimizer.properties().enabled) optimizer.sync_param_groups();
-  // Names of the tensors in param_groups, for messages (masters at O2 carry their model parameter's name).
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
-  if (optimizer.masters_) {
-    for (size_t i = 0; i < optimizer.masters_->size(); ++i) {
-      names.emplace(optimizer.masters_->master()[i].unsafeGetTensorImpl(), optimizer.masters_->name(i));
-    }
-  }
-  for (size_t i = 0; i < optimizer.direct_params_.size(); ++i) {
-    names.emplace(optimizer.direct_params_[i].unsafeGetTensorImpl(), optimizer.direct_names_[i]);
-  }
-  load_optimizer_state(optimizer.torch_optimizer(), key, [&](const at::Tensor& p) {
+  torch::optim::Optimizer& torch_optimizer = optimizer.synced_torch_optimizer();
+  const auto names = optimizer.param_group_names();  // for messages
+  load_optimizer_state(torch_optimizer, key, [&](const at::Tensor& p) {
     const auto it = names.find(p.unsafeGetTensorImpl());
     return it != names.end() ? it->second : std::string();
   });
@@ -503,14 +437,15 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
   const auto py_state = py_state_value.toGenericDict();
   const auto py_groups = py_groups_value.toList();
 
-  const auto type = cpp_optimizer_type(opt);
-  TORCH_CHECK(type.has_value(), m, "this optimizer is not one whose Python state_dict amp reads; amp reads SGD, "
-              "Adam, AdamW, RMSprop and Adagrad (and amp::optim's fused ones).");
+  const detail::OptimizerFormat* format = detail::format_of(opt);
+  TORCH_CHECK(format, m, "this optimizer is not one whose Python state_dict amp reads; amp reads ",
+              detail::optimizer_format_names(), " (and amp::optim's fused ones).");
+  const std::string type_name = format->python_class;
   auto& groups = opt.param_groups();
   TORCH_CHECK(py_groups.size() == groups.size(), m, what, " has ", py_groups.size(), " param group(s), this optimizer has ",
               groups.size(), ". Build the optimizer's param groups as the Python script did.");
 
-  std::vector<Hyperparameters> hyper(groups.size());
+  std::vector<detail::Hyperparameters> hyper(groups.size());
   std::vector<PendingState> pending;
   std::unordered_set<int64_t> seen_ids;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -518,24 +453,22 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
     const c10::IValue& group_value = py_groups.get(g);
     TORCH_CHECK(group_value.isGenericDict(), m, group_what, " is ", type_of(group_value), ", not a dict.");
     const auto group = group_value.toGenericDict();
-    const auto py_type = python_optimizer_type(group);
-    const bool same_family = py_type == type || (!py_type && (*type == OptimizerType::kAdam || *type == OptimizerType::kAdamW) &&
-                                                 group.contains(c10::IValue(std::string("betas"))));
-    if (!same_family) {
+    if (!format->accepts(group)) {
+      const detail::OptimizerFormat* py_format = detail::python_format_of(group);
       std::vector<std::string> keys;
       for (const auto& item : group) {
         if (item.key().isString() && item.key().toStringRef() != "params") keys.push_back(item.key().toStringRef());
       }
-      TORCH_CHECK(false, m, what, " was saved from ", (py_type ? std::string("torch.optim.") + optimizer_type_name(*py_type)
-                                                                : std::string("another optimizer type")),
-                  " (param group ", g, " has ", quoted_list(keys), "), this optimizer is ", optimizer_type_name(*type),
+      TORCH_CHECK(false, m, what, " was saved from ", (py_format ? std::string("torch.optim.") + py_format->python_class
+                                                                  : std::string("another optimizer type")),
+                  " (param group ", g, " has ", quoted_list(keys), "), this optimizer is ", type_name,
                   ". Build the C++ optimizer of the type the Python script used.");
     }
-    for (const auto& k : required_group_keys(*type)) {
-      TORCH_CHECK(group.contains(c10::IValue(k)), m, group_what, " has no '", k, "', which ", optimizer_type_name(*type),
-                  " needs.");
+    for (const auto& [key, kind] : format->group_keys) {
+      const std::string k = key;
+      TORCH_CHECK(group.contains(c10::IValue(k)), m, group_what, " has no '", k, "', which ", type_name, " needs.");
       const c10::IValue& v = group.at(c10::IValue(k));
-      if (k == "betas") {
+      if (kind == detail::GroupValue::kPair) {
         TORCH_CHECK(v.isTuple() || v.isList(), m, group_what, "['betas'] is ", type_of(v), ", not a pair of floats.");
         std::vector<c10::IValue> items;
         if (v.isTuple()) {
@@ -545,7 +478,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
         }
         TORCH_CHECK(items.size() == 2 && as_number(items[0]) && as_number(items[1]), m, group_what,
                     "['betas'] is not a pair of floats.");
-        hyper[g]["beta1"] = *as_number(items[0]);
+        hyper[g]["beta1"] = *as_number(items[0]);  // the names read_group and write_group use
         hyper[g]["beta2"] = *as_number(items[1]);
       } else {
         const auto number = as_number(v);
@@ -585,7 +518,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
         const c10::IValue k{std::string(name)};
         if (!fields.contains(k) || fields.at(k).isNone()) {
           TORCH_CHECK(!required, m, what, "['state'][", id.toInt(), "] (", param_what, ") has no '", name, "', which ",
-                      optimizer_type_name(*type), " needs.");
+                      type_name, " needs.");
           return at::Tensor();
         }
         const c10::IValue& v = fields.at(k);
@@ -600,60 +533,16 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
       auto step = [&]() -> int64_t {
         const c10::IValue k{std::string("step")};
         TORCH_CHECK(fields.contains(k), m, what, "['state'][", id.toInt(), "] (", param_what, ") has no 'step', which ",
-                    optimizer_type_name(*type), " needs.");
+                    type_name, " needs.");
         const auto number = as_number(fields.at(k));
         TORCH_CHECK(number && *number >= 0 && std::floor(*number) == *number && *number < 9.2e18, m, what, "['state'][",
                     id.toInt(), "]['step'] (", param_what, ") is not a step count.");
         return static_cast<int64_t>(*number);
       };
-      const Hyperparameters& h = hyper[g];
-      switch (*type) {
-        case OptimizerType::kSGD: {
-          at::Tensor buf = field("momentum_buffer", false);
-          if (buf.defined()) {
-            auto st = std::make_unique<torch::optim::SGDParamState>();
-            st->momentum_buffer(buf);
-            entry.state = std::move(st);
-          }
-          break;
-        }
-        case OptimizerType::kAdam:
-        case OptimizerType::kAdamW: {
-          const int64_t n = step();
-          at::Tensor exp_avg = field("exp_avg", true), exp_avg_sq = field("exp_avg_sq", true);
-          at::Tensor max_sq = field("max_exp_avg_sq", h.at("amsgrad") != 0.0);
-          if (*type == OptimizerType::kAdam) {
-            auto st = std::make_unique<torch::optim::AdamParamState>();
-            st->step(n), st->exp_avg(exp_avg), st->exp_avg_sq(exp_avg_sq);
-            if (max_sq.defined()) st->max_exp_avg_sq(max_sq);
-            entry.state = std::move(st);
-          } else {
-            auto st = std::make_unique<torch::optim::AdamWParamState>();
-            st->step(n), st->exp_avg(exp_avg), st->exp_avg_sq(exp_avg_sq);
-            if (max_sq.defined()) st->max_exp_avg_sq(max_sq);
-            entry.state = std::move(st);
-          }
-          break;
-        }
-        case OptimizerType::kRMSprop: {
-          auto st = std::make_unique<torch::optim::RMSpropParamState>();
-          st->step(step());
-          st->square_avg(field("square_avg", true));
-          at::Tensor momentum = field("momentum_buffer", h.at("momentum") > 0.0);
-          if (momentum.defined()) st->momentum_buffer(momentum);
-          at::Tensor grad_avg = field("grad_avg", h.at("centered") != 0.0);
-          if (grad_avg.defined()) st->grad_avg(grad_avg);
-          entry.state = std::move(st);
-          break;
-        }
-        case OptimizerType::kAdagrad: {
-          auto st = std::make_unique<torch::optim::AdagradParamState>();
-          st->step(step());
-          st->sum(field("sum", true));
-          entry.state = std::move(st);
-          break;
-        }
-      }
+      const int64_t steps = format->has_step ? step() : 0;
+      detail::StateTensors tensors;
+      for (const auto& f : format->state_fields) tensors[f.name] = field(f.name, format->needs(f, hyper[g]));
+      entry.state = format->make_state(tensors, steps);
       pending.push_back(std::move(entry));
     }
   }
@@ -665,33 +554,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
     state.erase(k);
     if (entry.state) state[k] = std::move(entry.state);
   }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const Hyperparameters& h = hyper[g];
-    auto& o = groups[g].options();
-    switch (*type) {
-      case OptimizerType::kSGD:
-        static_cast<torch::optim::SGDOptions&>(o).lr(h.at("lr")).momentum(h.at("momentum")).dampening(h.at("dampening"))
-            .weight_decay(h.at("weight_decay")).nesterov(h.at("nesterov") != 0.0);
-        break;
-      case OptimizerType::kAdam:
-        static_cast<torch::optim::AdamOptions&>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
-            .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
-        break;
-      case OptimizerType::kAdamW:
-        static_cast<torch::optim::AdamWOptions&>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
-            .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
-        break;
-      case OptimizerType::kRMSprop:
-        static_cast<torch::optim::RMSpropOptions&>(o).lr(h.at("lr")).alpha(h.at("alpha")).eps(h.at("eps"))
-            .weight_decay(h.at("weight_decay")).momentum(h.at("momentum")).centered(h.at("centered") != 0.0);
-        break;
-      case OptimizerType::kAdagrad:
-        static_cast<torch::optim::AdagradOptions&>(o).lr(h.at("lr")).lr_decay(h.at("lr_decay"))
-            .weight_decay(h.at("weight_decay")).initial_accumulator_value(h.at("initial_accumulator_value"))
-            .eps(h.at("eps"));
-        break;
-    }
-  }
+  for (size_t g = 0; g < groups.size(); ++g) format->write_group(hyper[g], groups[g].options());
 }
 
 void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) const {
@@ -702,7 +565,7 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
               ", not amp.state_dict() or GradScaler.state_dict().");
   const auto dict = value.toGenericDict();
   const Properties& props = optimizer.properties();
-  const size_t num_scalers = optimizer.scalers_->size();
+  const size_t num_scalers = optimizer.loss_scalers().size();
   auto number = [&](const c10::impl::GenericDict& d, const std::string& field, const std::string& at) {
     const c10::IValue k(field);
     TORCH_CHECK(d.contains(k), m, at, " has no '", field, "'.");
@@ -778,7 +641,7 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
     schedule = Schedule{growth_factor, backoff_factor, static_cast<int>(growth_interval)};
     loaded.push_back({scale, static_cast<int64_t>(tracker)});
   }
-  std::vector<LossScaler> scalers = *optimizer.scalers_;
+  std::vector<LossScaler> scalers = optimizer.loss_scalers();
   const LossScaler before = scalers.front();
   if (schedule) {
     for (auto& scaler : scalers) scaler.set_schedule(schedule->growth_factor, schedule->backoff_factor, schedule->growth_interval);
@@ -794,12 +657,8 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
       TORCH_CHECK(false, m, what, " (loss scaler ", i, "): ", e.what());
     }
   }
-  *optimizer.scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
+  optimizer.restore_loss_scalers(std::move(scalers));  // optimizers sharing the bank see the restored scales
   if (schedule) {
-    Properties& props_out = optimizer.properties_;
-    props_out.growth_factor = schedule->growth_factor;
-    props_out.backoff_factor = schedule->backoff_factor;
-    props_out.growth_interval = schedule->growth_interval;
     std::string changes;
     auto note = [&](const char* name, const std::string& was, const std::string& now) {
       if (was != now) changes += std::string(changes.empty() ? "" : ", ") + name + " " + was + " -> " + now;
@@ -876,8 +735,7 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
-  if (optimizer.properties().enabled) optimizer.sync_param_groups();
-  put_optimizer_state(key, optimizer.torch_optimizer());
+  put_optimizer_state(key, optimizer.synced_torch_optimizer());
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer) {
@@ -886,103 +744,39 @@ void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimiz
 }
 
 void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::Optimizer& opt) {
-  const auto type = cpp_optimizer_type(opt);
-  TORCH_CHECK(type.has_value(), "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python "
-              "state_dict amp writes; amp writes SGD, Adam, AdamW, RMSprop and Adagrad (and amp::optim's fused ones).");
+  const detail::OptimizerFormat* format = detail::format_of(opt);
+  TORCH_CHECK(format, "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python state_dict amp "
+              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones).");
   auto& state = opt.state();
   c10::impl::GenericDict py_state(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList py_groups(c10::AnyType::get());
   int64_t id = 0;
   for (auto& group : opt.param_groups()) {
+    // The keys and Python defaults of torch.optim's own state_dict(), in its order.
+    const detail::Hyperparameters h = format->read_group(group.options());
     c10::impl::GenericDict g(c10::StringType::get(), c10::AnyType::get());
-    const auto& o = group.options();
-    switch (*type) {  // the keys and Python defaults of torch.optim's own state_dict()
-      case OptimizerType::kSGD: {
-        const auto& s = static_cast<const torch::optim::SGDOptions&>(o);
-        g.insert("lr", s.lr()), g.insert("momentum", s.momentum()), g.insert("dampening", s.dampening());
-        g.insert("weight_decay", s.weight_decay()), g.insert("nesterov", s.nesterov());
-        g.insert("maximize", false), g.insert("foreach", c10::IValue()), g.insert("differentiable", false);
-        g.insert("fused", c10::IValue());
-        break;
-      }
-      case OptimizerType::kAdam:
-      case OptimizerType::kAdamW: {
-        double lr, eps, wd;
-        std::tuple<double, double> betas;
-        bool amsgrad;
-        if (*type == OptimizerType::kAdam) {
-          const auto& s = static_cast<const torch::optim::AdamOptions&>(o);
-          lr = s.lr(), eps = s.eps(), wd = s.weight_decay(), betas = s.betas(), amsgrad = s.amsgrad();
-        } else {
-          const auto& s = static_cast<const torch::optim::AdamWOptions&>(o);
-          lr = s.lr(), eps = s.eps(), wd = s.weight_decay(), betas = s.betas(), amsgrad = s.amsgrad();
-        }
-        g.insert("lr", lr);
-        g.insert("betas", c10::ivalue::Tuple::create(std::vector<c10::IValue>{std::get<0>(betas), std::get<1>(betas)}));
-        g.insert("eps", eps), g.insert("weight_decay", wd), g.insert("amsgrad", amsgrad);
-        g.insert("maximize", false), g.insert("foreach", c10::IValue()), g.insert("capturable", false);
-        g.insert("differentiable", false), g.insert("fused", c10::IValue());
-        g.insert("decoupled_weight_decay", *type == OptimizerType::kAdamW);
-        break;
-      }
-      case OptimizerType::kRMSprop: {
-        const auto& s = static_cast<const torch::optim::RMSpropOptions&>(o);
-        g.insert("lr", s.lr()), g.insert("momentum", s.momentum()), g.insert("alpha", s.alpha());
-        g.insert("eps", s.eps()), g.insert("centered", s.centered()), g.insert("weight_decay", s.weight_decay());
-        g.insert("capturable", false), g.insert("foreach", c10::IValue()), g.insert("maximize", false);
-        g.insert("differentiable", false);
-        break;
-      }
-      case OptimizerType::kAdagrad: {
-        const auto& s = static_cast<const torch::optim::AdagradOptions&>(o);
-        g.insert("lr", s.lr()), g.insert("lr_decay", s.lr_decay()), g.insert("eps", s.eps());
-        g.insert("weight_decay", s.weight_decay()), g.insert("initial_accumulator_value", s.initial_accumulator_value());
-        g.insert("foreach", c10::IValue()), g.insert("maximize", false), g.insert("differentiable", false);
-        g.insert("fused", c10::IValue());
-        break;
+    for (const auto& [key, kind] : format->group_keys) {
+      switch (kind) {
+        case detail::GroupValue::kNumber: g.insert(key, h.at(key)); break;
+        case detail::GroupValue::kBool: g.insert(key, h.at(key) != 0.0); break;
+        case detail::GroupValue::kPair:
+          g.insert(key, c10::ivalue::Tuple::create(std::vector<c10::IValue>{h.at("beta1"), h.at("beta2")}));
+          break;
       }
     }
+    for (const auto& [key, value] : format->python_only_keys) g.insert(key, value);
     c10::impl::GenericList ids(c10::IntType::get());
     for (const auto& p : group.params()) {
       ids.push_back(id);
       const auto it = state.find(state_key(state, p));
       if (it != state.end()) {
         c10::impl::GenericDict s(c10::StringType::get(), c10::AnyType::get());
-        auto put_tensor = [&](const char* name, const at::Tensor& t) {
-          if (t.defined()) s.insert(name, cpu_copy(t));
-        };
-        const auto& base = *it->second;
-        switch (*type) {
-          case OptimizerType::kSGD:
-            put_tensor("momentum_buffer", static_cast<const torch::optim::SGDParamState&>(base).momentum_buffer());
-            break;
-          case OptimizerType::kAdam: {
-            const auto& a = static_cast<const torch::optim::AdamParamState&>(base);
-            s.insert("step", step_tensor(a.step()));
-            put_tensor("exp_avg", a.exp_avg()), put_tensor("exp_avg_sq", a.exp_avg_sq());
-            if (static_cast<const torch::optim::AdamOptions&>(o).amsgrad()) put_tensor("max_exp_avg_sq", a.max_exp_avg_sq());
-            break;
-          }
-          case OptimizerType::kAdamW: {
-            const auto& a = static_cast<const torch::optim::AdamWParamState&>(base);
-            s.insert("step", step_tensor(a.step()));
-            put_tensor("exp_avg", a.exp_avg()), put_tensor("exp_avg_sq", a.exp_avg_sq());
-            if (static_cast<const torch::optim::AdamWOptions&>(o).amsgrad()) put_tensor("max_exp_avg_sq", a.max_exp_avg_sq());
-            break;
-          }
-          case OptimizerType::kRMSprop: {
-            const auto& r = static_cast<const torch::optim::RMSpropParamState&>(base);
-            s.insert("step", step_tensor(r.step()));
-            put_tensor("square_avg", r.square_avg()), put_tensor("momentum_buffer", r.momentum_buffer());
-            put_tensor("grad_avg", r.grad_avg());
-            break;
-          }
-          case OptimizerType::kAdagrad: {
-            const auto& a = static_cast<const torch::optim::AdagradParamState&>(base);
-            s.insert("step", step_tensor(a.step()));
-            put_tensor("sum", a.sum());
-            break;
-          }
+        int64_t steps = 0;
+        const detail::StateTensors tensors = format->read_state(*it->second, &steps);
+        if (format->has_step) s.insert("step", step_tensor(steps));
+        for (const auto& f : format->state_fields) {
+          const at::Tensor& t = tensors.at(f.name);
+          if (t.defined() && (!f.written_only_when_needed || format->needs(f, h))) s.insert(f.name, cpu_copy(t));
         }
         if (!s.empty()) py_state.insert(id, s);
       }
@@ -999,7 +793,7 @@ void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::O
 
 void PythonCheckpoint::put_amp(std::string_view key, const OptimizerBase& optimizer) {
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
-  const auto& scalers = *optimizer.scaler_bank();
+  const auto& scalers = optimizer.loss_scalers();
   for (size_t i = 0; i < scalers.size(); ++i) {
     c10::impl::GenericDict s(c10::StringType::get(), c10::AnyType::get());
     s.insert("loss_scale", scalers[i].loss_scale());

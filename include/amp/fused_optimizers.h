@@ -20,11 +20,9 @@
 
 #include <optional>
 #include <unordered_map>
+#include <utility>
 
 namespace amp {
-class GradScaler;
-class OptimizerBase;
-
 namespace optim {
 
 /// What the fused optimizers share:
@@ -39,6 +37,14 @@ class FusedOptimizer {
  public:
   virtual ~FusedOptimizer() = default;
 
+  /// Set by amp::Optimizer at O2: the step also writes each master's update, rounded, into the model tensor
+  /// it maps to (keyed by the master's TensorImpl); empty: no copies.
+  void set_model_copies(std::unordered_map<const c10::TensorImpl*, at::Tensor> copies) {
+    model_copies_ = std::move(copies);
+  }
+  /// Set by amp::GradScaler::step around one step: the loss scale the gradients still carry (nullopt: none).
+  void set_grad_scale(std::optional<double> scale) noexcept { grad_scale_ = scale; }
+
  protected:
   FusedOptimizer() = default;
   FusedOptimizer(FusedOptimizer&&) = default;
@@ -50,8 +56,6 @@ class FusedOptimizer {
   const std::optional<double>& grad_scale() const noexcept { return grad_scale_; }
 
  private:
-  friend class amp::OptimizerBase;
-  friend class amp::GradScaler;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
   std::optional<double> grad_scale_;
 };

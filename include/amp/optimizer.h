@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -24,7 +25,6 @@ class FoundInf;
 namespace amp {
 
 class ScaledLoss;
-class PythonCheckpoint;
 namespace detail {
 class MasterWeights;
 }
@@ -60,6 +60,17 @@ class OptimizerBase {
   /// pointers).
   void refresh_master_params();
 
+  // For amp's checkpoint formats (amp::PythonCheckpoint); training scripts have no need of these.
+  /// Adopts param groups added since initialize, as scale_loss and step do, and returns the torch optimizer
+  /// this object is.
+  torch::optim::Optimizer& synced_torch_optimizer();
+  /// Names of the tensors param_groups hold, by TensorImpl (fp32 masters carry their model parameter's name).
+  std::unordered_map<const c10::TensorImpl*, std::string> param_group_names() const;
+  /// Every loss scaler, by loss_id (shared by the optimizers initialized together).
+  const std::vector<LossScaler>& loss_scalers() const noexcept { return *scalers_; }
+  /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.
+  void restore_loss_scalers(std::vector<LossScaler> scalers);
+
  protected:
   OptimizerBase() = default;
   OptimizerBase(OptimizerBase&&) = default;
@@ -86,7 +97,6 @@ class OptimizerBase {
 
  private:
   friend class ScaledLoss;
-  friend class PythonCheckpoint;  // reads and writes optimizer state, masters and scalers in Python's formats
 
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.

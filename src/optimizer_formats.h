@@ -1,0 +1,74 @@
+#pragma once
+
+// The Python state_dict format of each torch.optim optimizer amp reads and writes, one row per optimizer:
+// PythonCheckpoint::load_optimizer and put_optimizer both read these rows, so adding an optimizer is one row
+// (optimizer_formats.cpp).
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+/// A param group's hyperparameters by Python key: bools as 0/1, `betas` as "beta1" and "beta2".
+using Hyperparameters = std::map<std::string, double>;
+/// One parameter's state tensors by Python name (an undefined tensor: absent).
+using StateTensors = std::map<std::string, at::Tensor>;
+
+enum class GroupValue { kNumber, kBool, kPair };  // a float, a bool, or betas' (float, float)
+
+struct GroupField {
+  const char* name;
+  GroupValue kind;
+};
+
+struct StateField {
+  const char* name;
+  /// nullptr: optional; "": always needed; else needed when that hyperparameter is nonzero (e.g. "amsgrad").
+  const char* needed_when;
+  /// Written only when needed (Adam's max_exp_avg_sq, as Python writes it), else whenever defined.
+  bool written_only_when_needed = false;
+};
+
+struct OptimizerFormat {
+  const char* python_class;  // "SGD": torch.optim.SGD
+  /// Keys only this class's param groups have, which tell a Python group's class.
+  std::vector<const char*> marker_keys;
+  /// Adam and AdamW share their keys; torch >= 2.7 tells them apart by this flag (-1: not written).
+  int decoupled_weight_decay = -1;
+  /// The hyperparameters amp maps, in the order Python writes them.
+  std::vector<GroupField> group_keys;
+  /// Keys Python writes that LibTorch has no option for, with the values amp writes (Python's defaults).
+  std::vector<std::pair<const char*, c10::IValue>> python_only_keys;
+  bool has_step = false;
+  std::vector<StateField> state_fields;
+
+  bool (*is)(const torch::optim::Optimizer&);
+  Hyperparameters (*read_group)(const torch::optim::OptimizerOptions&);
+  void (*write_group)(const Hyperparameters&, torch::optim::OptimizerOptions&);
+  /// The state's tensors by name; sets *step where the optimizer counts steps.
+  StateTensors (*read_state)(const torch::optim::OptimizerParamState&, int64_t* step);
+  /// A state from tensors that were read and checked; null where there is none (SGD without momentum).
+  std::unique_ptr<torch::optim::OptimizerParamState> (*make_state)(const StateTensors&, int64_t step);
+
+  /// Whether a Python param group may have been written by this class.
+  bool accepts(const c10::impl::GenericDict& group) const;
+  bool needs(const StateField& field, const Hyperparameters& h) const;
+};
+
+const std::vector<OptimizerFormat>& optimizer_formats();
+/// The row of `optimizer`'s type (amp::optim's fused optimizers are their torch::optim base's), or nullptr.
+const OptimizerFormat* format_of(const torch::optim::Optimizer& optimizer);
+/// The one row that accepts a Python group, or nullptr when none or several do.
+const OptimizerFormat* python_format_of(const c10::impl::GenericDict& group);
+/// "SGD, Adam, AdamW, RMSprop and Adagrad", for messages.
+std::string optimizer_format_names();
+
+}  // namespace amp::detail
