@@ -12,6 +12,9 @@ namespace amp::detail {
 /// messages read exactly like Apex's.
 std::string format_float(double value);
 
+/// "True" or "False", as Python prints a bool.
+inline std::string python_bool(bool value) { return value ? "True" : "False"; }
+
 /// Returns the offset of the first byte where `text` stops being valid UTF-8 (overlong forms, code points
 /// above U+10FFFF and truncated sequences are invalid, as in Python's strict decoder), or nullopt if it is
 /// valid. `surrogates` accepts encoded U+D800..U+DFFF, as pickle's 'surrogatepass' does for str opcodes.

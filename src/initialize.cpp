@@ -12,7 +12,6 @@
 #include <mutex>
 #include <set>
 
-#include "amp/batchnorm.h"
 #include "cpu_features.h"
 #include "master_weights.h"
 #include "model_casting.h"
@@ -179,28 +178,6 @@ void print_banner(const Options& options, const Properties& properties) {
 }
 
 }  // namespace
-
-bool casts_model_to_low_precision(const Properties& p) {
-  return p.enabled && p.cast_model_type && *p.cast_model_type != c10::ScalarType::Float;
-}
-
-std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& p) {
-  std::unordered_set<const c10::TensorImpl*> out;
-  if (!p.enabled || !p.cast_model_type) return out;
-  const bool keep_bn = p.keep_batchnorm_fp32.value_or(false);
-  for (const auto& m : module.modules(/*include_self=*/true)) {
-    if (is_batchnorm(*m)) {
-      // Frozen layers hold pretrained statistics: they stay fp32 at every level unless asked otherwise.
-      const bool keep = is_frozen(*m) ? !p.cast_frozen_batchnorm : keep_bn;
-      if (keep) continue;
-    }
-    for (const auto& t : m->parameters(/*recurse=*/false)) out.insert(t.unsafeGetTensorImpl());
-    for (const auto& t : m->buffers(/*recurse=*/false)) {
-      if (t.is_floating_point()) out.insert(t.unsafeGetTensorImpl());
-    }
-  }
-  return out;
-}
 
 c10::DeviceType check_model(torch::nn::Module& module, const Options& options, const Properties& properties) {
   note_initialize();

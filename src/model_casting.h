@@ -14,10 +14,11 @@ namespace amp::detail {
 /// cast_model_type: all of them, except BatchNorm layers' when keep_batchnorm_fp32.
 std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& properties);
 
-/// Records that amp::initialize ran (user cast registrations must come before; src/cast_kernels.cpp).
-void note_initialize();
-
 /// Returns whether `properties` cast the model to a low-precision dtype.
 bool casts_model_to_low_precision(const Properties& properties);
+
+/// Records that amp::initialize ran (user cast registrations must come before it; defined beside them in
+/// src/cast_kernels.cpp).
+void note_initialize();
 
 }  // namespace amp::detail

@@ -11,9 +11,8 @@
 namespace amp::detail {
 namespace {
 
-namespace optim = torch::optim;
-using Options = optim::OptimizerOptions;
-using ParamState = optim::OptimizerParamState;
+using GroupOptions = torch::optim::OptimizerOptions;
+using ParamStateBase = torch::optim::OptimizerParamState;
 
 template <class T, class Base>
 const T& as(const Base& base) {
@@ -24,7 +23,7 @@ T& as(Base& base) {
   return static_cast<T&>(base);
 }
 template <class Opt>
-bool is(const optim::Optimizer& o) {
+bool is(const torch::optim::Optimizer& o) {
   return dynamic_cast<const Opt*>(&o) != nullptr;
 }
 
@@ -38,22 +37,22 @@ OptimizerFormat sgd() {
                   {"weight_decay", GroupValue::kNumber}, {"nesterov", GroupValue::kBool}};
   f.python_only_keys = {{"maximize", false}, {"foreach", kNone}, {"differentiable", false}, {"fused", kNone}};
   f.state_fields = {{"momentum_buffer", nullptr}};
-  f.is = is<optim::SGD>;
-  f.read_group = [](const Options& o) -> Hyperparameters {
-    const auto& s = as<optim::SGDOptions>(o);
+  f.is = is<torch::optim::SGD>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<torch::optim::SGDOptions>(o);
     return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"dampening", s.dampening()},
             {"weight_decay", s.weight_decay()}, {"nesterov", s.nesterov()}};
   };
-  f.write_group = [](const Hyperparameters& h, Options& o) {
-    as<optim::SGDOptions>(o).lr(h.at("lr")).momentum(h.at("momentum")).dampening(h.at("dampening"))
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<torch::optim::SGDOptions>(o).lr(h.at("lr")).momentum(h.at("momentum")).dampening(h.at("dampening"))
         .weight_decay(h.at("weight_decay")).nesterov(h.at("nesterov") != 0.0);
   };
-  f.read_state = [](const ParamState& s, int64_t*) -> StateTensors {
-    return {{"momentum_buffer", as<optim::SGDParamState>(s).momentum_buffer()}};
+  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
+    return {{"momentum_buffer", as<torch::optim::SGDParamState>(s).momentum_buffer()}};
   };
-  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamState> {
+  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
     if (!t.at("momentum_buffer").defined()) return nullptr;
-    auto state = std::make_unique<optim::SGDParamState>();
+    auto state = std::make_unique<torch::optim::SGDParamState>();
     state->momentum_buffer(t.at("momentum_buffer"));
     return state;
   };
@@ -74,21 +73,21 @@ OptimizerFormat adam(const char* name, bool decoupled) {
   f.has_step = true;
   f.state_fields = {{"exp_avg", ""}, {"exp_avg_sq", ""}, {"max_exp_avg_sq", "amsgrad", true}};
   f.is = is<Opt>;
-  f.read_group = [](const Options& o) -> Hyperparameters {
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<OptOptions>(o);
     return {{"lr", s.lr()}, {"beta1", std::get<0>(s.betas())}, {"beta2", std::get<1>(s.betas())}, {"eps", s.eps()},
             {"weight_decay", s.weight_decay()}, {"amsgrad", s.amsgrad()}};
   };
-  f.write_group = [](const Hyperparameters& h, Options& o) {
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
     as<OptOptions>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
         .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
   };
-  f.read_state = [](const ParamState& s, int64_t* step) -> StateTensors {
+  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
     const auto& a = as<State>(s);
     *step = a.step();
     return {{"exp_avg", a.exp_avg()}, {"exp_avg_sq", a.exp_avg_sq()}, {"max_exp_avg_sq", a.max_exp_avg_sq()}};
   };
-  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamState> {
+  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
     auto state = std::make_unique<State>();
     state->step(step), state->exp_avg(t.at("exp_avg")), state->exp_avg_sq(t.at("exp_avg_sq"));
     if (t.at("max_exp_avg_sq").defined()) state->max_exp_avg_sq(t.at("max_exp_avg_sq"));
@@ -106,23 +105,23 @@ OptimizerFormat rmsprop() {
   f.python_only_keys = {{"capturable", false}, {"foreach", kNone}, {"maximize", false}, {"differentiable", false}};
   f.has_step = true;
   f.state_fields = {{"square_avg", ""}, {"momentum_buffer", "momentum"}, {"grad_avg", "centered"}};
-  f.is = is<optim::RMSprop>;
-  f.read_group = [](const Options& o) -> Hyperparameters {
-    const auto& s = as<optim::RMSpropOptions>(o);
+  f.is = is<torch::optim::RMSprop>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<torch::optim::RMSpropOptions>(o);
     return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"alpha", s.alpha()}, {"eps", s.eps()},
             {"centered", s.centered()}, {"weight_decay", s.weight_decay()}};
   };
-  f.write_group = [](const Hyperparameters& h, Options& o) {
-    as<optim::RMSpropOptions>(o).lr(h.at("lr")).alpha(h.at("alpha")).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<torch::optim::RMSpropOptions>(o).lr(h.at("lr")).alpha(h.at("alpha")).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
         .momentum(h.at("momentum")).centered(h.at("centered") != 0.0);
   };
-  f.read_state = [](const ParamState& s, int64_t* step) -> StateTensors {
-    const auto& r = as<optim::RMSpropParamState>(s);
+  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
+    const auto& r = as<torch::optim::RMSpropParamState>(s);
     *step = r.step();
     return {{"square_avg", r.square_avg()}, {"momentum_buffer", r.momentum_buffer()}, {"grad_avg", r.grad_avg()}};
   };
-  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamState> {
-    auto state = std::make_unique<optim::RMSpropParamState>();
+  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<torch::optim::RMSpropParamState>();
     state->step(step), state->square_avg(t.at("square_avg"));
     if (t.at("momentum_buffer").defined()) state->momentum_buffer(t.at("momentum_buffer"));
     if (t.at("grad_avg").defined()) state->grad_avg(t.at("grad_avg"));
@@ -140,23 +139,23 @@ OptimizerFormat adagrad() {
   f.python_only_keys = {{"foreach", kNone}, {"maximize", false}, {"differentiable", false}, {"fused", kNone}};
   f.has_step = true;
   f.state_fields = {{"sum", ""}};
-  f.is = is<optim::Adagrad>;
-  f.read_group = [](const Options& o) -> Hyperparameters {
-    const auto& s = as<optim::AdagradOptions>(o);
+  f.is = is<torch::optim::Adagrad>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<torch::optim::AdagradOptions>(o);
     return {{"lr", s.lr()}, {"lr_decay", s.lr_decay()}, {"eps", s.eps()}, {"weight_decay", s.weight_decay()},
             {"initial_accumulator_value", s.initial_accumulator_value()}};
   };
-  f.write_group = [](const Hyperparameters& h, Options& o) {
-    as<optim::AdagradOptions>(o).lr(h.at("lr")).lr_decay(h.at("lr_decay")).weight_decay(h.at("weight_decay"))
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<torch::optim::AdagradOptions>(o).lr(h.at("lr")).lr_decay(h.at("lr_decay")).weight_decay(h.at("weight_decay"))
         .initial_accumulator_value(h.at("initial_accumulator_value")).eps(h.at("eps"));
   };
-  f.read_state = [](const ParamState& s, int64_t* step) -> StateTensors {
-    const auto& a = as<optim::AdagradParamState>(s);
+  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
+    const auto& a = as<torch::optim::AdagradParamState>(s);
     *step = a.step();
     return {{"sum", a.sum()}};
   };
-  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamState> {
-    auto state = std::make_unique<optim::AdagradParamState>();
+  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<torch::optim::AdagradParamState>();
     state->step(step), state->sum(t.at("sum"));
     return state;
   };
@@ -170,8 +169,8 @@ bool has(const c10::impl::GenericDict& group, const char* key) { return group.co
 const std::vector<OptimizerFormat>& optimizer_formats() {
   static const std::vector<OptimizerFormat> rows = {
       sgd(),
-      adam<optim::Adam, optim::AdamOptions, optim::AdamParamState>("Adam", false),
-      adam<optim::AdamW, optim::AdamWOptions, optim::AdamWParamState>("AdamW", true),
+      adam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>("Adam", false),
+      adam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>("AdamW", true),
       rmsprop(),
       adagrad(),
   };

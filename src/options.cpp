@@ -15,67 +15,11 @@ bool is_low_precision(c10::ScalarType t) { return t == c10::ScalarType::Half || 
 
 bool is_model_dtype(c10::ScalarType t) { return t == c10::ScalarType::Float || is_low_precision(t); }
 
-std::string py_bool(bool b) { return b ? "True" : "False"; }
-
-template <class T>
-std::string optional_str(const std::optional<T>& v) {
-  if (!v) return "None";
-  if constexpr (std::is_same_v<T, bool>) return py_bool(*v);
-  else if constexpr (std::is_same_v<T, c10::ScalarType>) return dtype_name(*v);
-  else if constexpr (std::is_same_v<T, double>) return detail::format_float(*v);
-  else return std::to_string(*v);
-}
-
 constexpr int kMaxNumLosses = 1024;  // a scaler per loss; far above any real model's count
 
 [[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("amp::Options: " + message); }
 
 }  // namespace
-
-std::string dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::ScalarType::Float: return "torch.float32";
-    case c10::ScalarType::Half: return "torch.float16";
-    case c10::ScalarType::BFloat16: return "torch.bfloat16";
-    case c10::ScalarType::Double: return "torch.float64";
-    case c10::ScalarType::Int: return "torch.int32";
-    case c10::ScalarType::Long: return "torch.int64";
-    case c10::ScalarType::Short: return "torch.int16";
-    case c10::ScalarType::Char: return "torch.int8";
-    case c10::ScalarType::Byte: return "torch.uint8";
-    case c10::ScalarType::Bool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(dtype);
-  }
-}
-
-Properties properties(OptLevel level) { return opt_levels::spec(level).defaults; }
-
-std::string to_string(const Properties& p) {
-  std::ostringstream os;
-  auto row = [&os](const char* name, const std::string& value) {
-    os << name << std::string(23 - std::string(name).size(), ' ') << ": " << value << "\n";
-  };
-  row("enabled", py_bool(p.enabled));
-  row("opt_level", to_string(p.opt_level));
-  row("cast_model_type", optional_str(p.cast_model_type));
-  row("patch_torch_functions", py_bool(p.patch_torch_functions));
-  row("keep_batchnorm_fp32", optional_str(p.keep_batchnorm_fp32));
-  row("cast_frozen_batchnorm", py_bool(p.cast_frozen_batchnorm));
-  row("master_weights", py_bool(p.master_weights));
-  row("loss_scale", to_string(p.loss_scale));
-  row("low_precision_dtype", dtype_name(p.low_precision_dtype));
-  row("cast_model_outputs", dtype_name(p.cast_model_outputs));
-  row("num_losses", std::to_string(p.num_losses));
-  row("min_loss_scale", optional_str(p.min_loss_scale));
-  row("max_loss_scale", detail::format_float(p.max_loss_scale));
-  row("verbosity", std::to_string(p.verbosity));
-  row("init_scale", detail::format_float(p.init_scale));
-  row("growth_factor", detail::format_float(p.growth_factor));
-  row("backoff_factor", detail::format_float(p.backoff_factor));
-  row("growth_interval", std::to_string(p.growth_interval));
-  row("hysteresis", std::to_string(p.hysteresis));
-  return os.str();
-}
 
 Options::Options(std::string_view level) : level_(parse_opt_level(level)) {}
 
@@ -123,7 +67,7 @@ Properties Options::resolve() const {
   if (keep_batchnorm_fp32_) {
     if (level_ == OptLevel::O1) {
       fail("With opt_level O1, batchnorm functions are automatically patched to run in FP32, so "
-           "keep_batchnorm_fp32 should be None (do not set it). It was set to " + py_bool(*keep_batchnorm_fp32_) +
+           "keep_batchnorm_fp32 should be None (do not set it). It was set to " + detail::python_bool(*keep_batchnorm_fp32_) +
            ".");
     }
     p.keep_batchnorm_fp32 = *keep_batchnorm_fp32_;
@@ -138,7 +82,7 @@ Properties Options::resolve() const {
   if (master_weights_) {
     if (level_ == OptLevel::O1) {  // Apex rejects any value here, False included
       fail("It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should "
-           "be FP32. Remove master_weights (it was set to " + py_bool(*master_weights_) + "), or use opt_level O2.");
+           "be FP32. Remove master_weights (it was set to " + detail::python_bool(*master_weights_) + "), or use opt_level O2.");
     }
     p.master_weights = *master_weights_;
   }
@@ -223,12 +167,12 @@ std::string Options::describe_overrides() const {
   auto row = [&os](const char* name, const std::string& value) {
     os << name << std::string(23 - std::string(name).size(), ' ') << ": " << value << "\n";
   };
-  if (enabled_) row("enabled", py_bool(*enabled_));
+  if (enabled_) row("enabled", detail::python_bool(*enabled_));
   if (cast_model_type_) row("cast_model_type", dtype_name(*cast_model_type_));
-  if (patch_torch_functions_) row("patch_torch_functions", py_bool(*patch_torch_functions_));
-  if (keep_batchnorm_fp32_) row("keep_batchnorm_fp32", py_bool(*keep_batchnorm_fp32_));
-  if (cast_frozen_batchnorm_) row("cast_frozen_batchnorm", py_bool(*cast_frozen_batchnorm_));
-  if (master_weights_) row("master_weights", py_bool(*master_weights_));
+  if (patch_torch_functions_) row("patch_torch_functions", detail::python_bool(*patch_torch_functions_));
+  if (keep_batchnorm_fp32_) row("keep_batchnorm_fp32", detail::python_bool(*keep_batchnorm_fp32_));
+  if (cast_frozen_batchnorm_) row("cast_frozen_batchnorm", detail::python_bool(*cast_frozen_batchnorm_));
+  if (master_weights_) row("master_weights", detail::python_bool(*master_weights_));
   if (loss_scale_) row("loss_scale", to_string(*loss_scale_));
   if (low_precision_dtype_) row("low_precision_dtype", dtype_name(*low_precision_dtype_));
   if (cast_model_outputs_) row("cast_model_outputs", dtype_name(*cast_model_outputs_));
