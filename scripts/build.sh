@@ -39,10 +39,10 @@ args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DAMP_BUILD_TESTS=ON -DAMP
 [ -n "$torch_dir" ] && args+=(-DTorch_DIR="$torch_dir")
 # Examples and benchmarks are built and run in the 2.13 flavor. The others cover the library and the unit suite,
 # which keeps CI's four cold builds inside its time (pass -DAMP_BUILD_EXAMPLES=ON to build and run the examples
-# there too). The library compiles in batches (a unity build, 0.4x the time) except in the 1.13 flavor, where
-# each source compiles alone, so that a missing include still breaks a build.
+# there too). The library compiles in batches (a unity build, 0.4x the time) in every flavor; `custom` builds
+# each source alone (pass -DAMP_QUICK_LIBRARY_BUILD=OFF to another flavor to check each source's includes).
 case "$version" in 1.13|2.13-sanitize|cuda) args+=(-DAMP_BUILD_EXAMPLES=OFF) ;; esac
-case "$version" in 2.13|2.13-sanitize|cuda) args+=(-DAMP_QUICK_LIBRARY_BUILD=ON) ;; esac
+case "$version" in 2.13|1.13|2.13-sanitize|cuda) args+=(-DAMP_QUICK_LIBRARY_BUILD=ON) ;; esac
 # -g1: line tables are all a sanitizer report needs, and full debug info slows this, the longest build.
 [ "$version" = 2.13-sanitize ] && args+=(-DAMP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG")
 [ "$version" = cuda ] && args+=("${cuda_args[@]}")
