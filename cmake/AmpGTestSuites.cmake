@@ -3,13 +3,14 @@
 # (loading LibTorch), so a process per test spent some 5 minutes of each CI flavor on starting ~480 processes.
 # gtest still reports every test by name, and `ctest -R Suite` / `--gtest_filter` pick one out.
 # -DAMP_CTEST_PER_TEST=ON registers every test on its own instead (scripts/gpu-check.sh: many cores).
+# TIMEOUT (default 600 s, about 3x the slowest suite seen, 210 s on 2 shared cores) fails a hung suite fast, by name.
 option(AMP_CTEST_PER_TEST "One ctest test per GoogleTest test instead of per suite" OFF)
 include(GoogleTest)
 
 function(amp_gtest_suites target)
   cmake_parse_arguments(ARG "" "TIMEOUT" "" ${ARGN})
   if(NOT ARG_TIMEOUT)
-    set(ARG_TIMEOUT 900)
+    set(ARG_TIMEOUT 600)
   endif()
   if(AMP_CTEST_PER_TEST)
     gtest_discover_tests(${target} DISCOVERY_TIMEOUT 120

@@ -29,7 +29,7 @@ for version in "${versions[@]}"; do
   fi
   # Leak checking stays on under the sanitizers; LibTorch's own one-time registrations are not reported.
   if ! (cd "build/torch-$version" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 OMP_NUM_THREADS=1 \
-        ctest --output-on-failure -j 2 --timeout 1800 -LE long "${exclude[@]}"); then status=1; fi
+        ctest --output-on-failure -j 2 --timeout 600 -LE long "${exclude[@]}"); then status=1; fi
   if [ "$version" = 2.13 ]; then  # long modes, once
     (cd "build/torch-$version" && ctest --output-on-failure -V -L long | grep -E "soak:|tests passed|Failed") || status=1
   fi

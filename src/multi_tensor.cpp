@@ -188,7 +188,7 @@ void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf
       } else if (t.scalar_type() == at::kFloat) {  // strided tensors: still no host sync, two passes
         flag.add_(at::isfinite(t).all().logical_not());
         t.mul_(inv);
-      } else {  // bf16 t.mul_(inv) on LibTorch 1.13 rounds inv to bf16 first: 1/3 would unscale by 0.333984
+      } else {  // a bf16/fp16 t.mul_(inv) on LibTorch 1.13 rounds inv first: 1/3 would unscale by 0.333984
         strided_reduced.push_back(t);
       }
     }
