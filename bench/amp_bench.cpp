@@ -1,5 +1,5 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale|fused] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
@@ -20,6 +20,7 @@
 #include "../examples/common/memory_meter.h"
 #include "models.h"
 #include "training_steps.h"
+#include "fused_route.h"
 #include "multi_tensor.h"
 
 namespace {
@@ -371,12 +372,78 @@ void unscale_section() {
   std::printf("\n");
 }
 
+// Tensors of `total / count` elements, with gradients, for the clipping and LAMB rows.
+std::vector<torch::Tensor> params_with_grads(int64_t total, int64_t count) {
+  std::vector<torch::Tensor> params;
+  for (int64_t i = 0; i < count; ++i) {
+    auto p = torch::randn({total / count}).requires_grad_(true);
+    p.mutable_grad() = torch::randn({total / count});
+    params.push_back(p);
+  }
+  return params;
+}
+
+void clip_section() {
+  std::printf("## Gradient clipping\n\namp::clip_grad_norm_'s pass (one norm pass over all tensors, accumulated in double, "
+              "then one scaling pass; the norm stays a tensor) vs LibTorch's torch::nn::utils::clip_grad_norm_ (a norm "
+              "op per tensor, the total read back as a double, a mul_ per tensor) on the same fp32 gradients, max_norm "
+              "1.0; interleaved repetitions.\n\n| elements | tensors | amp ms | LibTorch ms | LibTorch / amp |\n|---|---|---|---|---|\n");
+  for (int64_t total : {int64_t{1} << 20, int64_t{1} << 24}) {
+    for (int64_t count : {10, 100, 1000}) {
+      const auto params = params_with_grads(total, count);
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : params) grads.push_back(p.grad());
+      const auto [amp_s, torch_s] = time_interleaved(
+          [&] { amp::detail::clip_grads(grads, 1.0, 2.0, torch::Tensor()); },
+          [&] { torch::nn::utils::clip_grad_norm_(params, 1.0); }, 0.2);
+      const std::string label = std::to_string(total >> 20) + "M";
+      std::printf("| %s | %lld | %.3f | %.3f | %.2f |\n", label.c_str(), static_cast<long long>(count), 1e3 * amp_s,
+                  1e3 * torch_s, torch_s / amp_s);
+      const std::string config = "fp32 x" + std::to_string(count);
+      record("clip", label, config, "amp_ms", 1e3 * amp_s);
+      record("clip", label, config, "libtorch_ms", 1e3 * torch_s);
+      record("clip", label, config, "libtorch_over_amp", torch_s / amp_s);
+    }
+  }
+  std::printf("\n");
+}
+
+void lamb_section() {
+  std::printf("## FusedLAMB: the optimizer step alone\n\nLibTorch has no LAMB. amp::optim::FusedLAMB's CPU loop (per "
+              "tensor: the update in one pass, its norm and the parameter's, then the parameter in a second pass) vs the "
+              "same update in ATen ops, one op after another (FusedLAMB's per-op route, what a LAMB written with LibTorch "
+              "tensor ops does), fp32, Apex's defaults; interleaved repetitions.\n\n| elements | tensors | fused ms | "
+              "per-op ms | per-op / fused |\n|---|---|---|---|---|\n");
+  using amp::optim::detail::FusedRoute;
+  for (int64_t total : {int64_t{1} << 20, int64_t{1} << 24}) {
+    for (int64_t count : {10, 100, 1000}) {
+      auto fused_params = params_with_grads(total, count), per_op_params = params_with_grads(total, count);
+      amp::optim::FusedLAMB fused(fused_params), per_op(per_op_params);
+      const auto [fused_s, per_op_s] = time_interleaved(
+          [&] { fused.step(); },
+          [&] {
+            amp::optim::detail::force_fused_route(FusedRoute::kPerOp);
+            per_op.step();
+            amp::optim::detail::force_fused_route(FusedRoute::kAuto);
+          }, 0.2);
+      const std::string label = std::to_string(total >> 20) + "M";
+      std::printf("| %s | %lld | %.3f | %.3f | %.2f |\n", label.c_str(), static_cast<long long>(count), 1e3 * fused_s,
+                  1e3 * per_op_s, per_op_s / fused_s);
+      const std::string config = "fp32 x" + std::to_string(count);
+      record("lamb", label, config, "fused_ms", 1e3 * fused_s);
+      record("lamb", label, config, "per_op_ms", 1e3 * per_op_s);
+      record("lamb", label, config, "per_op_over_fused", per_op_s / fused_s);
+    }
+  }
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale | fused").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -404,6 +471,8 @@ int main(int argc, char** argv) {
     }
     if (section == "all" || section == "unscale") unscale_section();
     if (section == "all" || section == "fused") fused_section();
+    if (section == "all" || section == "clip") clip_section();
+    if (section == "all" || section == "lamb") lamb_section();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

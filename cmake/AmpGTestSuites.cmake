@@ -4,11 +4,15 @@
 # gtest still reports every test by name, and `ctest -R Suite` / `--gtest_filter` pick one out.
 # -DAMP_CTEST_PER_TEST=ON registers every test on its own instead (scripts/gpu-check.sh: many cores).
 # TIMEOUT (default 600 s, about 3x the slowest suite seen, 210 s on 2 shared cores) fails a hung suite fast, by name.
+# SHARDED <suite>...: suites that take minutes (they call Python for each test) run as two ctest tests, each with
+# half of the suite's tests (GoogleTest's GTEST_TOTAL_SHARDS), named "<suite>:1/2" and "<suite>:2/2". ctest starts
+# the costliest tests first (COST: 1000 for a shard, else the suite's number of tests), so no long suite is left to
+# run alone on one core at the end of `ctest -j 2`.
 option(AMP_CTEST_PER_TEST "One ctest test per GoogleTest test instead of per suite" OFF)
 include(GoogleTest)
 
 function(amp_gtest_suites target)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "" ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SHARDED" ${ARGN})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 600)
   endif()
@@ -21,7 +25,7 @@ function(amp_gtest_suites target)
   set(include_file "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites_include.cmake")
   add_custom_command(TARGET ${target} POST_BUILD
     COMMAND ${CMAKE_COMMAND} -DEXECUTABLE=$<TARGET_FILE:${target}> -DOUTPUT=${suites} -DTIMEOUT=${ARG_TIMEOUT}
-            -P ${PROJECT_SOURCE_DIR}/cmake/write_gtest_suites.cmake
+            "-DSHARDED=${ARG_SHARDED}" -P ${PROJECT_SOURCE_DIR}/cmake/write_gtest_suites.cmake
     BYPRODUCTS ${suites} VERBATIM)
   # ctest reads the list when it runs; before the first build there is none, and ctest says so.
   file(WRITE "${include_file}"

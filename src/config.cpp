@@ -72,6 +72,15 @@ int parse_small_int(const std::string& v) {
   return static_cast<int>(value);
 }
 
+// A config value as the setter's type: one overload per type a row of amp/option_fields.h may have.
+template <class T>
+struct ValueOf {};
+bool parse_value(const std::string& v, ValueOf<bool>) { return parse_bool(v); }
+int parse_value(const std::string& v, ValueOf<int>) { return parse_small_int(v); }
+double parse_value(const std::string& v, ValueOf<double>) { return parse_double(v); }
+c10::ScalarType parse_value(const std::string& v, ValueOf<c10::ScalarType>) { return parse_dtype(v); }
+LossScale parse_value(const std::string& v, ValueOf<LossScale>) { return parse_loss_scale(v); }
+
 struct Key {
   std::string name;
   std::string help;
@@ -81,31 +90,13 @@ struct Key {
 const std::vector<Key>& amp_keys() {
   static const std::vector<Key> keys = {
       {"opt_level", "O0 | O1 | O2 | O3 (the letter O)", [](Options& o, const std::string& v) { o.opt_level(parse_opt_level(v)); }},
-      {"enabled", "true | false", [](Options& o, const std::string& v) { o.enabled(parse_bool(v)); }},
-      {"cast_model_type", "float32 | float16 | bfloat16", [](Options& o, const std::string& v) { o.cast_model_type(parse_dtype(v)); }},
-      {"patch_torch_functions", "true | false (O1 only)", [](Options& o, const std::string& v) { o.patch_torch_functions(parse_bool(v)); }},
-      {"keep_batchnorm_fp32", "true | false (not with O1)", [](Options& o, const std::string& v) { o.keep_batchnorm_fp32(parse_bool(v)); }},
-      {"cast_frozen_batchnorm", "true | false: cast frozen BatchNorm to low precision (rounds its statistics)",
-       [](Options& o, const std::string& v) { o.cast_frozen_batchnorm(parse_bool(v)); }},
-      {"master_weights", "true | false", [](Options& o, const std::string& v) { o.master_weights(parse_bool(v)); }},
-      {"loss_scale", "dynamic | a positive number", [](Options& o, const std::string& v) { o.loss_scale(parse_loss_scale(v)); }},
-      {"low_precision_dtype", "float16 | bfloat16", [](Options& o, const std::string& v) { o.low_precision_dtype(parse_dtype(v)); }},
-      {"cast_model_outputs", "float32 | float16 | bfloat16", [](Options& o, const std::string& v) { o.cast_model_outputs(parse_dtype(v)); }},
-      {"num_losses", "number of losses with their own loss scaler", [](Options& o, const std::string& v) { o.num_losses(parse_small_int(v)); }},
-      {"min_loss_scale", "floor of the dynamic loss scale", [](Options& o, const std::string& v) { o.min_loss_scale(parse_double(v)); }},
-      {"max_loss_scale", "ceiling of the dynamic loss scale (default 16777216)", [](Options& o, const std::string& v) { o.max_loss_scale(parse_double(v)); }},
-      {"verbosity", "0 silent, 1 banner and overflow messages", [](Options& o, const std::string& v) { o.verbosity(parse_small_int(v)); }},
-      // The dynamic loss scaler's hyperparameters, named as in torch.amp.GradScaler.
-      {"init_scale", "first dynamic loss scale (default 65536), clamped into [min_loss_scale, max_loss_scale]",
-       [](Options& o, const std::string& v) { o.init_scale(parse_double(v)); }},
-      {"growth_factor", "factor the dynamic scale grows by after growth_interval clean steps (default 2.0; > 1)",
-       [](Options& o, const std::string& v) { o.growth_factor(parse_double(v)); }},
-      {"backoff_factor", "factor the dynamic scale shrinks by on an overflow (default 0.5; in (0, 1))",
-       [](Options& o, const std::string& v) { o.backoff_factor(parse_double(v)); }},
-      {"growth_interval", "clean steps in a row before the scale grows (default 2000; Apex's scale_window)",
-       [](Options& o, const std::string& v) { o.growth_interval(parse_small_int(v)); }},
-      {"hysteresis", "overflows before the scale backs off (default 1, as Apex; k > 1 is DeepSpeed's delayed shift)",
-       [](Options& o, const std::string& v) { o.hysteresis(parse_small_int(v)); }},
+  // One key per row of amp/option_fields.h, named as the field.
+#define AMP_CONFIG_KEY(type, name, default_value, help)                                     \
+  {#name, help, [](Options& o, const std::string& v) {                                      \
+     o.name(parse_value(v, ValueOf<detail::unoptional_t<type>>{}));                         \
+   }},
+      AMP_OPTION_FIELDS(AMP_CONFIG_KEY)
+#undef AMP_CONFIG_KEY
   };
   return keys;
 }

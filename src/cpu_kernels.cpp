@@ -171,7 +171,70 @@ AMP_VECTOR_CLONES void f32_to_f16(const float* in, half_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_half(in[i]);
 }
 
+// Sixteen independent double accumulators, so that the loop vectorizes without reassociating one sum (which
+// GCC does only under -ffast-math); the lanes are added in a fixed order, so the result does not depend on the CPU.
+template <class T, class Load, class Op>
+__attribute__((always_inline)) inline double accumulate_body(const T* in, int64_t n, Load load, Op op) {
+  constexpr int kLanes = 16;
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] = op(lanes[j], static_cast<double>(load(in[i + j])));
+  }
+  for (int j = 0; i < n; ++i, ++j) lanes[j] = op(lanes[j], static_cast<double>(load(in[i])));
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int j = 0; j < width; ++j) lanes[j] = op(lanes[j], lanes[j + width], /*combine=*/true);
+  }
+  return lanes[0];
+}
+
+struct SumSquares {
+  double operator()(double acc, double v, bool combine = false) const { return combine ? acc + v : acc + v * v; }
+};
+struct SumAbs {
+  double operator()(double acc, double v, bool combine = false) const { return acc + std::fabs(v); }
+};
+struct MaxAbs {  // a NaN is passed over: callers check finiteness first (an overflowing backward is skipped)
+  double operator()(double acc, double v, bool combine = false) const {
+    const double a = std::fabs(v);
+    return a > acc ? a : acc;
+  }
+};
+
+// One clone set per dtype and norm (target_clones does not apply to templates).
+#define AMP_NORM_KERNEL(name, T, load, Op) \
+  AMP_VECTOR_CLONES double name(const T* in, int64_t n) { return accumulate_body(in, n, load, Op{}); }
+inline float load_f32(float v) { return v; }
+AMP_NORM_KERNEL(l1_f32, float, load_f32, SumAbs)
+AMP_NORM_KERNEL(l2_f32, float, load_f32, SumSquares)
+AMP_NORM_KERNEL(inf_f32, float, load_f32, MaxAbs)
+AMP_NORM_KERNEL(l1_bf16, uint16_t, bf16_to_float, SumAbs)
+AMP_NORM_KERNEL(l2_bf16, uint16_t, bf16_to_float, SumSquares)
+AMP_NORM_KERNEL(inf_bf16, uint16_t, bf16_to_float, MaxAbs)
+AMP_NORM_KERNEL(l1_f16, half_t, half_to_float, SumAbs)
+AMP_NORM_KERNEL(l2_f16, half_t, half_to_float, SumSquares)
+AMP_NORM_KERNEL(inf_f16, half_t, half_to_float, MaxAbs)
+#undef AMP_NORM_KERNEL
+
 }  // namespace
+
+double norm_partial(Dtype dtype, const void* in, int64_t n, Norm norm) {
+  switch (dtype) {
+    case Dtype::Float: {
+      const auto* x = static_cast<const float*>(in);
+      return norm == Norm::kL1 ? l1_f32(x, n) : norm == Norm::kL2 ? l2_f32(x, n) : inf_f32(x, n);
+    }
+    case Dtype::BFloat16: {
+      const auto* x = static_cast<const uint16_t*>(in);
+      return norm == Norm::kL1 ? l1_bf16(x, n) : norm == Norm::kL2 ? l2_bf16(x, n) : inf_bf16(x, n);
+    }
+    case Dtype::Half: {
+      const auto* x = static_cast<const half_t*>(in);
+      return norm == Norm::kL1 ? l1_f16(x, n) : norm == Norm::kL2 ? l2_f16(x, n) : inf_f16(x, n);
+    }
+  }
+  return 0.0;
+}
 
 bool scale(Dtype in_dtype, const void* in, Dtype out_dtype, void* out, int64_t n, float inv, bool accumulate) {
   if (out_dtype == Dtype::Float) {

@@ -30,4 +30,10 @@ bool any_non_finite(Dtype dtype, const void* in, int64_t n);
 /// out[i] = in[i] rounded to `out_dtype` (round to nearest even).
 void convert(const float* in, Dtype out_dtype, void* out, int64_t n);
 
+enum class Norm { kL1, kL2, kInf };
+
+/// Returns, accumulated in double, the sum of |in[i]| (kL1), of in[i]^2 (kL2) or the largest |in[i]| (kInf, which
+/// passes over NaN). Partials of a gradient norm: clip_grad_norm_ combines them over every tensor.
+double norm_partial(Dtype dtype, const void* in, int64_t n, Norm norm);
+
 }  // namespace amp::detail::cpu

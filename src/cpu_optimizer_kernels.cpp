@@ -106,7 +106,52 @@ AMP_VECTOR_CLONES void sgd_range(float* p, float* g, float* buf, int64_t begin, 
   }
 }
 
+// Apex's LAMBStage1Functor, per element in fp32 and in its order (nvcc's --use_fast_math may fuse or approximate
+// some of these on a GPU; here every operation is rounded as written).
+template <bool ADAM_W>
+__attribute__((always_inline)) inline void lamb_stage1_body(const float* __restrict p, const float* __restrict g,
+                                                            float* __restrict m, float* __restrict v,
+                                                            float* __restrict u, int64_t begin, int64_t end,
+                                                            const LambScalars& s) {
+  const float one_minus_beta2 = 1.0f - s.beta2;
+  for (int64_t i = begin; i < end; ++i) {
+    float scaled = g[i] / s.clip;
+    if constexpr (!ADAM_W) scaled = scaled + s.weight_decay * p[i];
+    const float mi = m[i] * s.beta1 + s.beta3 * scaled;
+    const float vi = v[i] * s.beta2 + one_minus_beta2 * scaled * scaled;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi / s.bias_correction2) + s.eps;
+    float update = (mi / s.bias_correction1) / denom;
+    if constexpr (ADAM_W) update = update + s.weight_decay * p[i];
+    u[i] = update;
+  }
+}
+
+AMP_VECTOR_CLONES void lamb_stage1_adam_w(const float* p, const float* g, float* m, float* v, float* u, int64_t b,
+                                          int64_t e, const LambScalars& s) {
+  lamb_stage1_body<true>(p, g, m, v, u, b, e, s);
+}
+AMP_VECTOR_CLONES void lamb_stage1_l2(const float* p, const float* g, float* m, float* v, float* u, int64_t b,
+                                      int64_t e, const LambScalars& s) {
+  lamb_stage1_body<false>(p, g, m, v, u, b, e, s);
+}
+
+AMP_VECTOR_CLONES void lamb_stage2_range(float* __restrict p, const float* __restrict u, int64_t begin, int64_t end,
+                                         float ratio) {
+  for (int64_t i = begin; i < end; ++i) p[i] = p[i] - ratio * u[i];
+}
+
 }  // namespace
+
+void lamb_stage1(const float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* update, int64_t n,
+                 const LambScalars& s) {
+  (s.adam_w_mode ? lamb_stage1_adam_w : lamb_stage1_l2)(param, grad, exp_avg, exp_avg_sq, update, 0, n, s);
+}
+
+void lamb_stage2(float* param, const float* update, int64_t n, float ratio, ModelCopy copy) {
+  chunked(n, param, copy, [&](int64_t begin, int64_t end) { lamb_stage2_range(param, update, begin, end, ratio); });
+}
 
 void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                int64_t n, const AdamScalars& s, ModelCopy copy) {

@@ -41,4 +41,19 @@ struct SgdScalars {
 void sgd_step(float* param, float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
               ModelCopy copy);
 
+struct LambScalars {
+  // Apex's kernel arguments, as floats: clip is the global-norm divisor (norm / max_grad_norm, or 1), beta3 the
+  // first moment's gradient coefficient, bias_correction1/2 the divisors 1 - beta^step (1 without correction).
+  float clip, weight_decay, beta1, beta2, beta3, eps, bias_correction1, bias_correction2;
+  bool adam_w_mode;  // decay added to the update (true) or to the gradient (false)
+};
+
+/// FusedLAMB's first stage over n fp32 elements (Apex's LAMBStage1Functor): updates the moments and writes the
+/// Adam-style update into `update`; the gradient is read only.
+void lamb_stage1(const float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* update, int64_t n,
+                 const LambScalars& s);
+
+/// FusedLAMB's second stage (LAMBStage2Functor): param -= ratio * update, then the O2 model copy.
+void lamb_stage2(float* param, const float* update, int64_t n, float ratio, ModelCopy copy);
+
 }  // namespace amp::detail::cpu

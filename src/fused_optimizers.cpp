@@ -6,12 +6,14 @@
 #include <torch/version.h>
 
 #include <atomic>
+#include <cmath>
 #include <map>
 #include <tuple>
 #include <vector>
 
 #include "cpu_optimizer_kernels.h"
 #include "fused_route.h"
+#include "multi_tensor.h"
 #include "optimizer_state_key.h"
 
 // ATen's fused optimizer kernels with CPU implementations (and _fused_sgd_) arrived in LibTorch 2.4.
@@ -297,6 +299,58 @@ void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamSta
   p.add_(d_p, -1 * o.lr());
 }
 
+// ---- LAMB -------------------------------------------------------------------------------------------
+
+void check_lamb_options(const FusedLAMBOptions& o, size_t group) {
+  const char* name = "amp::optim::FusedLAMB";
+  check_adam_options(o, name, group);
+  TORCH_CHECK(o.max_grad_norm() >= 0, name, ": invalid max_grad_norm ", o.max_grad_norm(), " in param group ", group,
+              "; use max_grad_norm >= 0 (0: no clipping of the global gradient norm).");
+}
+
+// The float scalars of one group's step, computed as Apex's multi_tensor_lamb_cuda host code does.
+cpu::LambScalars lamb_scalars(const FusedLAMBOptions& o, float clip) {
+  const auto beta1 = static_cast<float>(std::get<0>(o.betas())), beta2 = static_cast<float>(std::get<1>(o.betas()));
+  float bias_correction1 = 1.0f, bias_correction2 = 1.0f;
+  if (o.bias_correction()) {  // std::pow(float, int) is computed in double, then stored as float
+    bias_correction1 = static_cast<float>(1 - std::pow(beta1, static_cast<int>(o.step())));
+    bias_correction2 = static_cast<float>(1 - std::pow(beta2, static_cast<int>(o.step())));
+  }
+  return {clip, static_cast<float>(o.weight_decay()), beta1, beta2, o.grad_averaging() ? 1.0f - beta1 : 1.0f,
+          static_cast<float>(o.eps()), bias_correction1, bias_correction2, o.adam_w_mode()};
+}
+
+// Apex's trust ratio: lr * ||p|| / ||update|| where weight decay or NVLAMB asks for it and both norms are
+// non-zero, else lr.
+float lamb_ratio(const FusedLAMBOptions& o, float param_norm, float update_norm) {
+  const auto lr = static_cast<float>(o.lr());
+  if (!(o.use_nvlamb() || o.weight_decay() != 0)) return lr;
+  return update_norm != 0.0f && param_norm != 0.0f ? lr * (param_norm / update_norm) : lr;
+}
+
+// The same update with ATen ops, in fp32 whatever the tensors' dtype (bf16/fp16 parameters at O3, CUDA,
+// non-contiguous tensors), without a host sync: the clip divisor and the norms stay tensors.
+void lamb_per_op(at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& state, const FusedLAMBOptions& o,
+                 const at::Tensor& clip) {
+  const cpu::LambScalars s = lamb_scalars(o, 1.0f);
+  const at::Tensor p32 = p.to(at::kFloat);
+  at::Tensor scaled = grad.to(at::kFloat).div(clip.to(p.device()));
+  if (!s.adam_w_mode) scaled = scaled.add(p32.mul(s.weight_decay));
+  const at::Tensor m = state.exp_avg().to(at::kFloat).mul(s.beta1).add(scaled.mul(s.beta3));
+  const at::Tensor v = state.exp_avg_sq().to(at::kFloat).mul(s.beta2).add(scaled.mul(1.0f - s.beta2).mul(scaled));
+  at::Tensor update = m.div(s.bias_correction1).div(v.div(s.bias_correction2).sqrt().add(s.eps));
+  if (s.adam_w_mode) update = update.add(p32.mul(s.weight_decay));
+  const auto lr = static_cast<float>(o.lr());
+  at::Tensor ratio = at::full({}, lr, p32.options());
+  if (o.use_nvlamb() || o.weight_decay() != 0) {
+    const at::Tensor param_norm = amp::detail::total_norm({p32}, 2.0), update_norm = amp::detail::total_norm({update}, 2.0);
+    ratio = at::where(update_norm.ne(0).logical_and(param_norm.ne(0)), param_norm.div(update_norm).mul(lr), ratio);
+  }
+  p.copy_(p32.sub(update.mul(ratio)));
+  state.exp_avg().copy_(m);
+  state.exp_avg_sq().copy_(v);
+}
+
 // LibTorch's optimizers evaluate a closure with gradients on before stepping.
 torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
   if (!closure) return {};
@@ -325,6 +379,127 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
       *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/true,
       "amp::optim::FusedAdamW");
+  return loss;
+}
+
+void FusedLAMBOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adam_w_mode);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_averaging);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_grad_norm);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(use_nvlamb);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+}
+
+void FusedLAMBOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, adam_w_mode);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, max_grad_norm);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, use_nvlamb);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg_sq);
+}
+
+FusedLAMB::FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedLAMBOptions defaults)
+    : torch::optim::Optimizer(param_groups, std::make_unique<FusedLAMBOptions>(defaults)) {
+  check_lamb_options(defaults, 0);
+  for (size_t i = 0; i < param_groups.size(); ++i) {  // see add_param_group
+    if (param_groups[i].has_options()) param_groups_[i].set_options(param_groups[i].options().clone());
+  }
+}
+
+void FusedLAMB::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  torch::optim::Optimizer::add_param_group(param_group);
+  if (param_group.has_options()) param_groups_.back().set_options(param_group.options().clone());
+}
+
+void FusedLAMB::save(torch::serialize::OutputArchive& archive) const { serialize(*this, archive); }
+void FusedLAMB::load(torch::serialize::InputArchive& archive) { serialize(*this, archive); }
+
+torch::Tensor FusedLAMB::step(LossClosure closure) {
+  torch::Tensor loss = evaluate(closure);
+  check_all(*this, "amp::optim::FusedLAMB", [](const torch::optim::OptimizerOptions& o, size_t g) {
+    check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
+  });
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (auto& group : param_groups_) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
+  // kernels leave them): the global norm is the unscaled gradients'.
+  if (grad_scale() && !grads.empty()) {
+    amp::detail::mul_(grads, at::full({}, inverse_scale(grad_scale()), at::TensorOptions().dtype(at::kFloat)));
+  }
+  // Apex: the norm of every group's gradients, before any update; its max_grad_norm is the defaults' value.
+  const double max_grad_norm = static_cast<const FusedLAMBOptions&>(defaults()).max_grad_norm();
+  at::Tensor clip = at::ones({}, at::TensorOptions().dtype(at::kFloat));
+  if (max_grad_norm > 0 && !grads.empty()) {
+    const at::Tensor norm = amp::detail::total_norm(grads, 2.0);
+    const auto max = static_cast<float>(max_grad_norm);
+    clip = at::where(norm.gt(max), norm.div(max), at::ones_like(norm));
+  }
+  std::optional<float> clip_on_host;  // amp's CPU loop takes it as a float (a CPU tensor: no device sync)
+  auto& states = state_;
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<FusedLAMBOptions&>(group.options());
+    o.step(o.step() + 1);  // per group, with or without gradients, as Apex
+    for (auto& p : group.params()) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      auto& slot = states[state_key(states, p)];
+      if (!slot) {
+        auto fresh = std::make_unique<FusedLAMBParamState>();
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<FusedLAMBParamState&>(*slot);
+      const at::Tensor* copy = model_copy(p);
+      const FusedRoute route = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, copy);
+      if (route != FusedRoute::kAuto || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
+        lamb_per_op(p, grad, state, o, clip);
+        if (copy) copy->copy_(p);
+        continue;
+      }
+      if (!clip_on_host) clip_on_host = clip.item<float>();
+      const cpu::LambScalars s = lamb_scalars(o, *clip_on_host);
+      const at::Tensor update = at::empty_like(p);
+      const float* pp = p.data_ptr<float>();
+      split(p.numel(), [&](int64_t b, int64_t n) {
+        cpu::lamb_stage1(pp + b, grad.data_ptr<float>() + b, state.exp_avg().data_ptr<float>() + b,
+                         state.exp_avg_sq().data_ptr<float>() + b, update.data_ptr<float>() + b, n, s);
+      });
+      // The parameter's norm before the update (Apex takes it before stage 1, which does not write p).
+      const float param_norm = amp::detail::total_norm({p}, 2.0).item<float>();
+      const float update_norm = amp::detail::total_norm({update}, 2.0).item<float>();
+      const float ratio = lamb_ratio(o, param_norm, update_norm);
+      const cpu::ModelCopy c = model_copy_arg(copy);
+      float* pw = p.data_ptr<float>();
+      split(p.numel(), [&](int64_t b, int64_t n) { cpu::lamb_stage2(pw + b, update.data_ptr<float>() + b, n, ratio, offset(c, b)); });
+      bump({p, state.exp_avg(), state.exp_avg_sq(), copy ? *copy : at::Tensor()});
+    }
+  }
   return loss;
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "amp/clip_grad.h"
 #include "amp/fused_optimizers.h"
 #include "format.h"
 #include "multi_tensor.h"
@@ -108,6 +109,25 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   detail::unscale_(grads, inv_scale, state.found_inf);
   state.checked = !grads.empty();
   state.stage = Stage::kUnscaled;
+}
+
+torch::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
+  detail::check_clip_arguments("amp::GradScaler::clip_grad_norm_", max_norm, norm_type);
+  at::Tensor skip;
+  if (enabled_) {
+    OptimizerState& state = state_of(optimizer);
+    TORCH_CHECK(state.stage != Stage::kStepped, "amp::GradScaler::clip_grad_norm_ is being called after step(): clip "
+                "between scaler.scale(loss).backward() and scaler.step(optimizer).");
+    if (state.stage == Stage::kReady) unscale_(optimizer);
+  }
+  std::vector<at::Tensor> grads;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  if (enabled_ && !grads.empty()) skip = state_of(optimizer).found_inf.any_on(grads.front().device());
+  return detail::clip_grads(grads, max_norm, norm_type, skip);
 }
 
 std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer) {

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -82,6 +83,12 @@ bool FoundInf::any() const {
   at::Tensor total = flags_.front().second;
   for (size_t i = 1; i < flags_.size(); ++i) total = total.add(flags_[i].second.to(total.device()));
   return total.item<float>() > 0.0f;
+}
+
+at::Tensor FoundInf::any_on(const c10::Device& device) const {
+  at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (const auto& [d, flag] : flags_) total = total.add(flag.to(device).sum());
+  return total.gt(0.0);
 }
 
 namespace {
@@ -279,6 +286,61 @@ void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& sr
 #else
   for (size_t i = 0; i < slow_dst.size(); ++i) slow_dst[i].copy_(slow_src[i]);
 #endif
+}
+
+at::Tensor total_norm(const std::vector<at::Tensor>& tensors, double norm_type) {
+  c10::NoGradGuard no_grad;
+  const auto fp32_on = [](const c10::Device& device) { return at::TensorOptions().dtype(at::kFloat).device(device); };
+  if (tensors.empty()) return at::zeros({}, fp32_on(at::kCPU));
+  const c10::Device first = tensors.front().device();
+  const cpu::Norm norm = norm_type == 1.0 ? cpu::Norm::kL1 : norm_type == 2.0 ? cpu::Norm::kL2 : cpu::Norm::kInf;
+  // The CPU pass: partials over fixed chunks, combined in order (the same value for any thread count).
+  double cpu_total = 0.0;
+  bool any_cpu = false;
+  std::map<GroupKey, std::vector<at::Tensor>> others;
+  for (const auto& t : tensors) {
+    check_dense(t);
+    const auto dtype = cpu_dtype(t.scalar_type());
+    if (!dtype || !cpu_fast_path(t)) {
+      others[{t.device().str(), t.scalar_type()}].push_back(t);
+      continue;
+    }
+    any_cpu = true;
+    const auto* data = static_cast<const char*>(t.data_ptr());
+    const int64_t n = t.numel(), chunks = (n + kGrain - 1) / kGrain;
+    std::vector<double> partials(static_cast<size_t>(chunks), 0.0);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t from = c * kGrain;
+        partials[c] = cpu::norm_partial(*dtype, data + from * t.element_size(), std::min(kGrain, n - from), norm);
+      }
+    });
+    for (const double p : partials) cpu_total = norm == cpu::Norm::kInf ? std::max(cpu_total, p) : cpu_total + p;
+  }
+  std::vector<at::Tensor> norms;  // fp32 0-dim, on `first`
+  if (any_cpu) {
+    const double value = norm == cpu::Norm::kL2 ? std::sqrt(cpu_total) : cpu_total;
+    norms.push_back(at::scalar_tensor(static_cast<float>(value), fp32_on(at::kCPU)).to(first));
+  }
+  for (auto& [key, group] : others) {  // torch's clip_grad_norm_: per-tensor norms, then the norm of the norms
+    for (const auto& n : at::_foreach_norm(group, norm_type)) norms.push_back(n.to(first, at::kFloat));
+  }
+  if (norms.size() == 1) return norms.front();
+  return at::linalg_vector_norm(at::stack(norms), norm_type);
+}
+
+void mul_(const std::vector<at::Tensor>& tensors, const at::Tensor& factor) {
+  c10::NoGradGuard no_grad;
+  TORCH_INTERNAL_ASSERT(factor.dim() == 0 && factor.scalar_type() == at::kFloat);
+  std::optional<float> on_cpu;  // read once: a CPU tensor's value needs no device sync
+  for (const auto& t : tensors) {
+    if (cpu_fast_path(t) && cpu_dtype(t.scalar_type()) && factor.device().is_cpu()) {
+      if (!on_cpu) on_cpu = factor.item<float>();
+      scale_cpu(t, t, *on_cpu, /*accumulate=*/false);
+    } else {
+      t.mul_(factor.to(t.device()));
+    }
+  }
 }
 
 }  // namespace amp::detail

@@ -20,6 +20,8 @@ class FoundInf {
   at::Tensor& on(const c10::Device& device);
   /// Returns whether any device saw a non-finite value: the one host sync of a backward.
   bool any() const;
+  /// Returns the same answer as a 0-dim bool tensor on `device`, without a host sync.
+  at::Tensor any_on(const c10::Device& device) const;
 
  private:
   std::vector<std::pair<c10::Device, at::Tensor>> flags_;
@@ -39,6 +41,16 @@ void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tenso
 
 /// Copies src[i] into dst[i] (fp32 masters into fp16/bf16 model parameters) without autograd.
 void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src);
+
+/// Returns the norm of order `norm_type` (1, 2 or inf; the caller checks) of all `tensors` together, as a 0-dim
+/// fp32 tensor on the first tensor's device, without a host sync; 0 for no tensors. On the CPU one pass per tensor
+/// (amp's loop, accumulated in double, rounded once); elsewhere ATen's _foreach_norm per (device, dtype) group and
+/// the norm of those norms, as torch.nn.utils.clip_grad_norm_ computes it.
+at::Tensor total_norm(const std::vector<at::Tensor>& tensors, double norm_type);
+
+/// Multiplies every tensor in place by the 0-dim fp32 `factor` (the product in fp32, rounded once into a bf16/fp16
+/// tensor's dtype, as ATen's mul_), without a host sync.
+void mul_(const std::vector<at::Tensor>& tensors, const at::Tensor& factor);
 
 /// Returns how many times any() has read found_inf back to the host in this process (benchmarks
 /// count host syncs per step with it).

@@ -2,10 +2,10 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 
 #include "format.h"
+#include "option_text.h"
 #include "opt_levels/spec.h"
 
 namespace amp {
@@ -163,29 +163,12 @@ Properties Options::resolve() const {
 }
 
 std::string Options::describe_overrides() const {
-  std::ostringstream os;
-  auto row = [&os](const char* name, const std::string& value) {
-    os << name << std::string(23 - std::string(name).size(), ' ') << ": " << value << "\n";
-  };
-  if (enabled_) row("enabled", detail::python_bool(*enabled_));
-  if (cast_model_type_) row("cast_model_type", dtype_name(*cast_model_type_));
-  if (patch_torch_functions_) row("patch_torch_functions", detail::python_bool(*patch_torch_functions_));
-  if (keep_batchnorm_fp32_) row("keep_batchnorm_fp32", detail::python_bool(*keep_batchnorm_fp32_));
-  if (cast_frozen_batchnorm_) row("cast_frozen_batchnorm", detail::python_bool(*cast_frozen_batchnorm_));
-  if (master_weights_) row("master_weights", detail::python_bool(*master_weights_));
-  if (loss_scale_) row("loss_scale", to_string(*loss_scale_));
-  if (low_precision_dtype_) row("low_precision_dtype", dtype_name(*low_precision_dtype_));
-  if (cast_model_outputs_) row("cast_model_outputs", dtype_name(*cast_model_outputs_));
-  if (num_losses_) row("num_losses", std::to_string(*num_losses_));
-  if (min_loss_scale_) row("min_loss_scale", detail::format_float(*min_loss_scale_));
-  if (max_loss_scale_) row("max_loss_scale", detail::format_float(*max_loss_scale_));
-  if (verbosity_) row("verbosity", std::to_string(*verbosity_));
-  if (init_scale_) row("init_scale", detail::format_float(*init_scale_));
-  if (growth_factor_) row("growth_factor", detail::format_float(*growth_factor_));
-  if (backoff_factor_) row("backoff_factor", detail::format_float(*backoff_factor_));
-  if (growth_interval_) row("growth_interval", std::to_string(*growth_interval_));
-  if (hysteresis_) row("hysteresis", std::to_string(*hysteresis_));
-  return os.str();
+  std::string out;
+#define AMP_DESCRIBE_OVERRIDE(type, name, default_value, help) \
+  if (name##_) detail::append_option_row(out, #name, detail::option_text(*name##_));
+  AMP_OPTION_FIELDS(AMP_DESCRIBE_OVERRIDE)
+#undef AMP_DESCRIBE_OVERRIDE
+  return out;
 }
 
 }  // namespace amp

@@ -24,6 +24,7 @@
 #include "master_weights.h"
 #include "model_casting.h"
 #include "optimizer_state_key.h"
+#include "scaled_grads.h"
 
 namespace amp {
 namespace {
@@ -89,6 +90,26 @@ std::vector<at::Tensor> OptimizerBase::master_params() {
     for (auto& p : group.params()) out.push_back(p);
   }
   return out;
+}
+
+std::vector<at::Tensor> OptimizerBase::grads_for_step(const char* caller) {
+  std::vector<at::Tensor> grads;
+  if (properties_.enabled) {
+    sync_param_groups();
+    TORCH_CHECK(!backward_prepared_, "amp::", caller, ": an amp::scale_loss handle of this optimizer is still open "
+                "and its backward() has not run, so there are no unscaled gradients yet. Call scaled_loss.backward() "
+                "(or let the handle go out of scope) first.");
+    TORCH_CHECK(!scaled_grads_loss_id_, "amp::", caller, ": the gradients are still multiplied by the loss scale, "
+                "because the last scale_loss used delay_unscale(true). Run the last micro-batch's scale_loss without "
+                "delay_unscale (it unscales every gradient), then clip.");
+    detail::check_no_scaled_grads(model_side_, [this](size_t i) { return model_side_name(i); }, caller);
+  }
+  for (auto& group : torch_optimizer().param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  return grads;
 }
 
 void OptimizerBase::refresh_master_params() {

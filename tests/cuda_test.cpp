@@ -89,17 +89,17 @@ struct CudaProblem {
 };
 #endif
 
-struct Case {
+struct SyncCase {
   const char* level;
   c10::ScalarType dtype;
   const char* optimizer;  // "SGD" (LibTorch's, momentum) or "FusedAdam" (ATen's fused kernel on CUDA)
 };
 
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+std::string sync_case_name(const ::testing::TestParamInfo<SyncCase>& info) {
   return std::string(info.param.level) + "_" + dtype_label(info.param.dtype) + "_" + info.param.optimizer;
 }
 
-class CudaSyncTest : public ::testing::TestWithParam<Case> {
+class CudaSyncTest : public ::testing::TestWithParam<SyncCase> {
  protected:
   void SetUp() override { SKIP_WITHOUT_CUDA_COUNTERS(); }
 };
@@ -107,7 +107,7 @@ class CudaSyncTest : public ::testing::TestWithParam<Case> {
 // Checks that CUDA saw at most one sync per amp step, and only the ones amp counted itself (FoundInf::any).
 TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
 #ifdef AMP_TEST_CUDA
-  const Case c = GetParam();
+  const SyncCase c = GetParam();
   CudaProblem problem(3);
   auto& [x, y, net] = problem;
   const auto options = amp::Options(c.level).low_precision_dtype(c.dtype).verbosity(0);
@@ -136,8 +136,8 @@ TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
 #endif
 }
 
-std::vector<Case> all_cases() {
-  std::vector<Case> out;
+std::vector<SyncCase> all_sync_cases() {
+  std::vector<SyncCase> out;
   for (const char* level : {"O0", "O1", "O2", "O3"}) {
     for (const auto dtype : amp_test::low_precision_dtypes()) {
       for (const char* optimizer : {"SGD", "FusedAdam"}) out.push_back({level, dtype, optimizer});
@@ -146,7 +146,7 @@ std::vector<Case> all_cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, CudaSyncTest, ::testing::ValuesIn(all_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Levels, CudaSyncTest, ::testing::ValuesIn(all_sync_cases()), sync_case_name);
 
 // torch.amp's recipe through amp::GradScaler on a plain LibTorch model under amp::AutocastGuard: one sync per step
 // (step's found_inf read); amp keeps the scale on the host, so update() needs none.

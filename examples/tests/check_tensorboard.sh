@@ -15,7 +15,7 @@ rm -rf "$work" && mkdir -p "$work"
 runs="$work/runs"
 
 "$train" --config "$configs/O2_bf16.ini" --verbosity 0 --epochs 3 --metrics "$work/train.csv" \
-  --tensorboard "$runs/train" > "$work/train.log"
+  --clip-grad-norm 1.0 --tensorboard "$runs/train" > "$work/train.log"
 seg=(--epochs 2 --images 64 --modes O0,O2_bf16)
 "$segmentation" "${seg[@]}" --tensorboard "$runs/segmentation" > "$work/segmentation.log"
 "$segmentation" "${seg[@]}" > "$work/segmentation_plain.log"
@@ -38,12 +38,12 @@ expect() {  # RUN POINTS FIRST_STEP LAST_STEP TAG...
 }
 
 expect train 3 1 3 train_loss val_loss val_acc lr images_per_second amp/loss_scale/0 amp/skipped_steps \
-  grad_log10_magnitude
+  amp/grad_norm grad_log10_magnitude
 # The logged values are the CSV's (TensorBoard keeps float32).
 awk -F'\t' 'NR == FNR { if ($2 == "train" && $6 == 3) v[$3] = $7; next }
-  FNR == 4 { split("lr train_loss val_loss val_acc amp/loss_scale/0 amp/skipped_steps", tags, " ")
-             split($2 " " $3 " " $4 " " $5 " " $6 " " $7, csv, " ")
-             for (i = 1; i <= 6; ++i) { d = v[tags[i]] - csv[i]; if (d < 0) d = -d
+  FNR == 4 { split("lr train_loss val_loss val_acc amp/loss_scale/0 amp/skipped_steps amp/grad_norm", tags, " ")
+             split($2 " " $3 " " $4 " " $5 " " $6 " " $7 " " $10, csv, " ")
+             for (i = 1; i <= 7; ++i) { d = v[tags[i]] - csv[i]; if (d < 0) d = -d
                if (!(d <= 1e-6 * (csv[i] < 0 ? -csv[i] : csv[i]) + 1e-12)) { print "FAIL: train " tags[i] " " v[tags[i]] " != CSV " csv[i]; bad = 1 } }
              if (!bad) print "ok: train epoch 3 in TensorBoard equals the CSV" }
   END { exit bad }' "$work/runs.txt" FS=, "$work/train.csv" || fail=1

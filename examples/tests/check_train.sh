@@ -18,6 +18,8 @@ common=(--config "$config" --data "$data" --verbosity 0 --seed 3)
 # amp::optim::FusedSGD steps bitwise like torch::optim::SGD, and at O2 it writes the model's bf16 copy with
 # the same rounding as amp's copy pass: the whole run must be identical.
 "$train" "${common[@]}" --epochs 4 --metrics "$work/f.csv" --fused true > "$work/f.log"
+# --clip-grad-norm: amp::clip_grad_norm_ on the gradients the step uses; still learns, logs the mean norm.
+"$train" "${common[@]}" --epochs 4 --metrics "$work/c.csv" --clip-grad-norm 0.5 > "$work/c.log"
 cat "$work/a.log"
 
 strip_time() { cut -d, -f1-7 "$1"; }
@@ -31,3 +33,10 @@ awk -F, 'NR == 2 { first = $3 } NR == 5 { last = $3; acc = $5 }
          END { if (!(acc > 0.8)) { print "FAIL: validation accuracy " acc " <= 0.8"; exit 1 }
                if (!(last < first * 0.5)) { print "FAIL: train loss " first " -> " last " did not halve"; exit 1 }
                print "ok: accuracy " acc ", train loss " first " -> " last ", resume and --fused bitwise" }' "$work/a.csv"
+awk -F, 'NR == 5 { acc = $5; norm = $10 }
+         END { if (!(acc > 0.8)) { print "FAIL: with --clip-grad-norm 0.5, validation accuracy " acc " <= 0.8"; exit 1 }
+               if (!(norm > 0)) { print "FAIL: with --clip-grad-norm 0.5, mean gradient norm " norm; exit 1 }
+               print "ok: with --clip-grad-norm 0.5, accuracy " acc ", mean gradient norm before clipping " norm }' "$work/c.csv"
+if diff -q <(strip_time "$work/a.csv") <(strip_time "$work/c.csv") > /dev/null; then
+  echo "FAIL: --clip-grad-norm 0.5 changed nothing (the gradients were never clipped)"; exit 1
+fi

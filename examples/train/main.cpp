@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   std::string tensorboard;
   bool resume = false;
   bool fused = false;
+  double clip_grad_norm = 0.0;
   std::string resume_python;
   std::string save_python;
   amp::ProgramFlags flags("train: a digits classifier trained with amp at the opt level from --config");
@@ -92,6 +93,8 @@ int main(int argc, char** argv) {
       .add("resume", &resume, "load --checkpoint and continue from its epoch")
       .add("fused", &fused, "step with amp::optim::FusedSGD (Apex's FusedSGD: one pass per tensor) instead of "
            "torch::optim::SGD; the same numbers, faster")
+      .add("clip_grad_norm", &clip_grad_norm, "clip the gradients' total norm to this value after amp unscaled them "
+           "(amp::clip_grad_norm_; the fp32 masters' at O2); 0: no clipping")
       .add("metrics", &metrics, "CSV file with one row per epoch (appended to on --resume)")
       .add("resume_python", &resume_python, "continue a Python run: a torch.save'd dict with 'model', 'optimizer', "
            "'amp' (Apex) or 'scaler' (GradScaler), 'epoch'")
@@ -101,6 +104,10 @@ int main(int argc, char** argv) {
   try {
     const auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
+    if (!(clip_grad_norm >= 0.0)) {
+      throw std::invalid_argument("train: --clip-grad-norm must be positive (or 0: no clipping), got " +
+                                  std::to_string(clip_grad_norm));
+    }
     if (resume && checkpoint.empty()) throw std::invalid_argument("train: --resume true needs --checkpoint FILE");
     if (resume && !resume_python.empty()) {
       throw std::invalid_argument("train: --resume true and --resume-python both say where to continue from; give one");
@@ -157,7 +164,7 @@ int main(int argc, char** argv) {
       if (!metrics.empty()) {
         csv.open(metrics, resume ? std::ios::app : std::ios::trunc);
         if (!csv) throw std::invalid_argument("train: cannot write --metrics file '" + metrics + "'");
-        if (!resume) csv << "epoch,lr,train_loss,val_loss,val_accuracy,loss_scale,skipped_steps,seconds,images_per_second\n";
+        if (!resume) csv << "epoch,lr,train_loss,val_loss,val_accuracy,loss_scale,skipped_steps,seconds,images_per_second,grad_norm\n";
       }
       std::optional<amp::SummaryWriter> writer;  // --tensorboard; a resumed run adds a file to the same run
       if (!tensorboard.empty()) writer.emplace(tensorboard);
@@ -172,12 +179,21 @@ int main(int argc, char** argv) {
         torch::manual_seed(static_cast<uint64_t>(seed) * 1000 + static_cast<uint64_t>(epoch));
         model.train();
         ProgressBar progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs), steps_per_epoch);
+        // The mean gradient norm (before clipping) over the epoch's steps that were not skipped, summed on the
+        // tensors' device: reading each step's norm back would cost a host sync per step on a GPU.
+        torch::Tensor norm_sum = torch::zeros({}), norm_steps = torch::zeros({});
         for (auto& batch : *loader) {
           optimizer.zero_grad();
           const torch::Tensor loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
           {
             auto scaled_loss = amp::scale_loss(loss, optimizer);
             scaled_loss.backward();
+          }
+          if (clip_grad_norm > 0.0) {  // inf after an overflow: the step is skipped and nothing was clipped
+            const torch::Tensor norm = amp::clip_grad_norm_(optimizer, clip_grad_norm);
+            const torch::Tensor finite = torch::isfinite(norm);
+            norm_sum = norm_sum + torch::where(finite, norm, torch::zeros_like(norm));
+            norm_steps = norm_steps + finite.to(torch::kFloat);
           }
           optimizer.step();
           progress.step(batch.data.size(0), loss.item<double>());
@@ -191,15 +207,19 @@ int main(int argc, char** argv) {
           val_loss = torch::nn::functional::cross_entropy(logits, val_y).item<double>();
           accuracy = logits.argmax(1).eq(val_y).to(torch::kFloat).mean().item<double>();
         }
-        std::printf("%5d %9.5f %10.4f %9.4f %7.2f%% %11.1f %7lld %7.2f %9.0f\n", epoch + 1, epoch_lr,
+        const double grad_norm = norm_steps.item<double>() > 0 ? (norm_sum / norm_steps).item<double>() : 0.0;
+        std::printf("%5d %9.5f %10.4f %9.4f %7.2f%% %11.1f %7lld %7.2f %9.0f", epoch + 1, epoch_lr,
                     progress.mean_loss(), val_loss, 100.0 * accuracy, amp::loss_scale(optimizer),
                     static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
+        if (clip_grad_norm > 0.0) std::printf(" grad_norm %.4f", grad_norm);
+        std::printf("\n");
         std::fflush(stdout);
         if (csv) {
           char row[512];
-          std::snprintf(row, sizeof(row), "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%lld,%.4f,%.1f\n", epoch + 1, epoch_lr,
+          std::snprintf(row, sizeof(row), "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%lld,%.4f,%.1f,%s\n", epoch + 1, epoch_lr,
                         progress.mean_loss(), val_loss, accuracy, amp::loss_scale(optimizer),
-                        static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second());
+                        static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second(),
+                        clip_grad_norm > 0.0 ? std::to_string(grad_norm).c_str() : "");
           csv << row << std::flush;
         }
         if (writer) {  // the tutorial's curves, then amp's: loss scale per loss_id, skipped steps
@@ -210,6 +230,7 @@ int main(int argc, char** argv) {
           writer->add_scalar("lr", epoch_lr, step);
           writer->add_scalar("images_per_second", progress.items_per_second(), step);
           amp::add_amp_scalars(*writer, optimizer, step);
+          if (clip_grad_norm > 0.0) writer->add_scalar("amp/grad_norm", grad_norm, step);  // before clipping
           writer->add_histogram("grad_log10_magnitude", log10_grad_magnitudes(optimizer), step);
           writer->flush();
         }

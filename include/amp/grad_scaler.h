@@ -5,6 +5,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
 #include <map>
@@ -21,29 +22,16 @@ class FoundInf;
 
 /// GradScaler's constructor arguments, with torch.amp's defaults.
 struct GradScalerOptions {
-  /// The first scale (65536).
-  GradScalerOptions& init_scale(double value) { init_scale_ = value; return *this; }
-  /// The factor the scale grows by after growth_interval clean steps (2.0; > 1).
-  GradScalerOptions& growth_factor(double value) { growth_factor_ = value; return *this; }
-  /// The factor the scale shrinks by after a step with inf/NaN gradients (0.5; in (0, 1)).
-  GradScalerOptions& backoff_factor(double value) { backoff_factor_ = value; return *this; }
-  /// Clean steps in a row before the scale grows (2000).
-  GradScalerOptions& growth_interval(int value) { growth_interval_ = value; return *this; }
+  /// The first scale.
+  TORCH_ARG(double, init_scale) = 65536.0;
+  /// The factor the scale grows by after growth_interval clean steps (> 1).
+  TORCH_ARG(double, growth_factor) = 2.0;
+  /// The factor the scale shrinks by after a step with inf/NaN gradients (in (0, 1)).
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  /// Clean steps in a row before the scale grows.
+  TORCH_ARG(int, growth_interval) = 2000;
   /// false makes every method a pass-through (scale returns its input, step just steps).
-  GradScalerOptions& enabled(bool value) { enabled_ = value; return *this; }
-
-  double init_scale() const noexcept { return init_scale_; }
-  double growth_factor() const noexcept { return growth_factor_; }
-  double backoff_factor() const noexcept { return backoff_factor_; }
-  int growth_interval() const noexcept { return growth_interval_; }
-  bool enabled() const noexcept { return enabled_; }
-
- private:
-  double init_scale_ = 65536.0;
-  double growth_factor_ = 2.0;
-  double backoff_factor_ = 0.5;
-  int growth_interval_ = 2000;
-  bool enabled_ = true;
+  TORCH_ARG(bool, enabled) = true;
 };
 
 /// torch.amp.GradScaler with its exact semantics, defaults, state_dict keys and errors, for any
@@ -79,6 +67,11 @@ class GradScaler {
   /// Divides the optimizer's gradients by the scale in place and records inf/NaN, without a host sync.
   /// Throws if called twice for an optimizer before update(), or after step().
   void unscale_(torch::optim::Optimizer& optimizer);
+  /// torch.amp's clipping recipe in one call: unscale_(optimizer) unless this iteration already did, then
+  /// amp::clip_grad_norm_'s clipping of the optimizer's gradients (norm_type 2, 1 or INFINITY). Returns the
+  /// norm, a 0-dim fp32 tensor (no host sync); where the gradients hold inf/NaN (step() will skip), returns inf
+  /// and leaves them as they are. Throws after step().
+  torch::Tensor clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type = 2.0);
   /// Unscales (unless unscale_ ran), then steps the optimizer unless its gradients held inf/NaN.
   /// Returns the optimizer's step result, or nullopt when the step was skipped. An amp::optim::Fused*
   /// optimizer without unscale_ gets the scale instead (torch's grad_scale): a read-only inf/NaN check, then

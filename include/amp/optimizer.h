@@ -70,6 +70,10 @@ class OptimizerBase {
   const std::vector<LossScaler>& loss_scalers() const noexcept { return *scalers_; }
   /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.
   void restore_loss_scalers(std::vector<LossScaler> scalers);
+  /// For amp's gradient tools (amp::clip_grad_norm_): returns the defined gradients the next step() will use
+  /// (the fp32 masters' at O2), after checking that none is still multiplied by a loss scale; `caller` names
+  /// the call in the error.
+  std::vector<at::Tensor> grads_for_step(const char* caller);
 
  protected:
   OptimizerBase() = default;

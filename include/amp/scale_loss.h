@@ -2,6 +2,7 @@
 // The scaled-loss handle (Apex's `with amp.scale_loss(loss, optimizer) as scaled_loss:`).
 
 #include <ATen/core/Tensor.h>
+#include <torch/arg.h>
 
 #include <initializer_list>
 #include <vector>
@@ -15,17 +16,11 @@ namespace amp {
 /// Example:
 ///   amp::scale_loss(loss_d, optimizer, amp::ScaleLossOptions().loss_id(1).delay_unscale(true));
 struct ScaleLossOptions {
-  /// Selects which of the num_losses loss scalers scales this loss (default 0).
-  ScaleLossOptions& loss_id(int value) { loss_id_ = value; return *this; }
+  /// Selects which of the num_losses loss scalers scales this loss.
+  TORCH_ARG(int, loss_id) = 0;
   /// Leaves the gradients scaled after backward (Apex's delay_unscale): the next scale_loss without
   /// it unscales everything at once. An optimization for gradient accumulation; never needed for correctness.
-  ScaleLossOptions& delay_unscale(bool value) { delay_unscale_ = value; return *this; }
-  int loss_id() const noexcept { return loss_id_; }
-  bool delay_unscale() const noexcept { return delay_unscale_; }
-
- private:
-  int loss_id_ = 0;
-  bool delay_unscale_ = false;
+  TORCH_ARG(bool, delay_unscale) = false;
 };
 
 /// A RAII handle on a scaled loss. It models a control-flow construct, not a value (like

@@ -18,6 +18,8 @@
 // and can leave a truncated last record, which TensorBoard's reader skips without losing the earlier
 // ones. After a failed write the writer never writes again, so it can't append after a torn record.
 
+#include <torch/arg.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -37,30 +39,17 @@ struct SummaryWriterOptions {
   /// Writes into `log_dir` (created with its parents if missing): one run, one TensorBoard curve per tag.
   explicit SummaryWriterOptions(std::string log_dir) : log_dir_(std::move(log_dir)) {}
 
-  /// Sets the run's directory.
-  SummaryWriterOptions& log_dir(std::string value) { log_dir_ = std::move(value); return *this; }
+  /// The run's directory.
+  TORCH_ARG(std::string, log_dir);
   /// Flushes by itself once this many records are pending (default 10, as torch's max_queue; 1: every record).
-  SummaryWriterOptions& max_queue(int value) { max_queue_ = value; return *this; }
+  TORCH_ARG(int, max_queue) = 10;
   /// Flushes by itself when a record arrives this many seconds after the last flush (default 120, as torch).
-  SummaryWriterOptions& flush_secs(double value) { flush_secs_ = value; return *this; }
+  TORCH_ARG(double, flush_secs) = 120.0;
   /// Appends this text to the event file's name (as torch's filename_suffix); no '/'.
-  SummaryWriterOptions& filename_suffix(std::string value) { filename_suffix_ = std::move(value); return *this; }
+  TORCH_ARG(std::string, filename_suffix);
   /// Keeps training going on a logging error (an unwritable directory, a full disk, a bad tag): the
   /// writer prints one warning to stderr and stops logging instead of throwing. Default false: throw.
-  SummaryWriterOptions& on_error_continue(bool value) { on_error_continue_ = value; return *this; }
-
-  const std::string& log_dir() const noexcept { return log_dir_; }
-  int max_queue() const noexcept { return max_queue_; }
-  double flush_secs() const noexcept { return flush_secs_; }
-  const std::string& filename_suffix() const noexcept { return filename_suffix_; }
-  bool on_error_continue() const noexcept { return on_error_continue_; }
-
- private:
-  std::string log_dir_;
-  int max_queue_ = 10;
-  double flush_secs_ = 120.0;
-  std::string filename_suffix_;
-  bool on_error_continue_ = false;
+  TORCH_ARG(bool, on_error_continue) = false;
 };
 
 /// Writes one TensorBoard run (torch.utils.tensorboard.SummaryWriter's scalar and histogram part).

@@ -2,6 +2,7 @@
 // Data-parallel training on c10d (Apex's apex.parallel.DistributedDataParallel, torch's DDP).
 
 #include <torch/nn/module.h>
+#include <torch/arg.h>
 
 #include <cstdint>
 #include <memory>
@@ -18,31 +19,18 @@ namespace amp::parallel {
 ///   auto ddp = amp::parallel::make_distributed(model, group,
 ///       amp::parallel::DistributedDataParallelOptions().bucket_cap_mb(10).delay_allreduce(true));
 struct DistributedDataParallelOptions {
-  /// Sets the size of a gradient bucket in MiB (torch's bucket_cap_mb; the first bucket is at most 1 MiB).
-  DistributedDataParallelOptions& bucket_cap_mb(double value) { bucket_cap_mb_ = value; return *this; }
+  /// The size of a gradient bucket in MiB (torch's bucket_cap_mb; the first bucket is at most 1 MiB).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Reduces bf16/fp16 gradients in fp32 (Apex's allreduce_always_fp32): twice the bytes, one rounding.
-  DistributedDataParallelOptions& allreduce_always_fp32(bool value) { allreduce_always_fp32_ = value; return *this; }
+  TORCH_ARG(bool, allreduce_always_fp32) = false;
   /// Reduces all gradients once, after backward, instead of bucket by bucket during it (Apex's delay_allreduce).
   /// Also lifts the overlapped mode's rule that every backward reaches every trainable parameter.
-  DistributedDataParallelOptions& delay_allreduce(bool value) { delay_allreduce_ = value; return *this; }
+  TORCH_ARG(bool, delay_allreduce) = false;
   /// Broadcasts the buffers (BatchNorm statistics) from rank 0 before every forward (torch's default).
-  DistributedDataParallelOptions& broadcast_buffers(bool value) { broadcast_buffers_ = value; return *this; }
+  TORCH_ARG(bool, broadcast_buffers) = true;
   /// Divides gradients by this factor before the all-reduce and by world_size / factor after it (Apex's
   /// gradient_predivide_factor), to keep large sums of fp16 gradients in range.
-  DistributedDataParallelOptions& gradient_predivide_factor(double value) { gradient_predivide_factor_ = value; return *this; }
-
-  double bucket_cap_mb() const noexcept { return bucket_cap_mb_; }
-  bool allreduce_always_fp32() const noexcept { return allreduce_always_fp32_; }
-  bool delay_allreduce() const noexcept { return delay_allreduce_; }
-  bool broadcast_buffers() const noexcept { return broadcast_buffers_; }
-  double gradient_predivide_factor() const noexcept { return gradient_predivide_factor_; }
-
- private:
-  double bucket_cap_mb_ = 25.0;
-  bool allreduce_always_fp32_ = false;
-  bool delay_allreduce_ = false;
-  bool broadcast_buffers_ = true;
-  double gradient_predivide_factor_ = 1.0;
+  TORCH_ARG(double, gradient_predivide_factor) = 1.0;
 };
 
 /// What a DistributedDataParallel sent, counted since make_distributed.

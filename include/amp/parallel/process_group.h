@@ -2,6 +2,7 @@
 // A c10d process group built from torchrun's environment (Apex's torch.distributed.init_process_group).
 
 #include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
 
 #include <chrono>
 #include <memory>
@@ -19,20 +20,13 @@ namespace amp::parallel {
 ///   auto group = amp::parallel::init_process_group(
 ///       amp::parallel::InitOptions().backend("gloo").timeout(std::chrono::seconds(60)));
 struct InitOptions {
-  /// Selects the backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors; only in a CUDA build of amp).
-  /// Default (empty): gloo for CPU tensors, plus nccl for CUDA tensors where amp was built with NCCL and
+  /// The backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors; only in a CUDA build of amp).
+  /// Empty (the default): gloo for CPU tensors, plus nccl for CUDA tensors where amp was built with NCCL and
   /// a GPU is present (Python's default "cpu:gloo,cuda:nccl").
-  InitOptions& backend(std::string value) { backend_ = std::move(value); return *this; }
-  /// Sets how long joining the group and each collective may wait for the other ranks before failing
-  /// (default 30 minutes, torch.distributed's default).
-  InitOptions& timeout(std::chrono::milliseconds value) { timeout_ = value; return *this; }
-
-  const std::string& backend() const noexcept { return backend_; }
-  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-
- private:
-  std::string backend_;
-  std::chrono::milliseconds timeout_ = std::chrono::minutes(30);
+  TORCH_ARG(std::string, backend);
+  /// How long joining the group and each collective may wait for the other ranks before failing
+  /// (torch.distributed's default, 30 minutes).
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
 };
 
 class ProcessGroup;

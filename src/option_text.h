@@ -1,0 +1,31 @@
+#pragma once
+// An option's value as Apex prints it (True, torch.float16, 32768.0, dynamic, None): one overload per type a
+// row of amp/option_fields.h may have, for the initialize banner and describe_overrides().
+
+#include <optional>
+#include <string>
+
+#include "amp/loss_scale.h"
+#include "amp/properties.h"
+#include "format.h"
+
+namespace amp::detail {
+
+inline std::string option_text(bool value) { return python_bool(value); }
+inline std::string option_text(int value) { return std::to_string(value); }
+inline std::string option_text(double value) { return format_float(value); }
+inline std::string option_text(c10::ScalarType value) { return dtype_name(value); }
+inline std::string option_text(const LossScale& value) { return to_string(value); }
+template <class T>
+std::string option_text(const std::optional<T>& value) {
+  return value ? option_text(*value) : "None";
+}
+
+/// Appends "name<padding>: value\n", the banner's row (names padded to 23 columns, as Apex).
+inline void append_option_row(std::string& out, const std::string& name, const std::string& value) {
+  out += name;
+  out.append(name.size() < 23 ? 23 - name.size() : 0, ' ');
+  out += ": " + value + "\n";
+}
+
+}  // namespace amp::detail
