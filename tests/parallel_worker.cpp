@@ -785,6 +785,50 @@ void scenario_unused(const ProcessGroup& group) {
 #endif
 }
 
+// amp::clip_grad_norm_ after DDP's all-reduce: each rank's norm equals the single process's on the whole batch
+// (to the reduction's rounding), and the ranks print their norms bit for bit (parallel_test.cpp compares them).
+void scenario_clip(const ProcessGroup& group) {
+  struct Level {
+    const char* label;
+    amp::Options options;
+    double tolerance;  // relative: O0 summation order; O2 bf16 gradients rounded to bf16 before the sum
+  };
+  for (const Level& level : {Level{"O0", amp::Options("O0").verbosity(0), 1e-5},
+                             Level{"O2 bf16", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 2e-2}}) {
+    auto net = make_mlp(7);
+    auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                              level.options);
+    auto ddp = amp::parallel::make_distributed(model, group);
+    auto ref_net = make_mlp(7);
+    auto [ref_model, ref_optimizer] = amp::initialize(
+        ref_net, torch::optim::SGD(ref_net->parameters(), torch::optim::SGDOptions(0.1)), level.options);
+    std::ostringstream norms;
+    bool close = true;
+    for (int step = 0; step < 4; ++step) {
+      const Batch batch = global_batch(step, 16);
+      const Batch local = rows(batch, group.rank() * 8, 8);
+      optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+        scaled.backward();
+      }
+      const float norm = amp::clip_grad_norm_(optimizer, 0.5).item<float>();
+      optimizer.step();
+      ref_optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ref_model(batch.x), batch.y), ref_optimizer);
+        scaled.backward();
+      }
+      const float ref_norm = amp::clip_grad_norm_(ref_optimizer, 0.5).item<float>();
+      ref_optimizer.step();
+      close = close && std::abs(norm - ref_norm) <= level.tolerance * ref_norm;
+      norms << std::hexfloat << norm << " ";
+    }
+    report(close, std::string(level.label) + ": clip_grad_norm_ after the all-reduce equals the single process's norm");
+    std::cout << "[rank " << group.rank() << "] clip norms " << level.label << ": " << norms.str() << std::endl;
+  }
+}
+
 void scenario_mismatch(const ProcessGroup& group) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -850,6 +894,8 @@ int main(int argc, char** argv) {
       scenario_syncbn(group);
     } else if (scenario == "unused") {
       scenario_unused(group);
+    } else if (scenario == "clip") {
+      scenario_clip(group);
     } else if (scenario == "mismatch") {
       scenario_mismatch(group);
     } else if (scenario == "dies") {

@@ -215,11 +215,12 @@ int main(int argc, char** argv) {
         std::printf("\n");
         std::fflush(stdout);
         if (csv) {
-          char row[512];
+          char row[512], norm_text[32] = "";
+          if (clip_grad_norm > 0.0) std::snprintf(norm_text, sizeof(norm_text), "%.9g", grad_norm);
           std::snprintf(row, sizeof(row), "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%lld,%.4f,%.1f,%s\n", epoch + 1, epoch_lr,
                         progress.mean_loss(), val_loss, accuracy, amp::loss_scale(optimizer),
                         static_cast<long long>(optimizer.skipped_steps()), progress.seconds(), progress.items_per_second(),
-                        clip_grad_norm > 0.0 ? std::to_string(grad_norm).c_str() : "");
+                        norm_text);
           csv << row << std::flush;
         }
         if (writer) {  // the tutorial's curves, then amp's: loss scale per loss_id, skipped steps
