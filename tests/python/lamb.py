@@ -7,7 +7,7 @@ in the kernel's order, with the norms taken in float64 and rounded to fp32 once.
 
 lamb_cases.pt: {'params': [p0, ...], 'grads': [[g0, ...] per step], 'groups': [{'params': [indices], 'lr', 'beta1',
 'beta2', 'eps', 'weight_decay', 'bias_correction', 'adam_w_mode', 'grad_averaging', 'use_nvlamb'}],
-'max_grad_norm': float}. lamb_reference.pt: {'params': [...], 'exp_avg': [...], 'exp_avg_sq': [...]} after all steps.
+'max_grad_norm': float}. lamb_reference.pt: {'params': [...], 'exp_avg': [...], 'exp_avg_sq': [...], 'torch_version'} after all steps.
 """
 import os
 import struct
@@ -60,7 +60,8 @@ def main(directory):
                     if pn != 0 and un != 0:
                         ratio = t(lr) * (pn / un)
                 params[i] = p - ratio * update
-    torch.save({"params": params, "exp_avg": m, "exp_avg_sq": v}, os.path.join(directory, "lamb_reference.pt"))
+    torch.save({"params": params, "exp_avg": m, "exp_avg_sq": v, "torch_version": torch.__version__},
+               os.path.join(directory, "lamb_reference.pt"))
 
 
 if __name__ == "__main__":
