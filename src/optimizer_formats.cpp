@@ -1,5 +1,7 @@
 #include "optimizer_formats.h"
 
+#include "amp/fused_optimizers.h"
+
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -7,6 +9,7 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <cstring>
 
 namespace amp::detail {
 namespace {
@@ -162,6 +165,45 @@ OptimizerFormat adagrad() {
   return f;
 }
 
+// Apex's apex.optimizers.FusedLAMB (amp::optim::FusedLAMB): its group keys, the step count per group, and Adam's
+// two moments. adam_w_mode and use_nvlamb are attributes of Apex's optimizer, not in its state_dict: loading keeps
+// the C++ optimizer's.
+OptimizerFormat fused_lamb() {
+  using amp::optim::FusedLAMBOptions;
+  OptimizerFormat f;
+  f.python_class = "apex.optimizers.FusedLAMB";
+  f.marker_keys = {"max_grad_norm", "grad_averaging", "bias_correction"};
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"bias_correction", GroupValue::kBool}, {"betas", GroupValue::kPair},
+                  {"eps", GroupValue::kNumber}, {"weight_decay", GroupValue::kNumber},
+                  {"grad_averaging", GroupValue::kBool}, {"max_grad_norm", GroupValue::kNumber},
+                  {"step", GroupValue::kCount}};
+  f.state_fields = {{"exp_avg", ""}, {"exp_avg_sq", ""}};
+  f.is = is<amp::optim::FusedLAMB>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<FusedLAMBOptions>(o);
+    return {{"lr", s.lr()}, {"bias_correction", s.bias_correction()}, {"beta1", std::get<0>(s.betas())},
+            {"beta2", std::get<1>(s.betas())}, {"eps", s.eps()}, {"weight_decay", s.weight_decay()},
+            {"grad_averaging", s.grad_averaging()}, {"max_grad_norm", s.max_grad_norm()},
+            {"step", static_cast<double>(s.step())}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<FusedLAMBOptions>(o).lr(h.at("lr")).bias_correction(h.at("bias_correction") != 0.0)
+        .betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
+        .grad_averaging(h.at("grad_averaging") != 0.0).max_grad_norm(h.at("max_grad_norm"))
+        .step(static_cast<int64_t>(h.at("step")));
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
+    const auto& l = as<amp::optim::FusedLAMBParamState>(s);
+    return {{"exp_avg", l.exp_avg()}, {"exp_avg_sq", l.exp_avg_sq()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<amp::optim::FusedLAMBParamState>();
+    state->exp_avg(t.at("exp_avg")), state->exp_avg_sq(t.at("exp_avg_sq"));
+    return state;
+  };
+  return f;
+}
+
 bool has(const c10::impl::GenericDict& group, const char* key) { return group.contains(c10::IValue(std::string(key))); }
 
 }  // namespace
@@ -173,6 +215,7 @@ const std::vector<OptimizerFormat>& optimizer_formats() {
       adam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>("AdamW", true),
       rmsprop(),
       adagrad(),
+      fused_lamb(),
   };
   return rows;
 }
@@ -214,11 +257,14 @@ const OptimizerFormat* python_format_of(const c10::impl::GenericDict& group) {
 }
 
 std::string optimizer_format_names() {
-  const auto& rows = optimizer_formats();
+  std::vector<const char*> names;
+  for (const auto& row : optimizer_formats()) {
+    if (std::strchr(row.python_class, '.') == nullptr) names.push_back(row.python_class);
+  }
   std::string out;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    out += i == 0 ? "" : i + 1 == rows.size() ? " and " : ", ";
-    out += rows[i].python_class;
+  for (size_t i = 0; i < names.size(); ++i) {
+    out += i == 0 ? "" : i + 1 == names.size() ? " and " : ", ";
+    out += names[i];
   }
   return out;
 }

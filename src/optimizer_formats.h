@@ -22,7 +22,8 @@ using Hyperparameters = std::map<std::string, double>;
 /// One parameter's state tensors by Python name (an undefined tensor: absent).
 using StateTensors = std::map<std::string, at::Tensor>;
 
-enum class GroupValue { kNumber, kBool, kPair };  // a float, a bool, or betas' (float, float)
+// A float, a bool, betas' (float, float), or a count written as an int once it is above 0 (Apex's per-group 'step').
+enum class GroupValue { kNumber, kBool, kPair, kCount };
 
 struct GroupField {
   const char* name;
@@ -38,7 +39,7 @@ struct StateField {
 };
 
 struct OptimizerFormat {
-  const char* python_class;  // "SGD": torch.optim.SGD
+  const char* python_class;  // "SGD": torch.optim.SGD; a dotted name is a class outside torch.optim
   /// Keys only this class's param groups have, which tell a Python group's class.
   std::vector<const char*> marker_keys;
   /// Adam and AdamW share their keys; torch >= 2.7 tells them apart by this flag (-1: not written).
@@ -68,7 +69,7 @@ const std::vector<OptimizerFormat>& optimizer_formats();
 const OptimizerFormat* format_of(const torch::optim::Optimizer& optimizer);
 /// The one row that accepts a Python group, or nullptr when none or several do.
 const OptimizerFormat* python_format_of(const c10::impl::GenericDict& group);
-/// "SGD, Adam, AdamW, RMSprop and Adagrad", for messages.
+/// "SGD, Adam, AdamW, RMSprop and Adagrad" (torch.optim's), for messages.
 std::string optimizer_format_names();
 
 }  // namespace amp::detail

@@ -414,7 +414,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
 
   const detail::OptimizerFormat* format = detail::format_of(opt);
   TORCH_CHECK(format, m, "this optimizer is not one whose Python state_dict amp reads; amp reads ",
-              detail::optimizer_format_names(), " (and amp::optim's fused ones).");
+              detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's).");
   const std::string type_name = format->python_class;
   auto& groups = opt.param_groups();
   TORCH_CHECK(py_groups.size() == groups.size(), m, what, " has ", py_groups.size(), " param group(s), this optimizer has ",
@@ -434,13 +434,17 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
       for (const auto& item : group) {
         if (item.key().isString() && item.key().toStringRef() != "params") keys.push_back(item.key().toStringRef());
       }
-      TORCH_CHECK(false, m, what, " was saved from ", (py_format ? std::string("torch.optim.") + py_format->python_class
+      TORCH_CHECK(false, m, what, " was saved from ", (py_format ? std::string(std::strchr(py_format->python_class, '.') ? "" : "torch.optim.") + py_format->python_class
                                                                   : std::string("another optimizer type")),
                   " (param group ", g, " has ", quoted_list(keys), "), this optimizer is ", type_name,
                   ". Build the C++ optimizer of the type the Python script used.");
     }
     for (const auto& [key, kind] : format->group_keys) {
       const std::string k = key;
+      if (kind == detail::GroupValue::kCount && !group.contains(c10::IValue(k))) {  // written after the first step
+        hyper[g][k] = 0.0;
+        continue;
+      }
       TORCH_CHECK(group.contains(c10::IValue(k)), m, group_what, " has no '", k, "', which ", type_name, " needs.");
       const c10::IValue& v = group.at(c10::IValue(k));
       if (kind == detail::GroupValue::kPair) {
@@ -458,6 +462,9 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
       } else {
         const auto number = as_number(v);
         TORCH_CHECK(number.has_value(), m, group_what, "['", k, "'] is ", type_of(v), ", not a number.");
+        TORCH_CHECK(kind != detail::GroupValue::kCount ||
+                        (*number >= 0 && std::floor(*number) == *number && *number < 9.2e18),
+                    m, group_what, "['", k, "'] is ", detail::format_float(*number), ", not a step count.");
         hyper[g][k] = *number;
       }
     }
@@ -584,7 +591,7 @@ void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimiz
 void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::Optimizer& opt) {
   const detail::OptimizerFormat* format = detail::format_of(opt);
   TORCH_CHECK(format, "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python state_dict amp "
-              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones).");
+              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's).");
   auto& state = opt.state();
   c10::impl::GenericDict py_state(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList py_groups(c10::AnyType::get());
@@ -597,6 +604,9 @@ void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::O
       switch (kind) {
         case detail::GroupValue::kNumber: g.insert(key, h.at(key)); break;
         case detail::GroupValue::kBool: g.insert(key, h.at(key) != 0.0); break;
+        case detail::GroupValue::kCount:
+          if (h.at(key) > 0) g.insert(key, static_cast<int64_t>(h.at(key)));
+          break;
         case detail::GroupValue::kPair:
           g.insert(key, c10::ivalue::Tuple::create(std::vector<c10::IValue>{h.at("beta1"), h.at("beta2")}));
           break;

@@ -365,3 +365,44 @@ TEST(FusedLAMBTest, GroupsSchedulersAndGradScalerInStepUnscale) {
   const auto inside = run(false), outside = run(true);
   for (size_t i = 0; i < inside.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(inside[i], outside[i])) << i;
 }
+
+TEST(FusedLAMBPythonTest, PythonCheckpointsHaveApexsStateDictLayout) {
+  if (std::system((lamb_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
+    GTEST_SKIP() << "this check needs Python with the torch wheel (set AMP_PYTHON)";
+  }
+  torch::manual_seed(2);
+  auto a = torch::randn({4, 3}, torch::requires_grad()), b = torch::randn({3}, torch::requires_grad());
+  auto c = torch::randn({5}, torch::requires_grad());
+  FusedLAMB lamb({torch::optim::OptimizerParamGroup({a, b}),
+                  torch::optim::OptimizerParamGroup({c}, std::make_unique<FusedLAMBOptions>(FusedLAMBOptions(2e-3)))});
+  for (int s = 0; s < 3; ++s) {  // c never has a gradient: no state for it (its group's step count still grows)
+    a.mutable_grad() = torch::randn({4, 3});
+    b.mutable_grad() = torch::randn({3});
+    lamb.step();
+  }
+  EXPECT_EQ(static_cast<const FusedLAMBOptions&>(lamb.param_groups()[1].options()).step(), 3) << "as Apex";
+  // A group whose count is 0 is written without 'step', as a never-stepped Apex optimizer's.
+  static_cast<FusedLAMBOptions&>(lamb.param_groups()[1].options()).step(0);
+  const fs::path dir = fs::path(::testing::TempDir()) / ("amp_lamb_ckpt_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  amp::PythonCheckpoint out;
+  out.put_optimizer("optimizer", lamb);
+  out.save((dir / "lamb_cpp.pt").string());
+  const std::string command =
+      lamb_python() + " '" AMP_SOURCE_DIR "/tests/python/lamb.py' roundtrip '" + dir.string() + "' 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const auto& state_a = static_cast<const amp::optim::FusedLAMBParamState&>(
+      *lamb.state().at(amp::detail::state_key(lamb.state(), a)));
+  const auto exp_avg_a = state_a.exp_avg().clone();
+  amp::PythonCheckpoint::load((dir / "lamb_python.pt").string()).load_optimizer(lamb);
+  const auto& o0 = static_cast<const FusedLAMBOptions&>(lamb.param_groups()[0].options());
+  const auto& o1 = static_cast<const FusedLAMBOptions&>(lamb.param_groups()[1].options());
+  EXPECT_EQ(o0.step(), 4);
+  EXPECT_EQ(o0.lr(), 0.25);
+  EXPECT_EQ(o1.step(), 7);
+  EXPECT_EQ(o1.lr(), 2e-3);
+  const auto& loaded_a = static_cast<const amp::optim::FusedLAMBParamState&>(
+      *lamb.state().at(amp::detail::state_key(lamb.state(), a)));
+  EXPECT_TRUE(amp_test::bitwise_equal(loaded_a.exp_avg(), exp_avg_a * 2));
+  fs::remove_all(dir);
+}

@@ -3,7 +3,9 @@
 Algorithm 2) as Apex's FusedLAMB computes it (apex/optimizers/fused_lamb.py, csrc/multi_tensor_lamb.cu), in fp32
 in the kernel's order, with the norms taken in float64 and rounded to fp32 once.
 
-  lamb.py DIR   # reads DIR/lamb_cases.pt (written by C++), writes DIR/lamb_reference.pt
+  lamb.py DIR             # reads DIR/lamb_cases.pt (written by C++), writes DIR/lamb_reference.pt
+  lamb.py roundtrip DIR   # checks DIR/lamb_cpp.pt (C++'s put_optimizer) has Apex FusedLAMB's state_dict layout,
+                          # writes DIR/lamb_python.pt: the same state as a Python script would change it
 
 lamb_cases.pt: {'params': [p0, ...], 'grads': [[g0, ...] per step], 'groups': [{'params': [indices], 'lr', 'beta1',
 'beta2', 'eps', 'weight_decay', 'bias_correction', 'adam_w_mode', 'grad_averaging', 'use_nvlamb'}],
@@ -64,5 +66,29 @@ def main(directory):
                os.path.join(directory, "lamb_reference.pt"))
 
 
+def roundtrip(directory):
+    sd = torch.load(os.path.join(directory, "lamb_cpp.pt"), weights_only=False)["optimizer"]
+    groups = sd["param_groups"]
+    expected = ["lr", "bias_correction", "betas", "eps", "weight_decay", "grad_averaging", "max_grad_norm", "step",
+                "params"]
+    assert list(groups[0].keys()) == expected, list(groups[0].keys())
+    assert "step" not in groups[1], groups[1]  # never stepped: Apex adds 'step' at the first step
+    g = groups[0]
+    assert isinstance(g["step"], int) and g["step"] == 3, g["step"]
+    assert isinstance(g["bias_correction"], bool) and isinstance(g["grad_averaging"], bool)
+    assert isinstance(g["betas"], tuple) and len(g["betas"]) == 2
+    for index in g["params"]:
+        assert sorted(sd["state"][index].keys()) == ["exp_avg", "exp_avg_sq"], sd["state"][index].keys()
+    g["step"] += 1
+    g["lr"] = 0.25
+    groups[1]["step"] = 7
+    for index in g["params"]:
+        sd["state"][index]["exp_avg"] = sd["state"][index]["exp_avg"] * 2
+    torch.save({"optimizer": sd}, os.path.join(directory, "lamb_python.pt"))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "roundtrip":
+        roundtrip(sys.argv[2])
+    else:
+        main(sys.argv[1])
