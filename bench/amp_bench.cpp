@@ -383,6 +383,18 @@ std::vector<torch::Tensor> params_with_grads(int64_t total, int64_t count) {
   return params;
 }
 
+// One row "| 1M | 100 | a ms | b ms | b / a |" of the clip and lamb tables, and its CSV records.
+void ratio_row(const char* section, int64_t total, int64_t count, std::pair<const char*, double> a,
+               std::pair<const char*, double> b, const char* ratio_metric) {
+  const std::string label = std::to_string(total >> 20) + "M";
+  std::printf("| %s | %lld | %.3f | %.3f | %.2f |\n", label.c_str(), static_cast<long long>(count), 1e3 * a.second,
+              1e3 * b.second, b.second / a.second);
+  const std::string config = "fp32 x" + std::to_string(count);
+  record(section, label, config, a.first, 1e3 * a.second);
+  record(section, label, config, b.first, 1e3 * b.second);
+  record(section, label, config, ratio_metric, b.second / a.second);
+}
+
 void clip_section() {
   std::printf("## Gradient clipping\n\namp::clip_grad_norm_'s pass (one norm pass over all tensors, accumulated in double, "
               "then one scaling pass; the norm stays a tensor) vs LibTorch's torch::nn::utils::clip_grad_norm_ (a norm "
@@ -396,13 +408,7 @@ void clip_section() {
       const auto [amp_s, torch_s] = time_interleaved(
           [&] { amp::detail::clip_grads(grads, 1.0, 2.0, torch::Tensor()); },
           [&] { torch::nn::utils::clip_grad_norm_(params, 1.0); }, 0.2);
-      const std::string label = std::to_string(total >> 20) + "M";
-      std::printf("| %s | %lld | %.3f | %.3f | %.2f |\n", label.c_str(), static_cast<long long>(count), 1e3 * amp_s,
-                  1e3 * torch_s, torch_s / amp_s);
-      const std::string config = "fp32 x" + std::to_string(count);
-      record("clip", label, config, "amp_ms", 1e3 * amp_s);
-      record("clip", label, config, "libtorch_ms", 1e3 * torch_s);
-      record("clip", label, config, "libtorch_over_amp", torch_s / amp_s);
+      ratio_row("clip", total, count, {"amp_ms", amp_s}, {"libtorch_ms", torch_s}, "libtorch_over_amp");
     }
   }
   std::printf("\n");
@@ -426,13 +432,7 @@ void lamb_section() {
             per_op.step();
             amp::optim::detail::force_fused_route(FusedRoute::kAuto);
           }, 0.2);
-      const std::string label = std::to_string(total >> 20) + "M";
-      std::printf("| %s | %lld | %.3f | %.3f | %.2f |\n", label.c_str(), static_cast<long long>(count), 1e3 * fused_s,
-                  1e3 * per_op_s, per_op_s / fused_s);
-      const std::string config = "fp32 x" + std::to_string(count);
-      record("lamb", label, config, "fused_ms", 1e3 * fused_s);
-      record("lamb", label, config, "per_op_ms", 1e3 * per_op_s);
-      record("lamb", label, config, "per_op_over_fused", per_op_s / fused_s);
+      ratio_row("lamb", total, count, {"fused_ms", fused_s}, {"per_op_ms", per_op_s}, "per_op_over_fused");
     }
   }
   std::printf("\n");

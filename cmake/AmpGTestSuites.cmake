@@ -1,4 +1,4 @@
-# amp_gtest_suites(<target> [TIMEOUT <s>]): one ctest test per GoogleTest suite of <target>, listed after each
+# amp_gtest_suites(<target> [TIMEOUT <s>] [SHARDED <suite>...]): one ctest test per GoogleTest suite of <target>, listed after each
 # build (as gtest_discover_tests lists single tests). A test process costs about 0.6 s before its first line
 # (loading LibTorch), so a process per test spent some 5 minutes of each CI flavor on starting ~480 processes.
 # gtest still reports every test by name, and `ctest -R Suite` / `--gtest_filter` pick one out.
