@@ -16,10 +16,13 @@ full=0
 [ ${#versions[@]} -gt 0 ] || { versions=(2.13 cuda 1.13 2.13-sanitize); full=1; }
 status=0
 # The CUDA wheels (~2.6 GB) download while the first flavors compile: the network, not the cores, is their limit.
+# It runs in a session of its own (setsid), so that a failing build stops it with its pip children rather than
+# leaving it downloading after the run; setup-cuda.sh bounds it by 20 minutes itself.
 cuda_setup=""
 if [[ " ${versions[*]} " == *" cuda "* ]]; then
-  ./scripts/setup-cuda.sh > build/setup-cuda.log 2>&1 &
+  setsid ./scripts/setup-cuda.sh > build/setup-cuda.log 2>&1 < /dev/null &
   cuda_setup=$!
+  trap '[ -z "$cuda_setup" ] || kill -- "-$cuda_setup" 2> /dev/null || true' EXIT
 fi
 for version in "${versions[@]}"; do
   if [ "$version" = cuda ] && [ -n "$cuda_setup" ]; then

@@ -14,6 +14,7 @@
 #include "cpu_optimizer_kernels.h"
 #include "fused_route.h"
 #include "multi_tensor.h"
+#include "optimizer_grads.h"
 #include "optimizer_state_key.h"
 
 // ATen's fused optimizer kernels with CPU implementations (and _fused_sgd_) arrived in LibTorch 2.4.
@@ -453,12 +454,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
     check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
   });
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (auto& group : param_groups_) {
-    for (auto& p : group.params()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-  }
+  const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
   // kernels leave them): the global norm is the unscaled gradients'.
   if (grad_scale() && !grads.empty()) {

@@ -7,6 +7,7 @@
 #include "amp/fused_optimizers.h"
 #include "format.h"
 #include "multi_tensor.h"
+#include "optimizer_grads.h"
 
 namespace amp {
 namespace {
@@ -120,12 +121,7 @@ torch::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, do
                 "between scaler.scale(loss).backward() and scaler.step(optimizer).");
     if (state.stage == Stage::kReady) unscale_(optimizer);
   }
-  std::vector<at::Tensor> grads;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-  }
+  const std::vector<at::Tensor> grads = detail::defined_grads(optimizer);
   if (enabled_ && !grads.empty()) skip = state_of(optimizer).found_inf.any_on(grads.front().device());
   return detail::clip_grads(grads, max_norm, norm_type, skip);
 }

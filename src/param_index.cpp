@@ -23,6 +23,7 @@
 #include "format.h"
 #include "master_weights.h"
 #include "model_casting.h"
+#include "optimizer_grads.h"
 #include "optimizer_state_key.h"
 #include "scaled_grads.h"
 
@@ -93,7 +94,6 @@ std::vector<at::Tensor> OptimizerBase::master_params() {
 }
 
 std::vector<at::Tensor> OptimizerBase::grads_for_step(const char* caller) {
-  std::vector<at::Tensor> grads;
   if (properties_.enabled) {
     sync_param_groups();
     TORCH_CHECK(!backward_prepared_, "amp::", caller, ": an amp::scale_loss handle of this optimizer is still open "
@@ -104,12 +104,7 @@ std::vector<at::Tensor> OptimizerBase::grads_for_step(const char* caller) {
                 "delay_unscale (it unscales every gradient), then clip.");
     detail::check_no_scaled_grads(model_side_, [this](size_t i) { return model_side_name(i); }, caller);
   }
-  for (auto& group : torch_optimizer().param_groups()) {
-    for (auto& p : group.params()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-  }
-  return grads;
+  return detail::defined_grads(torch_optimizer());
 }
 
 void OptimizerBase::refresh_master_params() {
