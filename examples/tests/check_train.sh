@@ -20,6 +20,11 @@ common=(--config "$config" --data "$data" --verbosity 0 --seed 3)
 "$train" "${common[@]}" --epochs 4 --metrics "$work/f.csv" --fused true > "$work/f.log"
 # --clip-grad-norm: amp::clip_grad_norm_ on the gradients the step uses; still learns, logs the mean norm.
 "$train" "${common[@]}" --epochs 4 --metrics "$work/c.csv" --clip-grad-norm 0.5 > "$work/c.log"
+if bad=$("$train" "${common[@]}" --epochs 1 --clip-grad-norm -1 2>&1); then
+  echo "FAIL: --clip-grad-norm -1 was accepted"; exit 1
+fi
+echo "$bad" | grep -q -- "--clip-grad-norm must be positive (or 0: no clipping), got -1" ||
+  { echo "FAIL: --clip-grad-norm -1 gave: $bad"; exit 1; }
 cat "$work/a.log"
 
 strip_time() { cut -d, -f1-7 "$1"; }

@@ -105,8 +105,9 @@ int main(int argc, char** argv) {
     const auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
     if (!(clip_grad_norm >= 0.0)) {
-      throw std::invalid_argument("train: --clip-grad-norm must be positive (or 0: no clipping), got " +
-                                  std::to_string(clip_grad_norm));
+      std::ostringstream message;
+      message << "train: --clip-grad-norm must be positive (or 0: no clipping), got " << clip_grad_norm;
+      throw std::invalid_argument(message.str());
     }
     if (resume && checkpoint.empty()) throw std::invalid_argument("train: --resume true needs --checkpoint FILE");
     if (resume && !resume_python.empty()) {
