@@ -8,6 +8,7 @@ thread_local bool amp_casts = false;
 }  // namespace
 
 bool detail::amp_casts_active() noexcept { return amp_casts; }
+void detail::set_amp_casts_active(bool active) noexcept { amp_casts = active; }
 
 AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype) : AutocastGuard(device, dtype, true, true) {}
 

@@ -471,6 +471,23 @@ TEST(TwoRanksTest, ClipGradNormIsTheSameOnEveryRank) {
   }
 }
 
+TEST(TwoRanksTest, CheckpointedReplicasTrainAsPlainOnesAndStayIdentical) {
+  const auto ranks = two_ranks("checkpoint");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  for (const std::string level : {"O0", "O2 bf16"}) {
+    std::string lines[2];
+    for (int r = 0; r < 2; ++r) {
+      const std::string tag = "] checkpoint params " + level + ": ";
+      const auto at = ranks[r].output.find(tag);
+      ASSERT_NE(at, std::string::npos) << "rank " << r << " printed no parameters for " << level;
+      lines[r] = ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size());
+    }
+    EXPECT_EQ(lines[0], lines[1]) << level << ": the ranks' parameters differ";
+  }
+}
+
 TEST(TwoRanksTest, MismatchedModels) {
   const auto ranks = two_ranks("mismatch");
   std::cout << outputs(ranks);

@@ -829,6 +829,56 @@ void scenario_clip(const ProcessGroup& group) {
   }
 }
 
+// make_mlp's layers, the hidden ones run through amp::checkpoint (or not).
+struct CheckpointedMlpImpl : torch::nn::Module {
+  CheckpointedMlpImpl(uint64_t seed, bool checkpointed) : checkpointed(checkpointed) {
+    torch::manual_seed(seed);  // make_mlp's layers in make_mlp's order: the same initial values
+    body = register_module("body", torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::ReLU(),
+                                                         torch::nn::Linear(32, 32), torch::nn::ReLU()));
+    head = register_module("head", torch::nn::Linear(32, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(checkpointed ? amp::checkpoint(body, x) : body->forward(x)); }
+  bool checkpointed;
+  torch::nn::Sequential body{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(CheckpointedMlp);
+
+// amp::checkpoint under amp::parallel: the checkpointed replicas' parameters equal the plain replicas' bit for bit
+// (the recomputed gradients reach the same reduction hooks), and every rank ends identical.
+void scenario_checkpoint(const ProcessGroup& group) {
+  for (const auto& [label, options] : {std::make_pair(std::string("O0"), amp::Options("O0").verbosity(0)),
+                                       std::make_pair(std::string("O2 bf16"),
+                                                      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0))}) {
+    std::vector<torch::Tensor> finals[2];
+    for (bool checkpointed : {false, true}) {
+      CheckpointedMlp net(7, checkpointed);
+      auto [model, optimizer] = amp::initialize(
+          net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)), options);
+      auto ddp = amp::parallel::make_distributed(model, group);
+      for (int step = 0; step < 3; ++step) {
+        const Batch local = rows(global_batch(step, 16), group.rank() * 8, 8);
+        optimizer.zero_grad();
+        {
+          auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+          scaled.backward();
+        }
+        optimizer.step();
+      }
+      for (const auto& p : net->parameters()) finals[checkpointed].push_back(p.detach().to(torch::kFloat));
+    }
+    bool same = true;
+    double sum = 0;
+    for (size_t i = 0; i < finals[0].size(); ++i) {
+      same = same && torch::equal(finals[0][i], finals[1][i]);
+      sum += finals[1][i].sum().item<double>();
+    }
+    report(same, label + ": checkpointed replicas equal the plain replicas bit for bit");
+    std::cout << "[rank " << group.rank() << "] checkpoint params " << label << ": " << std::hexfloat << sum
+              << std::defaultfloat << std::endl;
+  }
+}
+
 void scenario_mismatch(const ProcessGroup& group) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -894,6 +944,8 @@ int main(int argc, char** argv) {
       scenario_syncbn(group);
     } else if (scenario == "unused") {
       scenario_unused(group);
+    } else if (scenario == "checkpoint") {
+      scenario_checkpoint(group);
     } else if (scenario == "clip") {
       scenario_clip(group);
     } else if (scenario == "mismatch") {

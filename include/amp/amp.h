@@ -19,6 +19,7 @@
 #include "amp/autocast_guard.h"
 #include "amp/batchnorm.h"
 #include "amp/cast_policy.h"
+#include "amp/checkpoint.h"
 #include "amp/clip_grad.h"
 #include "amp/config.h"
 #include "amp/fused_optimizers.h"

@@ -61,6 +61,8 @@ class DisableCastsGuard {
 namespace detail {
 /// Returns whether amp's own cast rules apply on this thread (inside an AutocastGuard).
 bool amp_casts_active() noexcept;
+/// Sets it; for code that reinstates a recorded cast state (amp::checkpoint's recompute).
+void set_amp_casts_active(bool active) noexcept;
 /// Registers amp's cast kernels on the autocast dispatch keys (once per process).
 void register_cast_kernels();
 }  // namespace detail
