@@ -3,6 +3,7 @@
 // bench/python_amp.py builds the same ones in Python, op for op, so the C++ and Python step times compare
 // like for like.
 
+#include <amp/checkpoint.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -87,11 +88,15 @@ struct TransformerImpl : torch::nn::Module {
     for (int64_t i = 0; i < blocks; ++i) layers->push_back(TransformerBlock(width, heads, ff));
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (const auto& block : *layers) x = block->as<TransformerBlock>()->forward(x);
+    for (const auto& block : *layers) {
+      TransformerBlock b(std::dynamic_pointer_cast<TransformerBlockImpl>(block));
+      x = checkpoint_blocks ? amp::checkpoint(b, x) : b->forward(x);
+    }
     return head(x.mean(1));
   }
   torch::nn::ModuleList layers;
   torch::nn::Linear head;
+  bool checkpoint_blocks = false;  // amp::checkpoint around each block (amp_bench --section checkpoint)
 };
 TORCH_MODULE(Transformer);
 
