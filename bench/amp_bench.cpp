@@ -1,5 +1,5 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
@@ -438,6 +438,44 @@ void lamb_section() {
   std::printf("\n");
 }
 
+// O1 with Apex's lists and with the build's native lists, each against the hand-written loop doing the same casts.
+template <class Net>
+void o1_lists_for(const std::string& name) {
+  torch::manual_seed(0);
+  const auto x = bench::input_for(name);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+  bench::HandWritten<Net> hand_apex(false), hand_native(false);
+  hand_native.lists = amp::CastLists::kNative;
+  Net apex_net, native_net;
+  auto sgd = [](Net& net) { return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)); };
+  const auto options = amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto [apex_model, apex_opt] = amp::initialize(apex_net, sgd(apex_net), options);
+  auto [native_model, native_opt] =
+      amp::initialize(native_net, sgd(native_net), amp::Options(options).cast_lists(amp::CastLists::kNative));
+  const auto t = time_alternating({[&, &m = apex_model, &o = apex_opt] { bench::amp_step(m, o, x, y); },
+                                   [&, &m = native_model, &o = native_opt] { bench::amp_step(m, o, x, y); },
+                                   [&] { hand_apex.step(x, y); }, [&] { hand_native.step(x, y); }});
+  std::printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f |\n", name.c_str(), 1e3 * t[0], 1e3 * t[1],
+              1e3 * t[2], 1e3 * t[3], t[0] / t[2], t[1] / t[3], t[0] / t[1]);
+  record("o1_lists", name, "O1 bf16 apex", "ms_per_step", 1e3 * t[0]);
+  record("o1_lists", name, "O1 bf16 native", "ms_per_step", 1e3 * t[1]);
+  record("o1_lists", name, "O1 bf16 apex", "over_hand", t[0] / t[2]);
+  record("o1_lists", name, "O1 bf16 native", "over_hand", t[1] / t[3]);
+}
+
+void o1_lists_section() {
+  std::printf("## O1's cast lists\n\namp's O1 bf16 step with Apex's lists (the default: LibTorch's autocast lists plus "
+              "Apex's rows they lack, such as softmax and GELU in fp32) and with cast_lists native (the build's lists "
+              "alone, torch.amp's O1), each against the hand-written loop under the same casts; SGD with momentum; "
+              "interleaved repetitions.\n\n| model | amp apex ms | amp native ms | hand apex ms | hand native ms | "
+              "amp apex / hand | amp native / hand | apex / native |\n|---|---|---|---|---|---|---|---|\n");
+  o1_lists_for<bench::TinyMlp>("tiny_mlp");
+  o1_lists_for<bench::Mlp>("mlp");
+  o1_lists_for<bench::Cnn>("cnn");
+  o1_lists_for<bench::Transformer>("transformer");
+  std::printf("\n");
+}
+
 // The bench transformer (one block) and a four-block one, every block checkpointed or none, at O0 and O2 bf16:
 // the peak of a step above the state kept between steps (activations, gradients, temporaries), and the step time.
 void checkpoint_section(MemoryMeter& meter) {
@@ -489,7 +527,7 @@ void checkpoint_section(MemoryMeter& meter) {
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -520,6 +558,7 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "clip") clip_section();
     if (section == "all" || section == "lamb") lamb_section();
     if (section == "all" || section == "checkpoint") checkpoint_section(meter);
+    if (section == "all" || section == "o1") o1_lists_section();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

@@ -35,6 +35,13 @@ def main(cpp_csv, py_csv, cpp_md, out_md, out_csv):
             verdict = "met" if cpp / py <= target else "missed"
             lines.append(f"| {name} | {config} | {cpp:.3f} | {py:.3f} | {cpp / py:.2f} | <= {target} ({verdict}) |")
             rows.append({"section": "versus_python", "name": name, "config": config, "metric": "ratio", "value": cpp / py})
+        cpp = value.get(("o1_lists", name, "O1 bf16 native", "ms_per_step"))
+        py = value.get(("python", name, "O1 bf16", "ms_per_step"))
+        if cpp is not None and py is not None:  # torch.amp's lists on both sides (amp_bench --section o1)
+            verdict = "met" if cpp / py <= 1.0 else "missed"
+            lines.append(f"| {name} | O1 bf16 native | {cpp:.3f} | {py:.3f} | {cpp / py:.2f} | <= 1.0 ({verdict}) |")
+            rows.append({"section": "versus_python", "name": name, "config": "O1 bf16 native", "metric": "ratio",
+                         "value": cpp / py})
     lines += ["", "## Targets", ""]
     overhead = [(k, v) for k, v in value.items() if k[0] == "overhead" and k[3] == "ratio"]
     for (_, name, config, _), v in sorted(overhead):

@@ -34,6 +34,7 @@ struct HandWritten {
   c10::ScalarType dtype;
   torch::Device device;
   double scale = 65536.0;
+  amp::CastLists lists = amp::CastLists::kApex;  // O1: the lists the hand loop's casts follow
   explicit HandWritten(bool o2_, bool adam = false, c10::ScalarType dtype_ = torch::kBFloat16,
                        torch::Device device_ = torch::kCPU)
       : o2(o2_), dtype(dtype_), device(device_) {
@@ -66,7 +67,7 @@ struct HandWritten {
     if (o2) {
       out = net(x.to(dtype)).to(torch::kFloat);
     } else {
-      amp::AutocastGuard casts(device.type(), dtype);
+      amp::AutocastGuard casts(device.type(), dtype, lists);
       out = net(x);
     }
     (torch::nn::functional::cross_entropy(out.to(torch::kFloat), y) * scale).backward();

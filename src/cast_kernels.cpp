@@ -35,12 +35,13 @@ const c10::DispatchKeySet kAutocastKeys{c10::DispatchKey::AutocastCPU, c10::Disp
 
 class CastKernel final : public c10::OperatorKernel {
  public:
-  CastKernel(CastPolicy policy, c10::DeviceType device, std::string banned_message)
-      : policy_(policy), device_(device), banned_message_(std::move(banned_message)) {}
+  // `apex_row`: a row of amp's table (off under cast_lists native), not a user registration.
+  CastKernel(CastPolicy policy, c10::DeviceType device, std::string banned_message, bool apex_row)
+      : policy_(policy), device_(device), banned_message_(std::move(banned_message)), apex_row_(apex_row) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
-    if (amp_casts_active()) cast_arguments(op, *stack);
+    if (amp_casts_active() && (!apex_row_ || apex_rows_active())) cast_arguments(op, *stack);
     op.callBoxed(stack);
   }
 
@@ -97,6 +98,7 @@ class CastKernel final : public c10::OperatorKernel {
   CastPolicy policy_;
   c10::DeviceType device_;
   std::string banned_message_;
+  bool apex_row_;
 };
 
 }  // namespace
@@ -139,7 +141,7 @@ void register_cast_kernels() {
           if (!registered.insert(c10::toString(op)).second) continue;
           const std::string op_name = op.name.substr(6) + (op.overload_name.empty() ? "" : "." + op.overload_name);
           library->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                                              std::make_unique<CastKernel>(rule.policy, device, rule.banned_message)));
+                                              std::make_unique<CastKernel>(rule.policy, device, rule.banned_message, true)));
         }
       }
       libraries.push_back(std::move(library));
@@ -219,7 +221,7 @@ void register_user_function(std::string_view text, CastPolicy policy, const char
     const std::string op_name = op.name.substr(colon + 2) + (op.overload_name.empty() ? "" : "." + op.overload_name);
     for (const auto& [key, device] : keys) {
       auto library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
-      library->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CastKernel>(policy, device, "")));
+      library->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CastKernel>(policy, device, "", false)));
       user_libraries.push_back(std::move(library));
     }
     user_policies.emplace(c10::toString(op), policy);

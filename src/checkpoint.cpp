@@ -45,6 +45,7 @@ struct CastState {
   bool cuda_enabled = false;
   c10::ScalarType cuda_dtype = at::kHalf;
   bool amp_casts = false;
+  bool apex_rows = true;
   bool cache_enabled = true;
 
   static CastState current() {
@@ -54,6 +55,7 @@ struct CastState {
     s.cuda_enabled = autocast::is_enabled(c10::DeviceType::CUDA);
     s.cuda_dtype = autocast::get_dtype(c10::DeviceType::CUDA);
     s.amp_casts = amp_casts_active();
+    s.apex_rows = apex_rows_active();
     s.cache_enabled = autocast::is_cache_enabled();
     return s;
   }
@@ -65,6 +67,7 @@ struct CastState {
     autocast::set_enabled(c10::DeviceType::CUDA, cuda_enabled);
     autocast::set_cache_enabled(cache);
     set_amp_casts_active(amp_casts);
+    set_apex_rows_active(apex_rows);
   }
 };
 

@@ -80,6 +80,11 @@ int parse_value(const std::string& v, ValueOf<int>) { return parse_small_int(v);
 double parse_value(const std::string& v, ValueOf<double>) { return parse_double(v); }
 c10::ScalarType parse_value(const std::string& v, ValueOf<c10::ScalarType>) { return parse_dtype(v); }
 LossScale parse_value(const std::string& v, ValueOf<LossScale>) { return parse_loss_scale(v); }
+CastLists parse_value(const std::string& v, ValueOf<CastLists>) {
+  if (v == "apex") return CastLists::kApex;
+  if (v == "native") return CastLists::kNative;
+  throw std::invalid_argument("expected apex or native");
+}
 
 struct Key {
   std::string name;

@@ -64,6 +64,14 @@ Properties Options::resolve() const {
     }
     p.patch_torch_functions = *patch_torch_functions_;
   }
+  if (cast_lists_) {
+    if (*cast_lists_ != CastLists::kApex && !p.patch_torch_functions) {
+      fail(std::string("cast_lists chooses the lists of O1's per-op casts, so it applies where the forward runs under "
+                       "them (O1) only; got cast_lists ") + to_string(*cast_lists_) + " at opt_level " + level +
+           ". Remove it, or use O1.");
+    }
+    p.cast_lists = *cast_lists_;
+  }
   if (keep_batchnorm_fp32_) {
     if (level_ == OptLevel::O1) {
       fail("With opt_level O1, batchnorm functions are automatically patched to run in FP32, so "

@@ -1,6 +1,7 @@
 // O1 per-op casts. Ports Apex's tests/L0/run_amp test_basic_casts.py, test_promotion.py and
 // test_cache.py to amp::AutocastGuard on every device (the CPU, and CUDA, where LibTorch's AutocastCUDA lists
 // cast most rows natively and amp's kernels the rest), for bf16 and (where the build computes it) fp16.
+#include "autocast_adapter.h"
 #include "support.h"
 
 namespace {
@@ -259,4 +260,127 @@ TEST_P(CastPolicyTest, InterpolateAndUpsampleRunInFp32) {
   torch::nn::Upsample upsample(torch::nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest));
   upsample->to(device());
   EXPECT_EQ(upsample(input).scalar_type(), torch::kFloat);
+}
+
+// LibTorch's autocast on `device` in `dtype`, without amp's kernels (torch.autocast's region), for its scope.
+class NativeAutocastRegion {
+ public:
+  NativeAutocastRegion(c10::DeviceType device, c10::ScalarType dtype)
+      : device_(device), was_enabled_(amp::detail::autocast::is_enabled(device)),
+        was_dtype_(amp::detail::autocast::get_dtype(device)) {
+    amp::detail::autocast::set_dtype(device, dtype);
+    amp::detail::autocast::set_enabled(device, true);
+    amp::detail::autocast::increment_nesting();
+  }
+  ~NativeAutocastRegion() {
+    if (amp::detail::autocast::decrement_nesting() == 0) amp::detail::autocast::clear_cache();
+    amp::detail::autocast::set_enabled(device_, was_enabled_);
+    amp::detail::autocast::set_dtype(device_, was_dtype_);
+  }
+
+ private:
+  c10::DeviceType device_;
+  bool was_enabled_;
+  c10::ScalarType was_dtype_;
+};
+
+// cast_lists native: every op casts exactly as the build's own autocast does (same dtype, same bits), for fp32
+// and low-precision inputs; with Apex's lists (the default) the rows LibTorch lacks cast differently.
+TEST_P(CastPolicyTest, NativeListsCastExactlyAsTheBuildsAutocast) {
+  torch::nn::Linear linear(h, h);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(c, c, k).padding(1));
+  torch::nn::LayerNorm layer_norm(torch::nn::LayerNormOptions({h}));
+  torch::nn::GroupNorm group_norm(torch::nn::GroupNormOptions(4, c));
+  torch::nn::BatchNorm2d bn(c);
+  for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{linear.get(), conv.get(), layer_norm.get(),
+                                                                      group_norm.get(), bn.get()})
+    m->to(device());
+  const auto w = draw({h, h}), v = draw({h}), target = draw({b, h}), other = draw({b, h});
+  const auto labels = torch::randint(h, {b}, torch::kLong).to(device());
+  using Op = std::function<torch::Tensor(const torch::Tensor&)>;
+  const std::vector<std::pair<std::string, Op>> ops = {
+      {"linear", [&](const torch::Tensor& x) { return linear(x); }},
+      {"mm", [&](const torch::Tensor& x) { return torch::mm(x, w); }},
+      {"matmul", [&](const torch::Tensor& x) { return x.matmul(w); }},
+      {"addmm", [&](const torch::Tensor& x) { return torch::addmm(v, x, w); }},
+      {"mv", [&](const torch::Tensor& x) { return torch::mv(x, v); }},
+      {"softmax", [](const torch::Tensor& x) { return torch::softmax(x, 1); }},
+      {"log_softmax", [](const torch::Tensor& x) { return torch::log_softmax(x, 1); }},
+      {"gelu", [](const torch::Tensor& x) { return torch::gelu(x); }},
+      {"tanh", [](const torch::Tensor& x) { return torch::tanh(x); }},
+      {"sigmoid", [](const torch::Tensor& x) { return torch::sigmoid(x); }},
+      {"exp", [](const torch::Tensor& x) { return x.exp(); }},
+      {"pow", [](const torch::Tensor& x) { return x.pow(2); }},
+      {"sum", [](const torch::Tensor& x) { return x.sum(); }},
+      {"cumsum", [](const torch::Tensor& x) { return x.cumsum(1); }},
+      {"norm", [](const torch::Tensor& x) { return x.norm(); }},
+      {"layer_norm", [&](const torch::Tensor& x) { return layer_norm(x); }},
+      {"mse_loss", [&](const torch::Tensor& x) { return torch::mse_loss(x, target); }},
+      {"cross_entropy", [&](const torch::Tensor& x) { return torch::nn::functional::cross_entropy(x, labels); }},
+      {"add mixed", [&](const torch::Tensor& x) { return x + other.to(lp); }},
+      {"cat mixed", [&](const torch::Tensor& x) { return torch::cat({x, other.to(lp)}); }},
+      {"relu", [](const torch::Tensor& x) { return torch::relu(x); }},
+      {"conv2d", [&](const torch::Tensor& x) { return conv(x.reshape({b, c, 2, 2})); }},
+      {"group_norm", [&](const torch::Tensor& x) { return group_norm(x.reshape({b, c, 2, 2})); }},
+      {"batch_norm", [&](const torch::Tensor& x) { return bn(x.reshape({b, c, 2, 2})); }},
+  };
+  int apex_differs = 0;
+  for (const auto& [name, op] : ops) {
+    for (auto in_dtype : {torch::kFloat, lp}) {
+      const auto x = draw({b, h}, in_dtype);
+      // What a region gives: the result, or the error (native lists leave some mixed-dtype calls failing).
+      auto run = [&](auto&& region) -> std::pair<torch::Tensor, std::string> {
+        try {
+          return {region(), ""};
+        } catch (const std::exception& e) {
+          const std::string what = amp_test::message(e);
+          return {torch::Tensor(), what.substr(0, what.find('\n'))};
+        }
+      };
+      const auto native = run([&] {  // the build's autocast alone, as torch.autocast turns it on
+        NativeAutocastRegion region(device_type(), lp);
+        return op(x);
+      });
+      const auto amp_native = run([&] {
+        amp::AutocastGuard casts(device_type(), lp, amp::CastLists::kNative);
+        return op(x);
+      });
+      const auto apex = run([&] {
+        amp::AutocastGuard casts(device_type(), lp);
+        return op(x);
+      });
+      const std::string where = name + " on " + c10::toString(in_dtype) + " input";
+      EXPECT_EQ(amp_native.second, native.second) << where;
+      if (!native.first.defined() || !amp_native.first.defined()) continue;
+      EXPECT_EQ(amp_native.first.scalar_type(), native.first.scalar_type()) << where;
+      EXPECT_TRUE(amp_test::bitwise_equal(amp_native.first, native.first)) << where;
+      if (!apex.first.defined() || apex.first.scalar_type() != native.first.scalar_type()) ++apex_differs;
+    }
+  }
+  // On the CPU, Apex's fp32 rows (softmax, GELU, tanh, ...) are not in LibTorch's lists; CUDA lists most natively.
+  if (device_type() == torch::kCPU) EXPECT_GT(apex_differs, 3);
+}
+
+// amp::Model at O1 with cast_lists native runs the forward as torch.autocast would (outputs then cast to fp32).
+TEST(CastListsModelTest, O1NativeForwardIsTheBuildsAutocastForward) {
+  struct NetImpl : torch::nn::Module {
+    NetImpl() : fc(register_module("fc", torch::nn::Linear(16, 16))) {}
+    torch::Tensor forward(const torch::Tensor& x) { return torch::softmax(torch::gelu(fc(x)), 1); }
+    torch::nn::Linear fc;
+  };
+  torch::manual_seed(0);
+  auto net = std::make_shared<NetImpl>();
+  const auto x = torch::randn({8, 16});
+  torch::Tensor expected;
+  {
+    NativeAutocastRegion region(torch::kCPU, torch::kBFloat16);
+    expected = net->forward(x).to(torch::kFloat);
+  }
+  auto model = amp::initialize(net, amp::Options("O1").low_precision_dtype(torch::kBFloat16).cast_lists(amp::CastLists::kNative).verbosity(0));
+  const auto got = model(x);
+  EXPECT_TRUE(amp_test::bitwise_equal(got, expected));
+  {
+    amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16);
+    EXPECT_FALSE(amp_test::bitwise_equal(net->forward(x).to(torch::kFloat), expected)) << "Apex's lists run GELU and softmax in fp32";
+  }
 }

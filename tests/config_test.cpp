@@ -86,6 +86,21 @@ TEST(ConfigTest, FileErrorsNameTheFileLineKeyAndValue) {
                      "keep_batchnorm_fp32 should be None");
 }
 
+TEST(ConfigTest, CastListsKey) {
+  EXPECT_EQ(amp::load_options(write_config("native", "opt_level = O1\ncast_lists = native\n")).resolve().cast_lists,
+            amp::CastLists::kNative);
+  EXPECT_EQ(amp::load_options(write_config("apex", "opt_level = O1\ncast_lists = apex\n")).resolve().cast_lists,
+            amp::CastLists::kApex);
+  EXPECT_EQ(amp::Options("O1").resolve().cast_lists, amp::CastLists::kApex);  // Apex's lists by default
+  ASSERT_THROWS_WITH(amp::load_options(write_config("lists", "cast_lists = torch\n")),
+                     "bad value 'torch' for key 'cast_lists': expected apex or native");
+  ASSERT_THROWS_WITH(amp::Options("O2").cast_lists(amp::CastLists::kNative).resolve(),
+                     "cast_lists chooses the lists of O1's per-op casts, so it applies where the forward runs under "
+                     "them (O1) only; got cast_lists native at opt_level O2. Remove it, or use O1.");
+  EXPECT_NE(amp::Options("O1").cast_lists(amp::CastLists::kNative).describe_overrides().find("cast_lists"),
+            std::string::npos);
+}
+
 TEST(ConfigTest, FlagsOverrideTheFile) {
   const auto path = write_config("base", "opt_level = O2\nloss_scale = 128\nverbosity = 0\n");
   const auto p = parse({"--config", path, "--opt-level", "O3", "--keep-batchnorm-fp32", "true"}).resolve();

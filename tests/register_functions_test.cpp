@@ -50,6 +50,12 @@ TEST(RegisterFunctionsTest, HalfFloatAndPromoteOnCustomOps) {
     EXPECT_EQ(call("amp_test_ops::mix", {f, h}).scalar_type(), torch::kFloat);
     EXPECT_EQ(call("amp_test_ops::untouched", {h}).scalar_type(), torch::kBFloat16) << "unregistered: no cast";
   }
+  {  // cast_lists native drops Apex's rows, not the user's
+    amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16, amp::CastLists::kNative);
+    EXPECT_EQ(call("amp_test_ops::scaled_add", {f, f}).scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(call("amp_test_ops::square", {h}).scalar_type(), torch::kFloat);
+    EXPECT_EQ(call("amp_test_ops::mix", {f, h}).scalar_type(), torch::kFloat);
+  }
   // Outside the guard nothing is cast.
   EXPECT_EQ(call("amp_test_ops::scaled_add", {f, f}).scalar_type(), torch::kFloat);
   ASSERT_THROWS_WITH(call("amp_test_ops::mix", {f, h}), "amp_test_ops::mix needs one dtype");

@@ -4,6 +4,8 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
+#include "amp/cast_policy.h"
+
 namespace amp {
 
 /// A RAII, thread local (!) guard that runs the ops of its scope under amp's O1 per-op casts on
@@ -27,6 +29,10 @@ class AutocastGuard {
   ///   auto features = backbone(x);                                   // bf16 GEMMs
   ///   { amp::AutocastGuard fp32(torch::kCPU, torch::kBFloat16, /*enabled=*/false); loss = head(features.to(torch::kFloat)); }
   AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled, bool cache_enabled = true);
+  /// With `lists` kNative, only the LibTorch build's own autocast lists cast (torch.amp's O1): Apex's rows
+  /// that LibTorch lacks (softmax, GELU, ... in fp32 on the CPU) run as the native lists leave them.
+  /// amp::Model uses it at O1 with Options::cast_lists.
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, CastLists lists);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
@@ -39,6 +45,7 @@ class AutocastGuard {
   c10::ScalarType prev_dtype_;
   bool prev_amp_casts_;
   bool prev_cache_enabled_;
+  bool prev_apex_rows_;
 };
 
 /// A RAII, thread local (!) guard that turns every per-op cast off in its scope (Apex's
@@ -63,6 +70,9 @@ namespace detail {
 bool amp_casts_active() noexcept;
 /// Sets it; for code that reinstates a recorded cast state (amp::checkpoint's recompute).
 void set_amp_casts_active(bool active) noexcept;
+/// Returns whether the rows of Apex's table apply with amp's casts (cast_lists kApex), and sets it.
+bool apex_rows_active() noexcept;
+void set_apex_rows_active(bool active) noexcept;
 /// Registers amp's cast kernels on the autocast dispatch keys (once per process).
 void register_cast_kernels();
 }  // namespace detail

@@ -48,4 +48,12 @@ void register_promote_function(std::string_view op);
 /// Returns "LowerPrecision", "Fp32", "Promote" or "Banned".
 const char* to_string(CastPolicy policy);
 
+/// O1's per-op lists (Options::cast_lists): kApex, LibTorch's native autocast lists plus the rows of Apex's
+/// table LibTorch lacks (the table above; Apex's O1, the default); kNative, the LibTorch build's own autocast
+/// lists alone (torch.amp's O1). Registered functions (register_half_function, ...) apply with either.
+enum class CastLists { kApex, kNative };
+
+/// Returns "apex" or "native" (the config values).
+const char* to_string(CastLists lists);
+
 }  // namespace amp

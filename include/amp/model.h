@@ -102,7 +102,7 @@ class Model {
     std::optional<AutocastGuard> casts;
     std::optional<c10::ScalarType> input_dtype;
     if (properties_.enabled) {
-      if (properties_.patch_torch_functions) casts.emplace(device_, properties_.low_precision_dtype);
+      if (properties_.patch_torch_functions) casts.emplace(device_, properties_.low_precision_dtype, properties_.cast_lists);
       input_dtype = properties_.cast_model_type;
       detail::check_low_precision_tensors(low_precision_tensors_);  // a few loads per tensor, no data read
     }

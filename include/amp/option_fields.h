@@ -11,6 +11,7 @@
 
 #include <optional>
 
+#include "amp/cast_policy.h"
 #include "amp/loss_scale.h"
 
 #define AMP_OPTION_FIELDS(X)                                                                                       \
@@ -18,6 +19,9 @@
   X(std::optional<c10::ScalarType>, cast_model_type, std::nullopt,                                               \
     "float32 | float16 | bfloat16: the dtype parameters are cast to; None leaves them as they are (O1)")         \
   X(bool, patch_torch_functions, false, "true | false: runs the forward under per-op casts (O1 only)")           \
+  X(CastLists, cast_lists, CastLists::kApex,                                                                     \
+    "apex | native: O1's per-op lists: Apex's (LibTorch's autocast lists plus Apex's rows they lack) or the "    \
+    "LibTorch build's own autocast lists alone (torch.amp's O1); O1 only")                                        \
   X(std::optional<bool>, keep_batchnorm_fp32, std::nullopt,                                                      \
     "true | false: keeps BatchNorm parameters and buffers fp32 when the model is cast (not with O1)")            \
   X(bool, cast_frozen_batchnorm, false,                                                                          \
