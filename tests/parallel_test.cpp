@@ -453,39 +453,38 @@ TEST(TwoRanksTest, DelayAllreduceWithParametersOnlySomeRanksReach) {
   EXPECT_NE(ranks[0].output.find("ALL OK"), std::string::npos);
 }
 
+// Checks that both ranks printed the same "] <what> <level>: <value>" line for the O0 and O2 bf16 runs.
+namespace {
+void expect_same_line_on_both_ranks(const std::vector<Process>& ranks, const std::string& what) {
+  for (const std::string level : {"O0", "O2 bf16"}) {
+    std::string lines[2];
+    for (int r = 0; r < 2; ++r) {
+      const std::string tag = "] " + what + " " + level + ": ";
+      const auto at = ranks[r].output.find(tag);
+      ASSERT_NE(at, std::string::npos) << "rank " << r << " printed no " << what << " for " << level;
+      lines[r] = ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size());
+    }
+    EXPECT_EQ(lines[0], lines[1]) << level << ": the ranks' " << what << " differ";
+  }
+}
+}  // namespace
+
 // amp::clip_grad_norm_ under amp::parallel: every rank gets the same norm, bit for bit, and clips alike.
 TEST(TwoRanksTest, ClipGradNormIsTheSameOnEveryRank) {
   const auto ranks = two_ranks("clip");
   std::cout << outputs(ranks);
   ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
   ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
-  for (const std::string level : {"O0", "O2 bf16"}) {
-    std::string lines[2];
-    for (int r = 0; r < 2; ++r) {
-      const std::string tag = "] clip norms " + level + ": ";
-      const auto at = ranks[r].output.find(tag);
-      ASSERT_NE(at, std::string::npos) << "rank " << r << " printed no norms for " << level;
-      lines[r] = ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size());
-    }
-    EXPECT_EQ(lines[0], lines[1]) << level << ": the ranks' norms differ";
-  }
+  expect_same_line_on_both_ranks(ranks, "clip norms");
 }
 
+// amp::checkpoint under amp::parallel: checkpointed replicas equal plain ones, and the ranks stay identical.
 TEST(TwoRanksTest, CheckpointedReplicasTrainAsPlainOnesAndStayIdentical) {
   const auto ranks = two_ranks("checkpoint");
   std::cout << outputs(ranks);
   ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
   ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
-  for (const std::string level : {"O0", "O2 bf16"}) {
-    std::string lines[2];
-    for (int r = 0; r < 2; ++r) {
-      const std::string tag = "] checkpoint params " + level + ": ";
-      const auto at = ranks[r].output.find(tag);
-      ASSERT_NE(at, std::string::npos) << "rank " << r << " printed no parameters for " << level;
-      lines[r] = ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size());
-    }
-    EXPECT_EQ(lines[0], lines[1]) << level << ": the ranks' parameters differ";
-  }
+  expect_same_line_on_both_ranks(ranks, "checkpoint params");
 }
 
 TEST(TwoRanksTest, MismatchedModels) {
