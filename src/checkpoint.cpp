@@ -23,11 +23,13 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <mutex>
+#include <algorithm>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <unordered_set>
+#include <vector>
 
 #include "amp/autocast_guard.h"
 #include "autocast_adapter.h"
@@ -98,7 +100,7 @@ struct RngState {
     RngState s;
     s.add(at::detail::getDefaultCPUGenerator());
     for (const auto& x : inputs) {
-      if (!x.defined() || x.device().is_cpu() || !x.device().is_cuda() || !at::hasCUDA()) continue;
+      if (!x.defined() || !x.device().is_cuda() || !at::hasCUDA()) continue;
       s.add(at::globalContext().defaultGenerator(x.device()));
     }
     return s;
@@ -203,7 +205,7 @@ class CheckpointBackward final : public Node {
  public:
   CheckpointBody body;
   std::vector<at::Tensor> inputs;  // detached: they share the caller's version counters
-  std::vector<uint32_t> input_versions;
+  std::vector<int64_t> input_versions;
   std::vector<bool> input_requires_grad;
   std::vector<at::Tensor> leaves;
   std::vector<at::Tensor> buffers;
@@ -283,7 +285,7 @@ class CheckpointBackward final : public Node {
   }
 };
 
-// Nodes are held by std::shared_ptr up to LibTorch 2.x and by c10::intrusive_ptr in newer builds.
+// Nodes are held by std::shared_ptr in LibTorch 1.13 and by c10::intrusive_ptr in 2.13.
 using NodePtr = decltype(torch::autograd::Edge::function);
 template <class T>
 auto make_node() {
@@ -309,8 +311,7 @@ std::vector<at::Tensor> checkpoint(CheckpointBody body, const std::vector<at::Te
     outputs = body(xs);
   }
   std::vector<at::Tensor> leaves = leaves_of(outputs, xs, first_node);
-  bool any_grad = !leaves.empty();
-  for (bool r : requires_grad) any_grad = any_grad || r;
+  const bool any_grad = !leaves.empty() || std::any_of(requires_grad.begin(), requires_grad.end(), [](bool r) { return r; });
   if (!any_grad) return outputs;  // nothing to differentiate: fn's outputs carry no graph
 
   auto node = make_node<CheckpointBackward>();

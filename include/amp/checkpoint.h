@@ -54,16 +54,17 @@ struct CheckpointResult<std::tuple<Ts...>> {
   }
 };
 
-// A module (a ModuleHolder such as torch::nn::Sequential or a TORCH_MODULE) offers its buffers for protection.
+// Whether fn is a module holder (torch::nn::Sequential, a TORCH_MODULE): checkpoint protects its buffers and
+// calls its forward.
 template <class F, class = void>
-struct HasBuffers : std::false_type {};
+struct IsModuleHolder : std::false_type {};
 template <class F>
-struct HasBuffers<F, std::void_t<decltype(std::declval<F&>()->buffers(true))>> : std::true_type {};
+struct IsModuleHolder<F, std::void_t<decltype(std::declval<F&>()->buffers(true))>> : std::true_type {};
 
 // Calls fn on the inputs: a module through its forward (a holder's operator() hides Sequential's return type).
 template <class F, size_t... I>
 decltype(auto) invoke_on(F& f, const std::vector<at::Tensor>& xs, std::index_sequence<I...>) {
-  if constexpr (HasBuffers<F>::value) return f->forward(xs[I]...);
+  if constexpr (IsModuleHolder<F>::value) return f->forward(xs[I]...);
   else return std::invoke(f, xs[I]...);
 }
 
@@ -106,7 +107,7 @@ auto checkpoint(Fn&& fn, Tensors&&... inputs) {
 
   auto callable = std::make_shared<Callable>(std::forward<Fn>(fn));
   std::vector<at::Tensor> buffers;
-  if constexpr (detail::HasBuffers<Callable>::value) buffers = (*callable)->buffers(true);
+  if constexpr (detail::IsModuleHolder<Callable>::value) buffers = (*callable)->buffers(true);
   detail::CheckpointBody body = [callable](const std::vector<at::Tensor>& xs) {
     return Convert::to_list(detail::invoke_on(*callable, xs, Indices{}));
   };
