@@ -145,8 +145,6 @@ const std::vector<CastRule>& o1_cast_rules() {
   return rules;
 }
 
-const char* to_string(CastLists lists) { return lists == CastLists::kNative ? "native" : "apex"; }
-
 const char* to_string(CastPolicy policy) {
   switch (policy) {
     case CastPolicy::LowerPrecision: return "LowerPrecision";

@@ -26,6 +26,10 @@ std::string dtype_name(c10::ScalarType dtype) {
   }
 }
 
+// Here, not with the lists in opt_levels/o1_cast_lists.cpp: the config reader and its fuzzer print it without
+// linking the dispatcher's cast rules.
+const char* to_string(CastLists lists) { return lists == CastLists::kNative ? "native" : "apex"; }
+
 Properties properties(OptLevel level) { return opt_levels::spec(level).defaults; }
 
 std::string to_string(const Properties& p) {
