@@ -86,6 +86,14 @@ CastLists parse_value(const std::string& v, ValueOf<CastLists>) {
   throw std::invalid_argument("expected apex or native");
 }
 
+MasterWeights parse_value(const std::string& v, ValueOf<MasterWeights>) {
+  if (v == "copy") return MasterWeights::kCopy;
+  if (v == "split") return MasterWeights::kSplit;
+  if (v == "stochastic_rounding") return MasterWeights::kStochasticRounding;
+  if (v == "kahan") return MasterWeights::kKahan;
+  throw std::invalid_argument("expected copy, split, stochastic_rounding or kahan");
+}
+
 struct Key {
   std::string name;
   std::string help;

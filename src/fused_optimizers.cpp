@@ -13,6 +13,7 @@
 
 #include "cpu_optimizer_kernels.h"
 #include "fused_route.h"
+#include "lean_masters.h"
 #include "multi_tensor.h"
 #include "optimizer_grads.h"
 #include "optimizer_state_key.h"
@@ -122,6 +123,28 @@ void check_all(const torch::optim::Optimizer& opt, const char* name, CheckOption
   }
 }
 
+// What one parameter's update reads and writes: the parameter and its gradient, or, for a bfloat16 parameter with a
+// lean master, its rebuilt fp32 value and its gradient in fp32, stored back by finish() (NOTE [Lean masters]).
+// Optimizer state stays keyed by the parameter itself and is created like the fp32 value (fp32).
+struct Work {
+  at::Tensor param, grad;
+  std::shared_ptr<amp::detail::LeanMasters> lean;
+  size_t index = 0;
+  void finish() const {
+    if (lean) lean->store(index, param);
+  }
+};
+using LeanTable = std::shared_ptr<amp::detail::LeanMasters>;
+
+Work work_for(const at::Tensor& p, const LeanTable& lean) {
+  if (lean) {
+    if (auto found = amp::detail::find_lean(p); found && found->first == lean) {
+      return {lean->value(found->second), p.grad().to(at::kFloat), lean, found->second};
+    }
+  }
+  return {p, p.grad()};
+}
+
 // ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).
 struct AtenBatch {
   std::vector<at::Tensor> params, grads, buffers_a, buffers_b, buffers_c, steps, copies_from, copies_to;
@@ -180,8 +203,8 @@ void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o,
 }
 
 template <class Options, class State, class CopyOf>
-void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::optional<double>& grad_scale,
-                      bool decoupled, const char* name) {
+void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTable& lean,
+                      const std::optional<double>& grad_scale, bool decoupled, const char* name) {
   check_all(opt, name, [name](const torch::optim::OptimizerOptions& o, size_t g) {
     check_adam_options(static_cast<const Options&>(o), name, g);
   });
@@ -192,11 +215,14 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::o
     const auto& o = static_cast<const Options&>(group.options());
     const auto [beta1, beta2] = o.betas();
     std::map<BatchKey, AtenBatch> batches;
+    std::vector<Work> after_batches;
     for (size_t i = 0; i < group.params().size(); ++i) {
-      at::Tensor& p = group.params()[i];
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      auto& slot = states[state_key(states, p)];
+      const at::Tensor& key = group.params()[i];
+      if (!key.grad().defined()) continue;
+      Work work = work_for(key, lean);
+      at::Tensor& p = work.param;
+      const at::Tensor& grad = work.grad;
+      auto& slot = states[state_key(states, key)];
       if (!slot) {  // LibTorch's lazy state initialization
         auto fresh = std::make_unique<State>();
         fresh->step(0);
@@ -225,6 +251,7 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::o
             cpu::adam_step(pp + b, gp + b, mp + b, vp + b, xp ? xp + b : nullptr, n, s, offset(c, b));
           });
           bump({p, state.exp_avg(), state.exp_avg_sq(), vmax, copy ? *copy : at::Tensor()});
+          work.finish();
           break;
         }
         case FusedRoute::kAten: {
@@ -239,11 +266,13 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::o
             batch.copies_from.push_back(p);
             batch.copies_to.push_back(*copy);
           }
+          if (work.lean) after_batches.push_back(std::move(work));
           break;
         }
         case FusedRoute::kPerOp:
           adam_per_op(p, grad, state, o, decoupled, grad_scale);
           if (copy) copy->copy_(p);
+          work.finish();
           break;
       }
     }
@@ -263,6 +292,7 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const std::o
 #else
     TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
 #endif
+    for (const auto& work : after_batches) work.finish();
   }
 }
 
@@ -370,7 +400,7 @@ const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
 torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-      *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/false,
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/false,
       "amp::optim::FusedAdam");
   return loss;
 }
@@ -378,7 +408,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-      *this, [this](const at::Tensor& p) { return model_copy(p); }, grad_scale(), /*decoupled=*/true,
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/true,
       "amp::optim::FusedAdamW");
   return loss;
 }
@@ -473,10 +503,12 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   for (auto& group : param_groups_) {
     auto& o = static_cast<FusedLAMBOptions&>(group.options());
     o.step(o.step() + 1);  // per group, with or without gradients, as Apex
-    for (auto& p : group.params()) {
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      auto& slot = states[state_key(states, p)];
+    for (const auto& key : group.params()) {
+      if (!key.grad().defined()) continue;
+      Work work = work_for(key, lean_masters());
+      at::Tensor& p = work.param;
+      const at::Tensor& grad = work.grad;
+      auto& slot = states[state_key(states, key)];
       if (!slot) {
         auto fresh = std::make_unique<FusedLAMBParamState>();
         fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
@@ -489,6 +521,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       if (route != FusedRoute::kAuto || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
         lamb_per_op(p, grad, state, o, clip);
         if (copy) copy->copy_(p);
+        work.finish();
         continue;
       }
       if (!clip_on_host) clip_on_host = clip.item<float>();
@@ -507,6 +540,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       float* pw = p.data_ptr<float>();
       split(p.numel(), [&](int64_t b, int64_t n) { cpu::lamb_stage2(pw + b, update.data_ptr<float>() + b, n, ratio, offset(c, b)); });
       bump({p, state.exp_avg(), state.exp_avg_sq(), copy ? *copy : at::Tensor()});
+      work.finish();
     }
   }
   return loss;
@@ -523,14 +557,17 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
     std::map<BatchKey, AtenBatch> batches;
+    std::vector<Work> after_batches;
     for (size_t i = 0; i < group.params().size(); ++i) {
-      at::Tensor& p = group.params()[i];
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
+      const at::Tensor& key = group.params()[i];
+      if (!key.grad().defined()) continue;
+      Work work = work_for(key, lean_masters());
+      at::Tensor& p = work.param;
+      const at::Tensor& grad = work.grad;
       torch::optim::SGDParamState* state = nullptr;
       bool first = false;
       if (o.momentum() != 0) {
-        auto& slot = states[state_key(states, p)];
+        auto& slot = states[state_key(states, key)];
         if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
         state = static_cast<torch::optim::SGDParamState*>(slot.get());
         first = !state->momentum_buffer().defined();
@@ -551,6 +588,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
             cpu::sgd_step(pp + b, gp + b, bp ? bp + b : nullptr, n, s, offset(c, b));
           });
           bump({p, buf, copy ? *copy : at::Tensor()});
+          work.finish();
           break;
         }
         case FusedRoute::kAten: {
@@ -562,11 +600,13 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
             batch.copies_from.push_back(p);
             batch.copies_to.push_back(*copy);
           }
+          if (work.lean) after_batches.push_back(std::move(work));
           break;
         }
         case FusedRoute::kPerOp:
           sgd_per_op(p, grad, state, first, o, grad_scale());
           if (copy) copy->copy_(p);
+          work.finish();
           break;
       }
     }
@@ -580,6 +620,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
 #else
     TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
 #endif
+    for (const auto& work : after_batches) work.finish();
   }
   return loss;
 }

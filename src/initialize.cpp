@@ -13,6 +13,7 @@
 #include <set>
 
 #include "cpu_features.h"
+#include "lean_masters.h"
 #include "master_weights.h"
 #include "model_casting.h"
 #include "opt_levels/spec.h"
@@ -215,6 +216,10 @@ void cast_model(torch::nn::Module& module, const Properties& properties) {
     // the optimizer, see the cast. Apex's convert_network does the same with `param.data =`.
     for (auto& t : module.parameters()) {
       if (!to_cast.count(t.unsafeGetTensorImpl())) continue;
+      if (auto lean = find_lean(t)) {  // cast keeping its fp32 value in the lean form (master_weights_format)
+        lean->first->cast_from_float(lean->second);
+        continue;
+      }
       t.set_data(t.to(dtype));
       t.mutable_grad() = at::Tensor();  // a stale fp32 gradient would not match the new dtype
       // The master holds the fp32 original; the cast is not a user's write to copy into it.

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "amp/properties.h"
+#include "lean_masters.h"
 #include "multi_tensor.h"
 
 namespace amp::detail {
@@ -84,6 +85,9 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
     table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
     t.copy_(table->master()[index]);
     table->mark_synced(index);
+  } else if (auto lean = find_lean(t)) {
+    auto& [table, index] = *lean;
+    table->store(index, value.to(t.device(), at::kFloat));  // the fp32 value in the lean form, not its rounded copy
   } else {
     t.copy_(value);
   }

@@ -14,6 +14,7 @@
 
 #include "amp/opt_level.h"
 #include "format.h"
+#include "lean_masters.h"
 #include "master_weights.h"
 #include "multi_tensor.h"
 #include "scaled_grads.h"
@@ -119,6 +120,7 @@ bool OptimizerBase::begin_step() {
     return false;
   }
   masters_->refresh_changed();  // the step starts from the weights the model holds now
+  if (lean_) lean_->refresh_changed();
   for (size_t i = 0; i < direct_params_.size(); ++i) {
     if (detail::holds_float32_bytes(direct_params_[i])) detail::fail_float32_bytes("parameter", direct_names_[i], direct_params_[i]);
   }
@@ -257,6 +259,7 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
     auto& self = const_cast<OptimizerBase&>(*this);
     self.sync_param_groups();
     self.masters_->refresh_changed();
+    if (lean_) lean_->refresh_changed();
   }
   torch::serialize::OutputArchive amp_archive(archive.compilation_unit());
   amp_archive.write("opt_level", c10::IValue(static_cast<int64_t>(properties_.opt_level)));
@@ -272,6 +275,7 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
   }
   for (const auto& [key, value] : scaler_settings(properties_, scalers.front())) amp_archive.write(key, c10::IValue(value));
   for (size_t i = 0; i < masters_->size(); ++i) amp_archive.write("master/" + std::to_string(i), masters_->master()[i]);
+  if (lean_) lean_->save(amp_archive);
   archive.write("amp", amp_archive);
 }
 
@@ -295,6 +299,14 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
               num_losses, " loss scalers, this optimizer has ", scalers_->size(), " (num_losses). Resume with "
               "num_losses=", num_losses, ".");
   if (properties_.enabled) sync_param_groups();
+  c10::IValue saved_format;
+  const MasterWeights saved = amp_archive.try_read("lean/format", saved_format) && saved_format.isInt()
+                                  ? static_cast<MasterWeights>(saved_format.toInt())
+                                  : MasterWeights::kCopy;
+  const MasterWeights mine = lean_ ? lean_->format() : MasterWeights::kCopy;
+  TORCH_CHECK(saved == mine, "amp::Optimizer::load: the checkpoint was saved with master_weights_format ",
+              to_string(saved), ", this optimizer runs with ", to_string(mine), ". Resume with the format the "
+              "checkpoint was saved with (amp::Options::master_weights_format / config key master_weights_format).");
   const auto num_masters = read_int("master_weights");
   TORCH_CHECK(num_masters == static_cast<int64_t>(masters_->size()), "amp::Optimizer::load: the checkpoint has ",
               num_masters, " fp32 master weights, this optimizer has ", masters_->size(),
@@ -335,6 +347,8 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   for (size_t i = 0; i < scalers.size(); ++i) {
     scalers[i].load(scaler_states[i].scale, scaler_states[i].unskipped, scaler_states[i].hysteresis_left);
   }
+  // Last check, and the first change: the lean masters' weights and aux (LeanMasters::load checks before writing).
+  if (lean_) lean_->load(amp_archive, "amp::Optimizer::load");
   // Everything validated: now change state.
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
   skipped_steps_ = skipped_steps;

@@ -17,6 +17,7 @@ inline std::string option_text(double value) { return format_float(value); }
 inline std::string option_text(c10::ScalarType value) { return dtype_name(value); }
 inline std::string option_text(const LossScale& value) { return to_string(value); }
 inline std::string option_text(CastLists value) { return to_string(value); }
+inline std::string option_text(MasterWeights value) { return to_string(value); }
 template <class T>
 std::string option_text(const std::optional<T>& value) {
   return value ? option_text(*value) : "None";

@@ -163,6 +163,24 @@ Properties Options::resolve() const {
     }
     p.hysteresis = *hysteresis_;
   }
+  if (master_weights_format_) {  // after every field it depends on
+    const MasterWeights format = *master_weights_format_;
+    const std::string name = to_string(format);
+    if (format != MasterWeights::kCopy) {
+      if (!p.master_weights || !p.cast_model_type || !is_low_precision(*p.cast_model_type)) {
+        fail("master_weights_format " + name + " is a form of O2's master weights, so it needs a model cast to "
+             "bfloat16 with master_weights on; got opt_level " + level + " with master_weights " +
+             detail::python_bool(p.master_weights) + ". Use opt_level O2 with low_precision_dtype bfloat16, or "
+             "remove master_weights_format.");
+      }
+      if (*p.cast_model_type != c10::ScalarType::BFloat16) {
+        fail("master_weights_format " + name + " keeps the fp32 value in a bfloat16 weight (plus 0 or 2 bytes), "
+             "which needs bfloat16's fp32-wide exponent; got " + dtype_name(*p.cast_model_type) + ". float16's "
+             "range needs a separate fp32 master: use master_weights_format copy, or low_precision_dtype bfloat16.");
+      }
+    }
+    p.master_weights_format = format;
+  }
   if (verbosity_) {
     if (*verbosity_ < 0) fail("verbosity must be 0 (silent) or more, got " + std::to_string(*verbosity_) + ".");
     p.verbosity = *verbosity_;

@@ -5,6 +5,7 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Half.h>
+#include <c10/util/Type.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "amp/opt_level.h"
 #include "amp/optimizer.h"
 #include "format.h"
+#include "lean_masters.h"
 #include "master_weights.h"
 #include "model_casting.h"
 #include "optimizer_grads.h"
@@ -141,6 +144,13 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
     to_cast.merge(detail::tensors_to_cast(*module, properties_));
   }
   const bool make_masters = properties_.master_weights && detail::casts_model_to_low_precision(properties_);
+  const bool lean_format = make_masters && properties_.master_weights_format != MasterWeights::kCopy;
+  auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer());
+  TORCH_CHECK(!lean_format || fused, where, ": master_weights_format ", to_string(properties_.master_weights_format),
+              " rebuilds each bf16 parameter's fp32 value inside the optimizer's step, which only amp's fused "
+              "optimizers do; this optimizer is ", c10::demangle(typeid(torch_optimizer()).name()), ". Use "
+              "amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's), or "
+              "master_weights_format copy.");
 
   // What the optimizer already has, found through the tensors param_groups hold (masters at O2).
   std::unordered_map<const c10::TensorImpl*, size_t> known_master, known_direct;
@@ -148,7 +158,7 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
   for (size_t i = 0; i < direct_params_.size(); ++i) known_direct.emplace(direct_params_[i].unsafeGetTensorImpl(), i);
 
   // First pass: classify and check every parameter, changing nothing.
-  enum class Kind { kKnownMaster, kKnownDirect, kNewMaster, kNewDirect };
+  enum class Kind { kKnownMaster, kKnownDirect, kNewMaster, kNewLean, kNewDirect };
   struct Plan {
     Kind kind;
     size_t known_index = 0;
@@ -181,7 +191,12 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
                   ". Build the optimizer and its param groups from parameters of the model you pass to "
                   "amp::initialize.");
       const bool cast = to_cast.count(p.unsafeGetTensorImpl()) > 0;
-      if (cast && make_masters) {
+      if (cast && lean_format) {
+        TORCH_CHECK(!detail::find_lean(p), where, ": parameter '", found->second, "' is already stepped by another "
+                    "amp::Optimizer with lean master weights; two optimizers would update one weight's fp32 value "
+                    "twice. Put each parameter in one optimizer.");
+        plans[g].push_back({Kind::kNewLean, 0, found->second, true});
+      } else if (cast && make_masters) {
         TORCH_CHECK(!detail::find_master(p), where, ": parameter '", found->second, "' is already stepped by another "
                     "amp::Optimizer with fp32 master weights; two optimizers would update two masters of one "
                     "weight. Put each parameter in one optimizer.");
@@ -195,6 +210,12 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
 
   // Second pass: build the new index, making masters and casting where the level asks.
   auto masters = std::make_shared<detail::MasterWeights>();
+  std::shared_ptr<detail::LeanMasters> lean;
+  if (lean_format) {  // the stochastic rounding stream continues across re-indexing
+    lean = lean_ ? std::make_shared<detail::LeanMasters>(lean_->format(), lean_->seed(), lean_->counter())
+                 : std::make_shared<detail::LeanMasters>(properties_.master_weights_format,
+                                                         detail::seed_from_default_generator());
+  }
   std::vector<at::Tensor> direct;
   std::vector<std::string> direct_names;
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
@@ -207,6 +228,7 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
           masters->add(plan.name, masters_->model()[plan.known_index], p);
           break;
         case Kind::kKnownDirect:
+          if (auto found = detail::find_lean(p); found && lean && found->first == lean_) lean->adopt(*lean_, found->second);
           direct.push_back(p);
           direct_names.push_back(plan.name);
           break;
@@ -225,6 +247,13 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
           p = master;
           break;
         }
+        case Kind::kNewLean:
+          // At initialize, cast_model casts it (keeping its fp32 value); a group added later is cast here.
+          lean->add(plan.name, p);
+          if (!at_initialize) lean->cast_from_float(lean->size() - 1);
+          direct.push_back(p);
+          direct_names.push_back(plan.name);
+          break;
         case Kind::kNewDirect:
           if (plan.cast) {
             cast_initial_state(state, p, lp);
@@ -240,6 +269,11 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
   masters_.reset();
   detail::register_masters(masters);
   masters_ = std::move(masters);
+  if (lean) {
+    lean_.reset();
+    detail::register_lean(lean);
+    lean_ = std::move(lean);
+  }
   direct_params_ = std::move(direct);
   direct_names_ = std::move(direct_names);
   known_groups_.clear();
@@ -248,7 +282,8 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
     for (auto& p : group.params()) known_groups_.back().push_back(p.unsafeGetTensorImpl());
   }
   // A fused optimizer writes each master's rounded copy into the model in its own pass (no copy_to_model).
-  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&opt)) {
+  if (fused) {
+    fused->set_lean_masters(lean_);
     std::unordered_map<const c10::TensorImpl*, at::Tensor> copies;
     for (size_t i = 0; i < masters_->size(); ++i) copies.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->model()[i]);
     fused->set_model_copies(std::move(copies));

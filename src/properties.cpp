@@ -30,6 +30,16 @@ std::string dtype_name(c10::ScalarType dtype) {
 // linking the dispatcher's cast rules.
 const char* to_string(CastLists lists) { return lists == CastLists::kNative ? "native" : "apex"; }
 
+const char* to_string(MasterWeights format) {
+  switch (format) {
+    case MasterWeights::kCopy: return "copy";
+    case MasterWeights::kSplit: return "split";
+    case MasterWeights::kStochasticRounding: return "stochastic_rounding";
+    case MasterWeights::kKahan: return "kahan";
+  }
+  return "copy";
+}
+
 Properties properties(OptLevel level) { return opt_levels::spec(level).defaults; }
 
 std::string to_string(const Properties& p) {

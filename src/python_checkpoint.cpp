@@ -26,6 +26,7 @@
 #include "amp/grad_scaler.h"
 #include "amp/optimizer.h"
 #include "format.h"
+#include "lean_masters.h"
 #include "master_weights.h"
 #include "optimizer_formats.h"
 #include "optimizer_state_key.h"
@@ -571,6 +572,10 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
       auto& [table, index] = *master;
       if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
       value = table->master()[index];
+    } else if (auto lean = detail::find_lean(t)) {
+      auto& [table, index] = *lean;
+      table->refresh_changed();
+      value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
     } else if (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) {
       value = t.to(at::kFloat);
     }

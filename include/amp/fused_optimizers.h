@@ -22,6 +22,7 @@
 #include <torch/optim/serialize.h>
 #include <torch/optim/sgd.h>
 
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <unordered_map>
@@ -29,6 +30,9 @@
 #include <vector>
 
 namespace amp {
+namespace detail {
+class LeanMasters;
+}
 namespace optim {
 
 /// What the fused optimizers share:
@@ -38,7 +42,10 @@ namespace optim {
 ///   - the loss scale its gradients still carry when amp::GradScaler::step runs it without an unscale_ first
 ///     (torch's grad_scale for fused optimizers): the step multiplies each gradient by its inverse as it reads
 ///     it and stores it back, instead of a separate unscale pass. As in torch, the gradients are unscaled afterwards
-///     (unless the step was skipped for inf/NaN: then they keep the scale).
+///     (unless the step was skipped for inf/NaN: then they keep the scale);
+///   - at O2 with a lean master_weights_format (split, stochastic_rounding, kahan), the bfloat16 parameters whose
+///     fp32 value the step rebuilds, updates in fp32 with fp32 state, and stores back (NOTE [Lean masters] in
+///     src/lean_masters.h), one parameter at a time.
 class FusedOptimizer {
  public:
   virtual ~FusedOptimizer() = default;
@@ -50,6 +57,8 @@ class FusedOptimizer {
   }
   /// Set by amp::GradScaler::step around one step: the loss scale the gradients still carry (nullopt: none).
   void set_grad_scale(std::optional<double> scale) noexcept { grad_scale_ = scale; }
+  /// Set by amp::Optimizer with a lean master_weights_format: the parameters that have lean masters.
+  void set_lean_masters(std::shared_ptr<amp::detail::LeanMasters> lean) { lean_ = std::move(lean); }
 
  protected:
   FusedOptimizer() = default;
@@ -60,10 +69,13 @@ class FusedOptimizer {
   const at::Tensor* model_copy(const at::Tensor& p) const;
   /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled).
   const std::optional<double>& grad_scale() const noexcept { return grad_scale_; }
+  /// Returns the parameters with lean masters (nullptr: none).
+  const std::shared_ptr<amp::detail::LeanMasters>& lean_masters() const noexcept { return lean_; }
 
  private:
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
   std::optional<double> grad_scale_;
+  std::shared_ptr<amp::detail::LeanMasters> lean_;
 };
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) with a fused step.

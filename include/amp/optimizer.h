@@ -27,6 +27,7 @@ namespace amp {
 class ScaledLoss;
 namespace detail {
 class MasterWeights;
+class LeanMasters;
 }
 
 /// What every amp::Optimizer<Opt> is, whatever Opt: the loss scalers, the fp32 master weights and
@@ -132,6 +133,7 @@ class OptimizerBase {
   std::shared_ptr<std::vector<LossScaler>> scalers_;  // shared by optimizers initialized together
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;      // the models this optimizer trains
   std::shared_ptr<detail::MasterWeights> masters_;            // low-precision params and their fp32 masters
+  std::shared_ptr<detail::LeanMasters> lean_;  // bf16 params with lean masters (master_weights_format), or null
   std::vector<at::Tensor> direct_params_;    // params the optimizer updates in place
   std::vector<std::string> direct_names_;
   std::vector<std::vector<const c10::TensorImpl*>> known_groups_;  // param_groups as last synced

@@ -13,6 +13,7 @@
 
 #include "amp/cast_policy.h"
 #include "amp/loss_scale.h"
+#include "amp/master_weights.h"
 
 #define AMP_OPTION_FIELDS(X)                                                                                       \
   X(bool, enabled, true, "true | false: false makes amp a pass-through (no casts, no loss scaling)")              \
@@ -28,6 +29,9 @@
     "true | false: casts BatchNorm layers frozen with amp::freeze_batchnorm with the model (the tutorials' "     \
     "bn.eval().half(), which rounds their statistics); by default they stay fp32 (O2, O3; amp's extension)")     \
   X(bool, master_weights, false, "true | false: gives the optimizer fp32 master copies of low-precision parameters") \
+  X(MasterWeights, master_weights_format, MasterWeights::kCopy,                                                 \
+    "copy | split | stochastic_rounding | kahan: how O2 keeps the fp32 value of bfloat16 parameters: Apex's "    \
+    "fp32 copy, or 2/0/2 bytes per parameter beside the bf16 weight (amp::optim::Fused* optimizers only)")      \
   X(LossScale, loss_scale, LossScale::fixed(1.0), "dynamic | a positive number")                                 \
   X(c10::ScalarType, low_precision_dtype, c10::ScalarType::Half,                                                 \
     "float16 | bfloat16: what low precision means for this run")                                                 \

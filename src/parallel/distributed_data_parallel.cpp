@@ -25,6 +25,7 @@
 #include <unordered_set>
 
 #include "collectives.h"
+#include "lean_masters.h"
 #include "master_weights.h"
 
 // NOTE [How gradients are reduced]
@@ -358,9 +359,36 @@ DistributedCore::DistributedCore(std::shared_ptr<torch::nn::Module> module, Proc
     }
   }
   for (auto& [table, index] : masters) outgoing.push_back(table->master()[index]);
+  // Lean masters (master_weights_format): their low bits or compensation, and the stochastic rounding generator,
+  // so that every rank rebuilds and rounds the same fp32 values.
+  std::vector<std::pair<std::shared_ptr<amp::detail::LeanMasters>, size_t>> lean;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (kinds[i] != "parameter") continue;
+    if (auto m = amp::detail::find_lean(all[i])) lean.push_back(std::move(*m));
+  }
+  std::vector<std::shared_ptr<amp::detail::LeanMasters>> lean_tables;
+  for (auto& [table, index] : lean) {
+    if (std::find(lean_tables.begin(), lean_tables.end(), table) == lean_tables.end()) lean_tables.push_back(table);
+  }
+  std::vector<at::Tensor> generators;
+  for (auto& table : lean_tables) {
+    if (d.state.rank == 0) table->refresh_changed();
+    generators.push_back(at::tensor({static_cast<int64_t>(table->seed()), static_cast<int64_t>(table->counter())},
+                                    at::TensorOptions().dtype(at::kLong)).to(all.front().device()));
+    outgoing.push_back(generators.back());
+  }
+  for (auto& [table, index] : lean) {
+    if (table->aux(index).defined()) outgoing.push_back(table->aux(index));
+  }
   d.counters.broadcast_bytes.fetch_add(
       broadcast_from_rank0(d.state, outgoing, int64_t{250} * 1024 * 1024, where + " (broadcasting rank 0's weights)"));
   for (auto& [table, index] : masters) table->mark_synced(index);
+  for (size_t t = 0; t < lean_tables.size(); ++t) {
+    const at::Tensor state = generators[t].cpu();
+    lean_tables[t]->set_generator(static_cast<uint64_t>(state[0].item<int64_t>()),
+                                  static_cast<uint64_t>(state[1].item<int64_t>()));
+  }
+  for (auto& [table, index] : lean) table->mark_synced(index);
 
   // Our hook first, then the Reducer's on the same accumulators (post hooks run in registration order).
   for (size_t i = 0; i < d.params.size(); ++i) {

@@ -1,0 +1,104 @@
+#pragma once
+// The bfloat16 parameters an O2 optimizer steps without a separate fp32 master (amp::MasterWeights kSplit,
+// kStochasticRounding, kKahan), and what each keeps beside its weight.
+//
+// NOTE [Lean masters]
+// The parameter itself stays in param_groups (no fp32 copy, no fp32 master gradient). A fused optimizer's step
+// takes one parameter at a time: value(i) rebuilds its fp32 value, the unchanged update rule runs on it in
+// fp32 (with fp32 optimizer state) and store(i, updated) writes it back:
+//   kSplit               weight = the high 16 bits of the fp32 value (truncated), aux = its low 16 bits (int16);
+//                        value() is the fp32 value exactly.
+//   kKahan               weight = the value rounded to nearest, aux = what that rounding lost, rounded (bf16);
+//                        value() = weight + aux in fp32.
+//   kStochasticRounding  weight = the value rounded up or down with probability proportional to the distance
+//                        (16 random bits added below the kept ones, then truncated); no aux.
+// The random bits come from a counter-based generator (splitmix64 of seed and element counter): reproducible
+// under a seed, independent of threading, and its whole state is two integers the optimizer archive keeps.
+// Writes into a weight from outside a step (load_weights aside, which stores the fp32 value itself) make its
+// aux meaningless: refresh_changed() then zeroes it, so the weight alone is the value, as masters follow
+// the model (NOTE [Masters follow the model] in master_weights.h).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "amp/master_weights.h"
+
+namespace torch::serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace torch::serialize
+
+namespace amp::detail {
+
+class LeanMasters {
+ public:
+  /// `seed`, `counter`: the stochastic rounding generator's state (unused by the other formats).
+  LeanMasters(amp::MasterWeights format, uint64_t seed, uint64_t counter = 0)
+      : format_(format), seed_(seed), counter_(counter) {}
+
+  amp::MasterWeights format() const noexcept { return format_; }
+  size_t size() const noexcept { return params_.size(); }
+  const at::Tensor& param(size_t i) const { return params_[i]; }
+  /// The low bits (kSplit, int16) or the compensation (kKahan, bf16); undefined for kStochasticRounding.
+  const at::Tensor& aux(size_t i) const { return aux_[i]; }
+  const std::string& name(size_t i) const { return names_[i]; }
+
+  /// Adds a model parameter; a bf16 one is exact as it is (aux 0), an fp32 one is split by cast_from().
+  void add(std::string name, at::Tensor param);
+  /// Takes over parameter `i` of `other` (its aux and sync state), for a rebuilt index.
+  void adopt(const LeanMasters& other, size_t i);
+  /// Casts parameter i, still fp32, to bfloat16 keeping its fp32 value in the lean form (amp::initialize's cast).
+  void cast_from_float(size_t i);
+
+  /// Returns the fp32 value of parameter i (a new tensor).
+  at::Tensor value(size_t i) const;
+  /// Writes `value` (fp32, same shape) as parameter i's value: the bf16 weight and its aux.
+  void store(size_t i, const at::Tensor& value);
+  /// Zeroes the aux of parameters written since they were last stored; throws if a write left one unusable.
+  void refresh_changed();
+  void mark_synced(size_t i);
+
+  /// The generator's state: seed and how many random draws were used.
+  uint64_t seed() const noexcept { return seed_; }
+  uint64_t counter() const noexcept { return counter_; }
+  /// Sets the generator's state (amp::parallel gives every rank rank 0's, so the ranks round alike).
+  void set_generator(uint64_t seed, uint64_t counter) noexcept {
+    seed_ = seed;
+    counter_ = counter;
+  }
+
+  /// Writes the format, the generator and every parameter's weight and aux under "lean/" (the optimizer archive).
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores what save() wrote, after checking it matches this index; `where` prefixes the errors.
+  void load(torch::serialize::InputArchive& archive, const char* where);
+
+ private:
+  void check_usable(size_t i) const;
+
+  amp::MasterWeights format_;
+  uint64_t seed_;
+  uint64_t counter_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> aux_;
+  std::vector<int64_t> version_;
+  std::vector<const void*> storage_;
+};
+
+/// Makes `table`'s parameters findable (replacing earlier entries of the same table). Throws if a parameter
+/// already belongs to another live table.
+void register_lean(const std::shared_ptr<LeanMasters>& table);
+
+/// Returns the table and index holding `param`, if it has a lean master.
+std::optional<std::pair<std::shared_ptr<LeanMasters>, size_t>> find_lean(const at::Tensor& param);
+
+/// Draws a seed for stochastic rounding from torch's default CPU generator (torch::manual_seed decides it).
+uint64_t seed_from_default_generator();
+
+}  // namespace amp::detail
