@@ -246,11 +246,11 @@ void LeanMasters::load(torch::serialize::InputArchive& archive, const char* wher
   counter_ = static_cast<uint64_t>(*counter);
 }
 
-void register_lean(const std::shared_ptr<LeanMasters>& table) {
+void register_lean(const std::shared_ptr<LeanMasters>& table, const LeanMasters* replaced) {
   std::lock_guard<std::mutex> lock(lean_registry_mutex);
   for (auto it = lean_registry.begin(); it != lean_registry.end();) {
     const auto owner = it->second.table.lock();
-    it = (!owner || owner == table) ? lean_registry.erase(it) : std::next(it);
+    it = (!owner || owner == table || owner.get() == replaced) ? lean_registry.erase(it) : std::next(it);
   }
   for (size_t i = 0; i < table->size(); ++i) {
     TORCH_CHECK(!lean_registry.count(table->param(i).unsafeGetTensorImpl()), "amp::initialize: parameter '",

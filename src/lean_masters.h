@@ -91,9 +91,9 @@ class LeanMasters {
   std::vector<const void*> storage_;
 };
 
-/// Makes `table`'s parameters findable (replacing earlier entries of the same table). Throws if a parameter
-/// already belongs to another live table.
-void register_lean(const std::shared_ptr<LeanMasters>& table);
+/// Makes `table`'s parameters findable, in place of `replaced`'s (the index it rebuilds, or null). Throws if a
+/// parameter already belongs to another live table.
+void register_lean(const std::shared_ptr<LeanMasters>& table, const LeanMasters* replaced);
 
 /// Returns the table and index holding `param`, if it has a lean master.
 std::optional<std::pair<std::shared_ptr<LeanMasters>, size_t>> find_lean(const at::Tensor& param);

@@ -270,8 +270,7 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
   detail::register_masters(masters);
   masters_ = std::move(masters);
   if (lean) {
-    lean_.reset();
-    detail::register_lean(lean);
+    detail::register_lean(lean, lean_.get());
     lean_ = std::move(lean);
   }
   direct_params_ = std::move(direct);

@@ -497,6 +497,8 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
       TORCH_CHECK(s.isGenericDict(), m, what, "['state'][", id.toInt(), "] (", param_what, ") is ", type_of(s),
                   ", not a dict.");
       const auto fields = s.toGenericDict();
+      // The parameter's dtype, or fp32 beside a bf16 weight with a lean master (its step runs in fp32).
+      const at::ScalarType state_dtype = detail::find_lean(p) ? at::kFloat : p.scalar_type();
       auto field = [&](const char* name, bool required) -> at::Tensor {
         const c10::IValue k{std::string(name)};
         if (!fields.contains(k) || fields.at(k).isNone()) {
@@ -511,7 +513,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
         TORCH_CHECK(t.sizes() == p.sizes(), m, "'", name, "' of ", param_what, " has shape ", t.sizes(), " in ", what,
                     " and the parameter has shape ", p.sizes(), " here. The checkpoint was saved from another model "
                     "or another parameter order.");
-        return at::empty_like(p, at::MemoryFormat::Preserve).copy_(t);  // the parameter's dtype and device, a copy
+        return at::empty_like(p, p.options().dtype(state_dtype), at::MemoryFormat::Preserve).copy_(t);  // a copy
       };
       auto step = [&]() -> int64_t {
         const c10::IValue k{std::string("step")};

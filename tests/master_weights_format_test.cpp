@@ -351,6 +351,72 @@ TEST_P(LeanFormatTest, SameSeedSameRunAndLoadWeightsStoresTheFp32Value) {
   EXPECT_TRUE(amp_test::bitwise_equal(fp32_values(*net)[0], torch::full({16, 8}, 0.25)));
 }
 
+// Python checkpoints hold the fp32 state_dict Apex's O2 writes: the lean form's fp32 value. Loading it back stores
+// that value (split: exactly; kahan: the same weight and compensation), so with the optimizer's fp32 state the run
+// continues bitwise; stochastic rounding's generator is not part of Python's format, so there only the values match.
+TEST_P(LeanFormatTest, PythonCheckpointsHoldTheFp32ValueAndResume) {
+  auto net_a = lmw_net();
+  torch::manual_seed(11);
+  auto [model_a, opt_a] = amp::initialize(net_a, amp::optim::FusedAdam(net_a->parameters(), torch::optim::AdamOptions(1e-2)),
+                                          lean_options(GetParam()));
+  for (int s = 0; s < 3; ++s) lmw_step_with(net_a, opt_a, s);
+  amp::PythonCheckpoint checkpoint;
+  checkpoint.put_model("model", *net_a);
+  checkpoint.put_optimizer("optimizer", opt_a);
+  checkpoint.put_amp("amp", opt_a);
+  const std::string path = ::testing::TempDir() + "/lean_masters_python.pt";
+  checkpoint.save(path);
+  const auto saved = amp::PythonCheckpoint::load(path).get("model").toGenericDict();
+  const auto values = fp32_values(*net_a);
+  size_t i = 0;
+  for (const auto& item : net_a->named_parameters()) {
+    const auto t = saved.at(item.key()).toTensor();
+    EXPECT_EQ(t.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(amp_test::bitwise_equal(t, values[i++])) << item.key();
+  }
+  for (int s = 3; s < 5; ++s) lmw_step_with(net_a, opt_a, s);
+
+  auto net_b = lmw_net();
+  torch::manual_seed(11);
+  auto [model_b, opt_b] = amp::initialize(net_b, amp::optim::FusedAdam(net_b->parameters(), torch::optim::AdamOptions(1e-2)),
+                                          lean_options(GetParam()));
+  const auto loaded = amp::PythonCheckpoint::load(path);
+  loaded.load_model(*net_b);
+  loaded.load_optimizer(opt_b);
+  loaded.load_amp(opt_b);
+  for (const auto& [key, state] : opt_b.state()) {
+    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*state);
+    EXPECT_EQ(adam.exp_avg().scalar_type(), torch::kFloat) << "the optimizer state stays fp32";
+  }
+  const auto restored = fp32_values(*net_b);
+  for (size_t k = 0; k < restored.size(); ++k) EXPECT_TRUE(amp_test::bitwise_equal(restored[k], values[k])) << k;
+  if (GetParam() == MasterWeights::kStochasticRounding) return;
+  for (int s = 3; s < 5; ++s) lmw_step_with(net_b, opt_b, s);
+  const auto va = fp32_values(*net_a), vb = fp32_values(*net_b);
+  for (size_t k = 0; k < va.size(); ++k) EXPECT_TRUE(amp_test::bitwise_equal(va[k], vb[k])) << "value " << k;
+}
+
+// A param group added after initialize is adopted with a lean master too (its fp32 value kept from the cast).
+TEST_P(LeanFormatTest, GroupAddedAfterInitializeGetsALeanMaster) {
+  auto net = lmw_net();
+  const auto original = net->b->weight.detach().clone();
+  auto [model, optimizer] = amp::initialize(net, amp::optim::FusedSGD(net->a->parameters(), torch::optim::SGDOptions(0.1)),
+                                            lean_options(GetParam()));
+  // initialize casts the whole model; b's weight, outside the optimizer, is rounded to nearest and has no lean master.
+  EXPECT_FALSE(amp::detail::find_lean(net->b->weight));
+  optimizer.add_param_group(torch::optim::OptimizerParamGroup(net->b->parameters()));
+  lmw_step_with(net, optimizer, 0);
+  const auto found = amp::detail::find_lean(net->b->weight);
+  ASSERT_TRUE(found);
+  EXPECT_EQ(net->b->weight.scalar_type(), torch::kBFloat16);
+  // Its step started from the bf16 weight (exact, aux 0) and moved it by -lr * gradient in fp32.
+  const auto g = lmw_gradients(net, 0)[2].to(torch::kBFloat16).to(torch::kFloat);
+  const auto expected = original.to(torch::kBFloat16).to(torch::kFloat).add(g, -0.1f);
+  const auto value = found->first->value(found->second);
+  if (GetParam() == MasterWeights::kSplit) EXPECT_TRUE(amp_test::bitwise_equal(value, expected));
+  EXPECT_TRUE(((value - expected).abs() <= expected.abs() * std::ldexp(1.0, -7)).all().item<bool>());
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, LeanFormatTest, ::testing::ValuesIn(kLeanFormats), format_name);
 
 // The stalling task: linear regression whose 64 weights start at 1 with optima in [1, 1.08], where each SGD update

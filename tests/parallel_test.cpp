@@ -453,10 +453,11 @@ TEST(TwoRanksTest, DelayAllreduceWithParametersOnlySomeRanksReach) {
   EXPECT_NE(ranks[0].output.find("ALL OK"), std::string::npos);
 }
 
-// Checks that both ranks printed the same "] <what> <level>: <value>" line for the O0 and O2 bf16 runs.
+// Checks that both ranks printed the same "] <what> <label>: <value>" line for each label (the O0 and O2 bf16 runs).
 namespace {
-void expect_same_line_on_both_ranks(const std::vector<Process>& ranks, const std::string& what) {
-  for (const std::string level : {"O0", "O2 bf16"}) {
+void expect_same_line_on_both_ranks(const std::vector<Process>& ranks, const std::string& what,
+                                    const std::vector<std::string>& labels = {"O0", "O2 bf16"}) {
+  for (const std::string& level : labels) {
     std::string lines[2];
     for (int r = 0; r < 2; ++r) {
       const std::string tag = "] " + what + " " + level + ": ";
@@ -485,6 +486,16 @@ TEST(TwoRanksTest, CheckpointedReplicasTrainAsPlainOnesAndStayIdentical) {
   ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
   ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
   expect_same_line_on_both_ranks(ranks, "checkpoint params");
+}
+
+// Lean masters (master_weights_format) under amp::parallel: the ranks stay bit-identical, stochastic rounding
+// included, though each rank drew its own generator seed and rank 1 started from other weights.
+TEST(TwoRanksTest, LeanMastersStayIdenticalAcrossRanks) {
+  const auto ranks = two_ranks("lean");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  expect_same_line_on_both_ranks(ranks, "lean params", {"split", "stochastic_rounding", "kahan"});
 }
 
 TEST(TwoRanksTest, MismatchedModels) {

@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "amp/amp.h"
+#include "lean_masters.h"
 #include "optimizer_state_key.h"
 
 namespace {
@@ -879,6 +880,41 @@ void scenario_checkpoint(const ProcessGroup& group) {
   }
 }
 
+// Lean masters under amp::parallel: each rank's stochastic rounding generator is seeded differently, and rank 1's
+// weights differ before make_distributed; rank 0's weights, low bits / compensation and generator reach every rank,
+// so the replicas stay bit-identical.
+void scenario_lean(const ProcessGroup& group) {
+  for (const auto format : {amp::MasterWeights::kSplit, amp::MasterWeights::kStochasticRounding, amp::MasterWeights::kKahan}) {
+    torch::manual_seed(1);
+    auto net = torch::nn::Sequential(torch::nn::Linear(12, 16), torch::nn::ReLU(), torch::nn::Linear(16, 5));
+    if (group.rank() == 1) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.mul_(1.001);
+    }
+    torch::manual_seed(100 + group.rank());  // the generator's seed is drawn here at initialize
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-2)),
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(format).verbosity(0));
+    auto ddp = amp::parallel::make_distributed(model, group);
+    for (int step = 0; step < 4; ++step) {
+      const Batch local = rows(global_batch(step, 16), group.rank() * 8, 8);
+      optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    double sum = 0;
+    for (const auto& p : net->parameters()) {
+      const auto lean = amp::detail::find_lean(p);
+      sum += (lean ? lean->first->value(lean->second) : p.detach().to(torch::kFloat)).sum().item<double>();
+    }
+    std::cout << "[rank " << group.rank() << "] lean params " << amp::to_string(format) << ": " << std::hexfloat << sum
+              << std::defaultfloat << std::endl;
+  }
+}
+
 void scenario_mismatch(const ProcessGroup& group) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -946,6 +982,8 @@ int main(int argc, char** argv) {
       scenario_unused(group);
     } else if (scenario == "checkpoint") {
       scenario_checkpoint(group);
+    } else if (scenario == "lean") {
+      scenario_lean(group);
     } else if (scenario == "clip") {
       scenario_clip(group);
     } else if (scenario == "mismatch") {
