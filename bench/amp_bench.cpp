@@ -1,5 +1,5 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|masters] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
@@ -438,6 +438,83 @@ void lamb_section() {
   std::printf("\n");
 }
 
+// O2's master weight formats (amp::MasterWeights) and O3, bf16, with a fused optimizer: state bytes per parameter
+// held between steps, step time (alternating repetitions) and the loss after 20 steps.
+struct MastersConfig {
+  std::string name;
+  amp::Options options;
+};
+
+template <class Net>
+void masters_for(const std::string& name, const std::string& optimizer_name, MemoryMeter& meter) {
+  const auto bf16 = [](const char* level) { return amp::Options(level).low_precision_dtype(torch::kBFloat16).verbosity(0); };
+  const std::vector<MastersConfig> configs = {
+      {"O2 copy", bf16("O2")},
+      {"O2 split", bf16("O2").master_weights_format(amp::MasterWeights::kSplit)},
+      {"O2 stochastic_rounding", bf16("O2").master_weights_format(amp::MasterWeights::kStochasticRounding)},
+      {"O2 kahan", bf16("O2").master_weights_format(amp::MasterWeights::kKahan)},
+      {"O3", bf16("O3")}};
+  torch::manual_seed(0);
+  const auto x = bench::input_for(name);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+  struct Run {
+    std::function<torch::Tensor()> step;
+    double between = 0;
+    double loss20 = 0;
+  };
+  std::vector<Run> runs;
+  std::vector<std::shared_ptr<void>> keep;  // the models and optimizers, alive while timed
+  for (const auto& config : configs) {
+    const size_t baseline = meter.current_bytes();
+    torch::manual_seed(1);
+    auto net = std::make_shared<Net>();
+    const double params = static_cast<double>(parameter_count(*net));
+    auto run_with = [&](auto optimizer) {
+      using Result = decltype(amp::initialize(*net, std::move(optimizer), config.options));
+      auto result = std::make_shared<Result>(amp::initialize(*net, std::move(optimizer), config.options));
+      keep.push_back(result);
+      Run run;
+      run.step = [result, &x, &y] { return bench::amp_step(result->model, result->optimizer, x, y); };
+      torch::Tensor loss;
+      for (int i = 0; i < 20; ++i) loss = run.step();
+      run.loss20 = loss.item<double>();
+      run.between = static_cast<double>(meter.current_bytes() - baseline) / params;
+      runs.push_back(std::move(run));
+    };
+    if (optimizer_name == "adam") {
+      run_with(amp::optim::FusedAdam((*net)->parameters(), torch::optim::AdamOptions(1e-3)));
+    } else {
+      run_with(amp::optim::FusedSGD((*net)->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)));
+    }
+    keep.push_back(net);
+  }
+  std::vector<std::function<void()>> steps;
+  for (auto& run : runs) steps.push_back([&run] { run.step(); });
+  const auto t = time_alternating(steps);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    std::printf("| %s | %s | %s | %.1f | %.3f | %.2f | %.4f |\n", name.c_str(), optimizer_name.c_str(), configs[i].name.c_str(),
+                runs[i].between, 1e3 * t[i], t[i] / t[0], runs[i].loss20);
+    record("masters", name + " " + optimizer_name, configs[i].name, "state_bytes_per_param", runs[i].between);
+    record("masters", name + " " + optimizer_name, configs[i].name, "ms_per_step", 1e3 * t[i]);
+    record("masters", name + " " + optimizer_name, configs[i].name, "loss_after_20", runs[i].loss20);
+  }
+}
+
+void masters_section(MemoryMeter& meter) {
+  std::printf("## O2's master weight formats (bf16)\n\nmaster_weights_format copy (Apex), split, stochastic_rounding and "
+              "kahan, and O3, with amp::optim::FusedAdam (lr 1e-3) and FusedSGD (lr 0.01, momentum 0.9). State: bytes "
+              "per parameter held between steps (weights, gradients, masters or low bits / compensation, optimizer "
+              "state; counted from tensor allocations). Time: alternating repetitions, and the ratio to O2 copy.\n\n"
+              "| model | optimizer | config | state B/param | ms/step | / O2 copy | loss after 20 steps |\n"
+              "|---|---|---|---|---|---|---|\n");
+  for (const char* optimizer : {"adam", "sgd"}) {
+    masters_for<bench::Mlp>("mlp", optimizer, meter);
+    masters_for<bench::Cnn>("cnn", optimizer, meter);
+    masters_for<bench::Transformer>("transformer", optimizer, meter);
+  }
+  std::printf("\n");
+}
+
 // O1 with Apex's lists and with the build's native lists, each against the hand-written loop doing the same casts.
 template <class Net>
 void o1_lists_for(const std::string& name) {
@@ -527,7 +604,7 @@ void checkpoint_section(MemoryMeter& meter) {
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | masters").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -559,6 +636,7 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "lamb") lamb_section();
     if (section == "all" || section == "checkpoint") checkpoint_section(meter);
     if (section == "all" || section == "o1") o1_lists_section();
+    if (section == "all" || section == "masters") masters_section(meter);
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

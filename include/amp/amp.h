@@ -28,6 +28,7 @@
 #include "amp/load_weights.h"
 #include "amp/loss_scale.h"
 #include "amp/loss_scaler.h"
+#include "amp/master_weights.h"
 #include "amp/model.h"
 #include "amp/opt_level.h"
 #include "amp/option_fields.h"
