@@ -417,6 +417,37 @@ TEST_P(LeanFormatTest, GroupAddedAfterInitializeGetsALeanMaster) {
   EXPECT_TRUE(((value - expected).abs() <= expected.abs() * std::ldexp(1.0, -7)).all().item<bool>());
 }
 
+// clip_grad_norm_ clips the bf16 gradients the lean step reads: the norm is kCopy's (whose fp32 master gradients
+// are those bf16 gradients widened), and after clipping their norm is max_norm to bf16 rounding.
+TEST_P(LeanFormatTest, ClipGradNormClipsTheGradientsTheStepReads) {
+  auto norm_with = [&](MasterWeights format, double* clipped_norm) {
+    auto net = lmw_net();
+    auto [model, optimizer] = amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                              lean_options(format));
+    optimizer.zero_grad();
+    const auto g = lmw_gradients(net, 0);
+    const auto params = net->parameters();
+    torch::Tensor loss = torch::zeros({}, torch::kFloat);
+    for (size_t i = 0; i < params.size(); ++i) loss = loss + (params[i] * g[i].to(torch::kBFloat16)).sum().to(torch::kFloat);
+    {
+      auto scaled = amp::scale_loss(loss, optimizer);
+      scaled.backward();
+    }
+    const double norm = amp::clip_grad_norm_(optimizer, 0.5).item<double>();
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : optimizer.master_params()) flat.push_back(p.grad().to(torch::kFloat).flatten());
+    *clipped_norm = torch::cat(flat).norm().item<double>();
+    return norm;
+  };
+  double copy_clipped = 0, lean_clipped = 0;
+  const double copy = norm_with(MasterWeights::kCopy, &copy_clipped);
+  const double lean = norm_with(GetParam(), &lean_clipped);
+  EXPECT_GT(copy, 0.5);
+  EXPECT_EQ(lean, copy);
+  EXPECT_NEAR(copy_clipped, 0.5, 1e-5);
+  EXPECT_NEAR(lean_clipped, 0.5, 0.5 * std::ldexp(1.0, -8));
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, LeanFormatTest, ::testing::ValuesIn(kLeanFormats), format_name);
 
 // The stalling task: linear regression whose 64 weights start at 1 with optima in [1, 1.08], where each SGD update
