@@ -214,11 +214,6 @@ void LeanMasters::load(torch::serialize::InputArchive& archive, const char* wher
     if (!archive.try_read(key, v) || !v.isInt()) return std::nullopt;
     return v.toInt();
   };
-  const auto format = read_int("lean/format");
-  const char* saved_name = format ? to_string(static_cast<amp::MasterWeights>(*format)) : "copy";
-  TORCH_CHECK(format && *format == static_cast<int64_t>(format_), where, ": the checkpoint was saved with "
-              "master_weights_format ", saved_name, ", this optimizer runs with ", to_string(format_),
-              ". Resume with the format the checkpoint was saved with.");
   const auto seed = read_int("lean/seed"), counter = read_int("lean/counter"), count = read_int("lean/count");
   TORCH_CHECK(seed && counter && count, where, ": the checkpoint's lean master state is incomplete; it is corrupt.");
   TORCH_CHECK(*count == static_cast<int64_t>(params_.size()), where, ": the checkpoint has ", *count, " bfloat16 "

@@ -75,7 +75,8 @@ class LeanMasters {
 
   /// Writes the format, the generator and every parameter's weight and aux under "lean/" (the optimizer archive).
   void save(torch::serialize::OutputArchive& archive) const;
-  /// Restores what save() wrote, after checking it matches this index; `where` prefixes the errors.
+  /// Restores what save() wrote, after checking it matches this index (the caller has checked the format, which
+  /// OptimizerBase::load_amp_state does for every format, kCopy included); `where` prefixes the errors.
   void load(torch::serialize::InputArchive& archive, const char* where);
 
  private:

@@ -256,9 +256,10 @@ TEST_P(LeanFormatTest, InitializeCastsToBf16AndKeepsTheFp32Value) {
   auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)),
                                             lean_options(GetParam()));
   const auto params = net->parameters();
+  const auto values = fp32_values(*net);
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_EQ(params[i].scalar_type(), torch::kBFloat16);
-    const auto value = fp32_values(*net)[i];
+    const auto& value = values[i];
     if (GetParam() == MasterWeights::kStochasticRounding) {
       // No master: the weight is one of the value's two bf16 neighbours.
       EXPECT_TRUE(((value - original[i]).abs() <= original[i].abs() * std::ldexp(1.0, -7)).all().item<bool>());
