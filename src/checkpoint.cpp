@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "amp/autocast_guard.h"
+#include "amp/precision_policy.h"
 #include "autocast_adapter.h"
 
 namespace amp::detail {
@@ -49,6 +50,7 @@ struct CastState {
   bool amp_casts = false;
   bool apex_rows = true;
   bool cache_enabled = true;
+  std::shared_ptr<PrecisionPolicy> policy;  // the fp32 islands of the model being run, or null
 
   static CastState current() {
     CastState s;
@@ -59,6 +61,7 @@ struct CastState {
     s.amp_casts = amp_casts_active();
     s.apex_rows = apex_rows_active();
     s.cache_enabled = autocast::is_cache_enabled();
+    s.policy = current_precision_policy();
     return s;
   }
 
@@ -76,7 +79,9 @@ struct CastState {
 // Runs its scope under `state` with the weight-cast cache off (see the NOTE), and restores the caller's state.
 class CastStateGuard {
  public:
-  explicit CastStateGuard(const CastState& state) : saved_(CastState::current()) { state.install(false); }
+  explicit CastStateGuard(const CastState& state) : saved_(CastState::current()), policy_(state.policy) {
+    state.install(false);
+  }
   ~CastStateGuard() {
     try {
       saved_.install(saved_.cache_enabled);
@@ -89,6 +94,7 @@ class CastStateGuard {
 
  private:
   CastState saved_;
+  PrecisionPolicyGuard policy_;
 };
 
 // The states of the generators fn may draw from: the CPU's, and those of the devices of the inputs (as torch's

@@ -1,6 +1,8 @@
 #include "amp/config.h"
 
 #include "config_text.h"
+#include "format.h"
+#include "libtorch_module_types.h"
 
 #include <boost/program_options.hpp>
 
@@ -94,6 +96,45 @@ MasterWeights parse_value(const std::string& v, ValueOf<MasterWeights>) {
   throw std::invalid_argument("expected copy, split, stochastic_rounding or kahan");
 }
 
+// A comma-separated list ("head, *.norm"): each item trimmed, none empty.
+std::vector<std::string> parse_list(const std::string& v) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = v.find(',', begin);
+    std::string item = trim(v.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin));
+    if (item.empty()) throw std::invalid_argument("expected a comma-separated list of names with no empty item");
+    out.push_back(std::move(item));
+    if (comma == std::string::npos) return out;
+    begin = comma + 1;
+  }
+}
+
+std::vector<std::string> parse_value(const std::string& v, ValueOf<std::vector<std::string>>) { return parse_list(v); }
+
+// LibTorch module names; a wildcard stands for every name it matches (BatchNorm* is BatchNorm1d, 2d and 3d).
+std::vector<ModuleType> parse_value(const std::string& v, ValueOf<std::vector<ModuleType>>) {
+  static const std::vector<std::string> known = {
+#define AMP_TYPE_NAME(name) #name,
+      AMP_LIBTORCH_MODULE_TYPES(AMP_TYPE_NAME)
+#undef AMP_TYPE_NAME
+  };
+  std::vector<ModuleType> out;
+  for (const std::string& item : parse_list(v)) {
+    const size_t before = out.size();
+    for (const auto& name : known) {
+      if (detail::glob_match(item, name)) out.push_back({name});
+    }
+    if (out.size() > before) continue;
+    std::string list;
+    for (const auto& name : known) list += (list.empty() ? "" : ", ") + name;
+    throw std::invalid_argument("'" + item + "' is not a LibTorch module type (did you mean '" +
+                                detail::closest_names(item, known, 1).front() + "'?). Known types: " + list +
+                                ". A module type of your own goes in code: Options::keep_fp32_type<MyModuleImpl>()");
+  }
+  return out;
+}
+
 struct Key {
   std::string name;
   std::string help;
@@ -112,21 +153,6 @@ const std::vector<Key>& amp_keys() {
 #undef AMP_CONFIG_KEY
   };
   return keys;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
 }
 
 // All the keys one command line or file may set: amp's and the program's.
@@ -177,7 +203,7 @@ class KeySet {
     std::string best;
     size_t best_distance = 4;  // suggest only close names
     for (const auto& name : names()) {
-      const size_t d = edit_distance(normalized, name);
+      const size_t d = detail::edit_distance(normalized, name);
       if (d < best_distance) best_distance = d, best = name;
     }
     std::string valid;

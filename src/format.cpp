@@ -1,10 +1,12 @@
 #include "format.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 
 namespace amp::detail {
 
@@ -85,6 +87,52 @@ std::string escape_bytes(std::string_view text) {
       out += buf;
     }
   }
+  return out;
+}
+
+}  // namespace amp::detail
+
+namespace amp::detail {
+
+bool glob_match(std::string_view pattern, std::string_view text) {
+  // Greedy matching with backtracking to the last '*': linear in practice, no recursion.
+  size_t p = 0, t = 0, star = std::string_view::npos, resume = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == text[t])) {
+      ++p, ++t;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++, resume = t;
+    } else if (star != std::string_view::npos) {
+      p = star + 1, t = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::vector<std::string> closest_names(std::string_view name, const std::vector<std::string>& candidates, size_t count) {
+  std::vector<std::pair<size_t, std::string>> scored;
+  for (const auto& c : candidates) scored.emplace_back(edit_distance(name, c), c);
+  std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::string> out;
+  for (size_t i = 0; i < scored.size() && i < count; ++i) out.push_back(scored[i].second);
   return out;
 }
 

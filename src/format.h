@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace amp::detail {
 
@@ -22,5 +23,15 @@ std::optional<size_t> invalid_utf8_at(std::string_view text, bool surrogates = f
 
 /// Returns `text` with every byte outside printable ASCII written as \xNN, for messages.
 std::string escape_bytes(std::string_view text);
+
+/// fnmatch's rules over the whole text: `*` matches any characters (dots included), `?` one character.
+bool glob_match(std::string_view pattern, std::string_view text);
+
+/// Levenshtein distance (insertions, deletions, substitutions), for "did you mean" suggestions.
+size_t edit_distance(std::string_view a, std::string_view b);
+
+/// Returns the (at most `count`) candidates closest to `name` by edit_distance, closest first.
+std::vector<std::string> closest_names(std::string_view name, const std::vector<std::string>& candidates,
+                                       size_t count = 3);
 
 }  // namespace amp::detail

@@ -17,6 +17,7 @@
 #include "master_weights.h"
 #include "model_casting.h"
 #include "opt_levels/spec.h"
+#include "precision_policy.h"
 
 namespace amp::detail {
 namespace {
@@ -229,6 +230,7 @@ void cast_model(torch::nn::Module& module, const Properties& properties) {
       if (to_cast.count(t.unsafeGetTensorImpl())) t.set_data(t.to(dtype));
     }
   }
+  if (auto policy = precision_policy_of(module)) policy->note_cast(module);
   std::lock_guard<std::mutex> lock(initialized_mutex);
   initialized_modules.erase(std::remove_if(initialized_modules.begin(), initialized_modules.end(),
                                            [](const auto& weak) { return weak.expired(); }),

@@ -1,6 +1,7 @@
 #include "model_casting.h"
 
 #include "amp/batchnorm.h"
+#include "precision_policy.h"
 
 namespace amp::detail {
 
@@ -12,15 +13,19 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
   std::unordered_set<const c10::TensorImpl*> out;
   if (!p.enabled || !p.cast_model_type) return out;
   const bool keep_bn = p.keep_batchnorm_fp32.value_or(false);
+  const auto policy = precision_policy_of(module);  // fp32 islands stay fp32
   for (const auto& m : module.modules(/*include_self=*/true)) {
     if (is_batchnorm(*m)) {
       // Frozen layers hold pretrained statistics: they stay fp32 at every level unless asked otherwise.
       const bool keep = is_frozen(*m) ? !p.cast_frozen_batchnorm : keep_bn;
       if (keep) continue;
     }
-    for (const auto& t : m->parameters(/*recurse=*/false)) out.insert(t.unsafeGetTensorImpl());
+    auto cast = [&](const at::Tensor& t) { return !policy || !policy->in_island(t.unsafeGetTensorImpl()); };
+    for (const auto& t : m->parameters(/*recurse=*/false)) {
+      if (cast(t)) out.insert(t.unsafeGetTensorImpl());
+    }
     for (const auto& t : m->buffers(/*recurse=*/false)) {
-      if (t.is_floating_point()) out.insert(t.unsafeGetTensorImpl());
+      if (t.is_floating_point() && cast(t)) out.insert(t.unsafeGetTensorImpl());
     }
   }
   return out;

@@ -76,6 +76,14 @@ void OptimizerBase::restore_loss_scalers(std::vector<LossScaler> scalers) {
   *scalers_ = std::move(scalers);
 }
 
+std::vector<std::shared_ptr<torch::nn::Module>> OptimizerBase::models() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (const auto& weak : modules_) {
+    if (auto m = weak.lock()) out.push_back(std::move(m));
+  }
+  return out;
+}
+
 void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const Properties& properties,
                            std::shared_ptr<std::vector<LossScaler>> scalers) {
   TORCH_INTERNAL_ASSERT(!attached_, "amp: OptimizerBase attached twice");

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "amp/loss_scale.h"
 #include "amp/properties.h"
@@ -18,6 +19,16 @@ inline std::string option_text(c10::ScalarType value) { return dtype_name(value)
 inline std::string option_text(const LossScale& value) { return to_string(value); }
 inline std::string option_text(CastLists value) { return to_string(value); }
 inline std::string option_text(MasterWeights value) { return to_string(value); }
+inline std::string option_text(const std::vector<std::string>& values) {  // Python's list repr: ['head', '*.norm']
+  std::string out = "[";
+  for (const auto& v : values) out += (out.size() > 1 ? ", '" : "'") + v + "'";
+  return out + "]";
+}
+inline std::string option_text(const std::vector<ModuleType>& types) {
+  std::string out = "[";
+  for (const auto& t : types) out += (out.size() > 1 ? ", " : "") + t.name;
+  return out + "]";
+}
 template <class T>
 std::string option_text(const std::optional<T>& value) {
   return value ? option_text(*value) : "None";

@@ -181,6 +181,34 @@ Properties Options::resolve() const {
     }
     p.master_weights_format = format;
   }
+  if (keep_fp32_) {
+    for (const auto& pattern : *keep_fp32_) {
+      if (pattern.empty()) fail("keep_fp32 got an empty module pattern. Give qualified module names as "
+                                "named_modules() prints them, with * and ? wildcards, e.g. {\"head\", \"*.norm\"}.");
+    }
+    p.keep_fp32 = *keep_fp32_;
+  }
+  if (keep_fp32_types_) {
+    for (const auto& type : *keep_fp32_types_) {
+      if (type.name.empty()) fail("keep_fp32_types got a module type without a name. Use keep_fp32_type<T>() or "
+                                  "ModuleType::of<T>().");
+    }
+    p.keep_fp32_types = *keep_fp32_types_;
+  }
+  if (auto_fp32_) {  // after loss_scale and the level's casts, which it needs
+    if (*auto_fp32_ < 0) {
+      fail("auto_fp32 is the number of overflows at the loss scale's floor before a module moves to fp32, so it "
+           "must be 0 (off) or more, got " + std::to_string(*auto_fp32_) + ". 8 is a good start.");
+    }
+    const bool low_precision = p.patch_torch_functions || (p.cast_model_type && is_low_precision(*p.cast_model_type));
+    if (*auto_fp32_ > 0 && !(p.enabled && low_precision && p.loss_scale.is_dynamic())) {
+      fail("auto_fp32 acts on overflows the dynamic loss scale can't cure, so it needs low precision and "
+           "loss_scale dynamic; got opt_level " + level + " with loss_scale " + to_string(p.loss_scale) +
+           (low_precision ? "" : " and no low precision") + ". Use O1 or O2 (or O3 with loss_scale dynamic), or "
+           "set auto_fp32 0.");
+    }
+    p.auto_fp32 = *auto_fp32_;
+  }
   if (verbosity_) {
     if (*verbosity_ < 0) fail("verbosity must be 0 (silent) or more, got " + std::to_string(*verbosity_) + ".");
     p.verbosity = *verbosity_;

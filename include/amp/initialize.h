@@ -42,6 +42,9 @@ c10::DeviceType check_model(torch::nn::Module& module, const Options& options, c
 /// Casts parameters and buffers to cast_model_type (BatchNorm kept fp32 when asked) and marks the
 /// model initialized.
 void cast_model(torch::nn::Module& module, const Properties& properties);
+/// Resolves keep_fp32 / keep_fp32_types against the models and records each one's precision policy
+/// (src/precision_policy.cpp); throws on a pattern or type that matches no module.
+void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, const Properties& properties);
 
 inline Properties quiet(Properties p) {
   p.verbosity = 0;  // one banner per initialize call
@@ -72,6 +75,7 @@ Initialized<Module, Opt> initialize(Module model, Opt optimizer, const Options& 
   auto module = detail::module_pointer(model);
   TORCH_CHECK(module != nullptr, "amp::initialize: the model is empty (a default-constructed holder or null pointer).");
   const c10::DeviceType device = detail::check_model(*module, options, properties);
+  detail::resolve_precision_policy({module.get()}, properties);
   Optimizer<Opt> patched(std::move(optimizer), {module.get()}, properties);  // masters copy the fp32 originals
   detail::cast_model(*module, properties);
   return {Model<Module>(std::move(model), properties, device), std::move(patched)};
@@ -105,6 +109,7 @@ InitializedMany<std::tuple<Model<Modules>...>, std::tuple<Optimizer<Opts>...>> i
     devices.push_back(detail::check_model(*m, options, devices.empty() ? properties : detail::quiet(properties)));
     modules.push_back(m.get());
   }
+  detail::resolve_precision_policy(modules, properties);
   auto scalers = std::make_shared<std::vector<LossScaler>>(
       static_cast<size_t>(properties.num_losses),
       LossScaler(properties));
@@ -129,6 +134,7 @@ Model<Module> initialize(Module model, const Options& options) {
   auto module = detail::module_pointer(model);
   TORCH_CHECK(module != nullptr, "amp::initialize: the model is empty (a default-constructed holder or null pointer).");
   const c10::DeviceType device = detail::check_model(*module, options, properties);
+  detail::resolve_precision_policy({module.get()}, properties);
   detail::cast_model(*module, properties);
   return Model<Module>(std::move(model), properties, device);
 }

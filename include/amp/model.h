@@ -14,6 +14,7 @@
 
 #include "amp/autocast_guard.h"
 #include "amp/batchnorm.h"
+#include "amp/precision_policy.h"
 #include "amp/properties.h"
 
 namespace amp {
@@ -94,13 +95,15 @@ class Model {
         properties_(properties),
         device_(device),
         float16_bn_statistics_(detail::float16_batchnorm_statistics(*module_pointer())),
-        low_precision_tensors_(detail::low_precision_tensors(*module_pointer())) {}
+        low_precision_tensors_(detail::low_precision_tensors(*module_pointer())),
+        policy_(detail::precision_policy_of(*module_pointer())) {}
 
   /// Runs the module's forward with the opt level's casts.
   template <class... Args>
   auto forward(Args&&... args) {
     std::optional<AutocastGuard> casts;
     std::optional<c10::ScalarType> input_dtype;
+    detail::PrecisionPolicyGuard policy(policy_);  // fp32 islands (amp/precision_policy.h); inactive without
     if (properties_.enabled) {
       if (properties_.patch_torch_functions) casts.emplace(device_, properties_.low_precision_dtype, properties_.cast_lists);
       input_dtype = properties_.cast_model_type;
@@ -144,6 +147,7 @@ class Model {
   c10::DeviceType device_;
   std::vector<at::Tensor> float16_bn_statistics_;  // O3 + float16 only: checked after training forwards
   std::vector<std::pair<std::string, at::Tensor>> low_precision_tensors_;  // checked before each forward
+  std::shared_ptr<detail::PrecisionPolicy> policy_;  // the model's fp32 islands, or null
 };
 
 }  // namespace amp

@@ -67,6 +67,8 @@ class OptimizerBase {
   torch::optim::Optimizer& synced_torch_optimizer();
   /// Names of the tensors param_groups hold, by TensorImpl (fp32 masters carry their model parameter's name).
   std::unordered_map<const c10::TensorImpl*, std::string> param_group_names() const;
+  /// The models this optimizer trains (those still alive), in initialize's order.
+  std::vector<std::shared_ptr<torch::nn::Module>> models() const;
   /// Every loss scaler, by loss_id (shared by the optimizers initialized together).
   const std::vector<LossScaler>& loss_scalers() const noexcept { return *scalers_; }
   /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.

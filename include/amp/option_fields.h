@@ -10,10 +10,13 @@
 #include <c10/core/ScalarType.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "amp/cast_policy.h"
 #include "amp/loss_scale.h"
 #include "amp/master_weights.h"
+#include "amp/precision_policy.h"
 
 #define AMP_OPTION_FIELDS(X)                                                                                       \
   X(bool, enabled, true, "true | false: false makes amp a pass-through (no casts, no loss scaling)")              \
@@ -25,6 +28,15 @@
     "LibTorch build's own autocast lists alone (torch.amp's O1); O1 only")                                        \
   X(std::optional<bool>, keep_batchnorm_fp32, std::nullopt,                                                      \
     "true | false: keeps BatchNorm parameters and buffers fp32 when the model is cast (not with O1)")            \
+  X(std::vector<std::string>, keep_fp32, {},                                                                    \
+    "module names, comma separated, with * and ? wildcards (head, *.norm, blocks.*.ln_1): modules whose "        \
+    "parameters and buffers stay fp32 and whose ops run in fp32, at every level (fp32 islands)")                \
+  X(std::vector<ModuleType>, keep_fp32_types, {},                                                                \
+    "LibTorch module names, comma separated (LayerNorm, GroupNorm, Embedding, Linear, Conv2d, ...): module "     \
+    "types kept in fp32 as keep_fp32 keeps modules by name")                                                     \
+  X(int, auto_fp32, 0,                                                                                           \
+    "0 (off) | overflows with the dynamic loss scale at its floor before amp moves the module that overflows "   \
+    "to fp32 and goes on training")                                                                              \
   X(bool, cast_frozen_batchnorm, false,                                                                          \
     "true | false: casts BatchNorm layers frozen with amp::freeze_batchnorm with the model (the tutorials' "     \
     "bn.eval().half(), which rounds their statistics); by default they stay fp32 (O2, O3; amp's extension)")     \

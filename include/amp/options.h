@@ -33,6 +33,17 @@ class Options {
   }
   AMP_OPTION_FIELDS(AMP_OPTIONS_SETTER)
 #undef AMP_OPTIONS_SETTER
+  /// Keeps every module of type ModuleImpl (and types derived from it) in fp32, as keep_fp32 keeps modules by
+  /// name; adds to keep_fp32_types.
+  ///
+  /// Example:
+  ///   amp::Options("O2").low_precision_dtype(torch::kBFloat16).keep_fp32_type<torch::nn::LayerNormImpl>();
+  template <class ModuleImpl>
+  Options& keep_fp32_type() {
+    if (!keep_fp32_types_) keep_fp32_types_.emplace();
+    keep_fp32_types_->push_back(ModuleType::of<ModuleImpl>());
+    return *this;
+  }
   /// Replaces the opt level, keeping the overrides.
   Options& opt_level(OptLevel value) { level_ = value; return *this; }
 

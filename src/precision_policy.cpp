@@ -1,0 +1,310 @@
+// The precision policy: fp32 islands by module name and type.
+//
+// NOTE [Precision policy dispatch key]
+// torch::nn::Module has no hooks (NOTE [Why no forward hooks]), so amp can't wrap a kept module's forward. It
+// acts on the ops instead: every op that reads an island's parameter or buffer is an op of that module, whoever
+// wrote the forward. amp::Model's forward turns on one dispatch key, DeferredInit, in the thread's included set
+// (PrecisionPolicyGuard), and a boxed fallback on that key looks at each op's tensor arguments:
+//  - it reads an island tensor: its other floating inputs are cast to fp32 and it runs with autocast off (O1),
+//    so it computes in fp32 and returns fp32;
+//  - it reads a low-precision parameter (O2/O3) and has fp32 floating inputs (an island's output): they are cast
+//    to the model's dtype, so the island's output goes back to low precision at the next layer;
+//  - it reads no model tensor and mixes fp32 with low precision (O2/O3; attention's matmul of an island's
+//    output): it runs in fp32, as Apex's promote functions, where the op would refuse mixed dtypes.
+// Ops that write into an argument pass untouched. DeferredInit sits above the Autocast and Autograd keys, so the
+// casts are recorded by autograd (backward casts gradients back) and precede O1's casts. It is the key PyTorch
+// reserves for an out-of-core library (torchdistx's deferred init, which a LibTorch process doesn't load); amp
+// registers its fallback once, on the first model with islands, and says so if another library holds the key.
+// Backward never runs under the key: the guard lives in the forward only.
+
+#include "precision_policy.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/instancenorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/rnn.h>
+#include <torch/nn/modules/transformer.h>
+#include <torch/nn/modules/transformercoder.h>
+#include <torch/nn/modules/transformerlayer.h>
+
+#include <iostream>
+#include <map>
+#include <mutex>
+
+#include "amp/batchnorm.h"
+#include "amp/initialize.h"
+#include "amp/optimizer.h"
+#include "format.h"
+#include "libtorch_module_types.h"
+#include "model_casting.h"
+
+namespace amp::detail {
+namespace {
+
+constexpr c10::DispatchKey kPolicyKey = c10::DispatchKey::DeferredInit;
+const c10::DispatchKeySet kAutocastKeys{c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA};
+
+thread_local std::shared_ptr<PrecisionPolicy> current_policy;
+
+// Policies by model, held as long as the model lives.
+std::mutex policies_mutex;
+std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::shared_ptr<PrecisionPolicy>>> policies;
+
+bool is_computable(const at::Tensor& t) {
+  return t.defined() && t.is_floating_point() && t.scalar_type() != at::kDouble;
+}
+
+template <class F>
+void for_each_tensor(const c10::IValue* args, size_t n, F&& f) {
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = args[i];
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) f(t);
+    }
+  }
+}
+
+// Casts the computable tensor arguments for which `wanted(t)` holds to `dtype`.
+template <class Wanted>
+void cast_arguments(c10::IValue* args, size_t n, c10::ScalarType dtype, Wanted&& wanted) {
+  auto cast = [&](const at::Tensor& t) { return is_computable(t) && wanted(t) ? t.to(dtype) : t; };
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = args[i];
+    if (v.isTensor()) {
+      v = cast(v.toTensor());
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> list = v.toTensorVector();
+      for (auto& t : list) t = cast(t);
+      v = c10::IValue(std::move(list));
+    }
+  }
+}
+
+void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  // Redispatching below the key (not calling again) keeps profiler records to one per op; the exclusion covers
+  // the op's own inner ops, which see cast inputs already.
+  c10::impl::ExcludeDispatchKeyGuard no_policy(kPolicyKey);
+  keys = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kPolicyKey);
+  const PrecisionPolicy* policy = current_policy.get();
+  const auto& schema = op.schema();
+  if (!policy || schema.is_mutable()) return op.redispatchBoxed(keys, stack);
+  const size_t n = schema.arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - n);
+  switch (policy->decide(args, n)) {
+    case PrecisionPolicy::Action::kNone:
+      break;
+    case PrecisionPolicy::Action::kFp32: {
+      cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
+      if (!policy->per_op()) break;
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
+      return op.redispatchBoxed(keys - kAutocastKeys, stack);
+    }
+    case PrecisionPolicy::Action::kLowPrecision:
+      cast_arguments(args, n, policy->low_precision_dtype(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
+      break;
+    case PrecisionPolicy::Action::kPromote:
+      cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
+      break;
+  }
+  op.redispatchBoxed(keys, stack);
+}
+
+void register_policy_fallback() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(kPolicyKey),
+                "amp::initialize: keep_fp32 runs the ops of fp32 modules through the dispatcher's DeferredInit key, "
+                "which another library in this process (torchdistx's deferred_init?) already uses. Load only one "
+                "of them, or drop keep_fp32 / keep_fp32_types.");
+    static torch::Library library(torch::Library::IMPL, "_", kPolicyKey, __FILE__, __LINE__);
+    library.fallback(torch::CppFunction::makeFromBoxedFunction<&policy_fallback>());
+  });
+}
+
+using Matcher = std::function<bool(const torch::nn::Module&)>;
+
+// LibTorch's module types by name, for keep_fp32_types read from a config file.
+const std::map<std::string, Matcher>& libtorch_types() {
+  static const std::map<std::string, Matcher> types = {
+#define AMP_TYPE_MATCHER(name) \
+  {#name, [](const torch::nn::Module& m) { return dynamic_cast<const torch::nn::name##Impl*>(&m) != nullptr; }},
+      AMP_LIBTORCH_MODULE_TYPES(AMP_TYPE_MATCHER)
+#undef AMP_TYPE_MATCHER
+  };
+  return types;
+}
+
+Matcher matcher_of(const ModuleType& type) {
+  if (type.matches) return type.matches;
+  const auto it = libtorch_types().find(type.name);
+  TORCH_CHECK(it != libtorch_types().end(), "amp::initialize: keep_fp32_types names '", type.name, "', which is not a "
+              "LibTorch module type. Use LibTorch's names (LayerNorm, Embedding, ...) or keep_fp32_type<MyModuleImpl>().");
+  return it->second;
+}
+
+bool keeps_batchnorm(const torch::nn::Module& m, const Properties& p) {
+  if (!casts_model_to_low_precision(p) || !is_batchnorm(m)) return false;
+  return is_frozen(m) ? !p.cast_frozen_batchnorm : p.keep_batchnorm_fp32.value_or(false);
+}
+
+}  // namespace
+
+PrecisionPolicy::PrecisionPolicy(const Properties& properties, std::vector<KeptModule> kept, torch::nn::Module& root)
+    : properties_(properties),
+      per_op_(properties.enabled && properties.patch_torch_functions),
+      cast_model_(casts_model_to_low_precision(properties)),
+      low_dtype_(properties.low_precision_dtype),
+      kept_(std::move(kept)) {
+  (void)root;
+  for (const auto& k : kept_) {
+    if (k.reason == "keep_batchnorm_fp32") continue;  // BatchNorm's own rule: fp32 tensors, ops as before
+    if (auto m = k.module.lock()) collect_island(*m);
+  }
+  active_ = properties.enabled && !island_.empty() && (per_op_ || cast_model_);
+  if (active_) register_policy_fallback();
+}
+
+void PrecisionPolicy::collect_island(torch::nn::Module& module) {
+  for (const auto& t : module.parameters(/*recurse=*/true)) island_.insert(t.unsafeGetTensorImpl());
+  for (const auto& t : module.buffers(/*recurse=*/true)) {
+    if (t.is_floating_point()) island_.insert(t.unsafeGetTensorImpl());
+  }
+}
+
+void PrecisionPolicy::note_cast(torch::nn::Module& root) {
+  low_.clear();
+  if (!cast_model_) return;
+  auto note = [&](const at::Tensor& t) {
+    if (t.defined() && t.scalar_type() == low_dtype_ && !island_.count(t.unsafeGetTensorImpl())) {
+      low_.insert(t.unsafeGetTensorImpl());
+    }
+  };
+  for (const auto& t : root.parameters()) note(t);
+  for (const auto& t : root.buffers()) note(t);
+}
+
+PrecisionPolicy::Action PrecisionPolicy::decide(const c10::IValue* args, size_t n) const {
+  bool reads_island = false, reads_low = false, has_fp32 = false, has_low = false;
+  for_each_tensor(args, n, [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    reads_island = reads_island || island_.count(impl) > 0;
+    reads_low = reads_low || low_.count(impl) > 0;
+    if (is_computable(t)) {
+      has_fp32 = has_fp32 || t.scalar_type() == at::kFloat;
+      has_low = has_low || t.scalar_type() != at::kFloat;
+    }
+  });
+  if (reads_island) return Action::kFp32;
+  if (!cast_model_) return Action::kNone;
+  if (reads_low) return has_fp32 ? Action::kLowPrecision : Action::kNone;
+  return has_fp32 && has_low ? Action::kPromote : Action::kNone;
+}
+
+void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, const Properties& p) {
+  std::vector<Matcher> matchers;
+  for (const auto& type : p.keep_fp32_types) matchers.push_back(matcher_of(type));
+  std::vector<bool> pattern_used(p.keep_fp32.size(), false), type_used(p.keep_fp32_types.size(), false);
+  std::vector<std::string> all_names;
+  std::vector<std::vector<KeptModule>> kept(models.size());
+  for (size_t k = 0; k < models.size(); ++k) {
+    for (const auto& item : models[k]->named_modules("", /*include_self=*/false)) {
+      const torch::nn::Module& m = *item.value();
+      all_names.push_back(item.key());
+      std::string reason;
+      for (size_t i = 0; i < p.keep_fp32.size(); ++i) {
+        if (!glob_match(p.keep_fp32[i], item.key())) continue;
+        pattern_used[i] = true;
+        if (reason.empty()) reason = "keep_fp32";
+      }
+      for (size_t i = 0; i < matchers.size(); ++i) {
+        if (!matchers[i](m)) continue;
+        type_used[i] = true;
+        if (reason.empty()) reason = "keep_fp32_type";
+      }
+      if (reason.empty() && keeps_batchnorm(m, p)) reason = "keep_batchnorm_fp32";
+      if (!reason.empty()) kept[k].push_back({item.key(), reason, item.value()});
+    }
+  }
+  for (size_t i = 0; i < p.keep_fp32.size(); ++i) {
+    if (pattern_used[i]) continue;
+    std::string close;
+    for (const auto& name : closest_names(p.keep_fp32[i], all_names)) close += (close.empty() ? "'" : ", '") + name + "'";
+    TORCH_CHECK(false, "amp::initialize: keep_fp32 pattern '", p.keep_fp32[i], "' matches no module of the model",
+                models.size() > 1 ? "s" : "", ". Closest module names: ", close.empty() ? "(the model has no submodules)" : close,
+                ". Patterns match the whole qualified name, as named_modules() gives it: '*' matches any characters, "
+                "dots included ('*.norm' matches 'blocks.0.norm', not 'norm'), '?' one character.");
+  }
+  for (size_t i = 0; i < p.keep_fp32_types.size(); ++i) {
+    if (type_used[i]) continue;
+    TORCH_CHECK(false, "amp::initialize: keep_fp32_types names ", p.keep_fp32_types[i].name, ", but the model",
+                models.size() > 1 ? "s hold" : " holds", " no module of that type. Remove it from keep_fp32_types "
+                "(a config shared by several models may list only the types each one has).");
+  }
+
+  std::lock_guard<std::mutex> lock(policies_mutex);
+  policies.erase(std::remove_if(policies.begin(), policies.end(), [](const auto& e) { return e.first.expired(); }),
+                 policies.end());
+  for (size_t k = 0; k < models.size(); ++k) {
+    auto policy = std::make_shared<PrecisionPolicy>(p, std::move(kept[k]), *models[k]);
+    if (p.enabled && p.verbosity >= 1) {
+      std::string islands;
+      for (const auto& m : policy->kept()) {
+        if (m.reason != "keep_batchnorm_fp32") islands += (islands.empty() ? "" : ", ") + m.name + " (" + m.reason + ")";
+      }
+      if (!islands.empty()) std::cout << "Kept in fp32 (fp32 islands): " << islands << std::endl;
+    }
+    policies.emplace_back(models[k]->shared_from_this(), std::move(policy));
+  }
+}
+
+std::shared_ptr<PrecisionPolicy> precision_policy_of(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(policies_mutex);
+  for (const auto& [weak, policy] : policies) {
+    if (auto m = weak.lock(); m.get() == &module) return policy;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<PrecisionPolicy> current_precision_policy() { return current_policy; }
+
+PrecisionPolicyGuard::PrecisionPolicyGuard(const std::shared_ptr<PrecisionPolicy>& policy) {
+  if (!policy || !policy->active()) return;
+  previous_ = std::move(current_policy);
+  current_policy = policy;
+  key_.emplace(kPolicyKey);
+  engaged_ = true;
+}
+
+PrecisionPolicyGuard::~PrecisionPolicyGuard() {
+  if (!engaged_) return;
+  key_.reset();
+  current_policy = std::move(previous_);
+}
+
+}  // namespace amp::detail
+
+namespace amp {
+
+std::vector<std::string> fp32_modules(const OptimizerBase& optimizer) {
+  std::vector<std::string> out;
+  for (const auto& model : optimizer.models()) {
+    const auto policy = detail::precision_policy_of(*model);
+    if (!policy) continue;
+    for (const auto& m : policy->kept()) out.push_back(m.name + " (" + m.reason + ")");
+  }
+  return out;
+}
+
+}  // namespace amp

@@ -1,0 +1,61 @@
+#pragma once
+// The precision policy of one model (amp/precision_policy.h): which modules are kept in fp32 and why, the
+// tensors behind them, and the dispatcher kernel that runs the ops reading them in fp32.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "amp/precision_policy.h"
+#include "amp/properties.h"
+
+namespace amp::detail {
+
+/// One module kept in fp32, and the first reason that applies ("keep_fp32", "keep_fp32_type",
+/// "keep_batchnorm_fp32", "auto_fp32").
+struct KeptModule {
+  std::string name;
+  std::string reason;
+  std::weak_ptr<torch::nn::Module> module;
+};
+
+class PrecisionPolicy {
+ public:
+  PrecisionPolicy(const Properties& properties, std::vector<KeptModule> kept, torch::nn::Module& root);
+
+  /// Whether ops need the policy's kernel: fp32 islands exist and the level computes in low precision.
+  bool active() const noexcept { return active_; }
+  /// Whether a parameter or floating buffer belongs to an fp32 island (it stays fp32, its ops run in fp32).
+  bool in_island(const c10::TensorImpl* t) const { return island_.count(t) > 0; }
+  /// The kept modules in model order.
+  const std::vector<KeptModule>& kept() const noexcept { return kept_; }
+  /// Records the model's low-precision tensors, once initialize has cast it.
+  void note_cast(torch::nn::Module& root);
+
+  /// What an op's tensor arguments ask for.
+  enum class Action { kNone, kFp32, kLowPrecision, kPromote };
+  Action decide(const c10::IValue* args, size_t n) const;
+  c10::ScalarType low_precision_dtype() const noexcept { return low_dtype_; }
+  bool per_op() const noexcept { return per_op_; }
+
+ private:
+  void collect_island(torch::nn::Module& module);
+
+  Properties properties_;
+  bool per_op_;                // O1: autocast casts the rest; islands turn it off for their ops
+  bool cast_model_;            // O2/O3: the model is low precision outside the islands
+  c10::ScalarType low_dtype_;
+  bool active_ = false;
+  std::vector<KeptModule> kept_;
+  std::unordered_set<const c10::TensorImpl*> island_;  // parameters and floating buffers of fp32 islands
+  std::unordered_set<const c10::TensorImpl*> low_;     // the model's low-precision parameters and buffers
+};
+
+// resolve_precision_policy(models, properties) is declared in amp/initialize.h, which calls it.
+
+}  // namespace amp::detail

@@ -1,0 +1,457 @@
+// The precision policy (amp/precision_policy.h): fp32 islands by module name and type, at every level.
+
+#include <ATen/record_function.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "amp/amp.h"
+#include "format.h"
+#include "support.h"
+
+namespace {
+
+// stem -> two blocks (fc, norm, relu) -> head: the shape of a transformer's residual-free skeleton.
+struct PolicyBlockImpl : torch::nn::Module {
+  PolicyBlockImpl()
+      : fc(register_module("fc", torch::nn::Linear(16, 16))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::relu(norm(fc(x))); }
+  torch::nn::Linear fc;
+  torch::nn::LayerNorm norm;
+};
+TORCH_MODULE(PolicyBlock);
+
+struct PolicyNetImpl : torch::nn::Module {
+  PolicyNetImpl()
+      : stem(register_module("stem", torch::nn::Linear(8, 16))),
+        blocks(register_module("blocks", torch::nn::Sequential(PolicyBlock(), PolicyBlock()))),
+        head(register_module("head", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(blocks->forward(stem(x))); }
+  torch::nn::Linear stem;
+  torch::nn::Sequential blocks;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(PolicyNet);
+
+PolicyNet policy_net(c10::DeviceType device) {
+  torch::manual_seed(7);
+  PolicyNet net;
+  net->to(device);
+  return net;
+}
+
+// The net's forward written by hand with the policy's casts: GEMMs of ordinary layers in `lp` (the weights as
+// the level holds them: cast copies of the fp32 values), the kept LayerNorms and head in fp32 on fp32 inputs.
+torch::Tensor policy_reference(const std::map<std::string, torch::Tensor>& w, const torch::Tensor& x,
+                               c10::ScalarType lp) {
+  auto low = [&](const std::string& name, const torch::Tensor& h) {
+    return torch::nn::functional::linear(h.to(lp), w.at(name + ".weight"), w.at(name + ".bias"));
+  };
+  torch::Tensor h = low("stem", x);
+  for (const char* block : {"blocks.0", "blocks.1"}) {
+    h = low(std::string(block) + ".fc", h);
+    h = torch::layer_norm(h.to(torch::kFloat), {16}, w.at(std::string(block) + ".norm.weight"),
+                          w.at(std::string(block) + ".norm.bias"));
+    h = torch::relu(h);
+  }
+  return torch::nn::functional::linear(h.to(torch::kFloat), w.at("head.weight"), w.at("head.bias"));
+}
+
+bool policy_kept(const std::string& name) { return name.rfind("head", 0) == 0 || name.find("norm") != std::string::npos; }
+
+// Leaves of the reference: kept weights fp32, the others as the level holds them (lp at O2/O3; at O1 fp32
+// leaves, cast where used, as autocast does).
+std::map<std::string, torch::Tensor> policy_leaves(const PolicyNet& fp32_net, const char* level, c10::ScalarType lp) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : fp32_net->named_parameters()) {
+    torch::Tensor t = item.value().detach().clone();
+    if (!policy_kept(item.key()) && std::string(level) != "O1") t = t.to(lp);
+    if (!policy_kept(item.key()) && std::string(level) == "O1") {
+      out[item.key()] = t.requires_grad_();  // cast below, inside the graph
+      continue;
+    }
+    out[item.key()] = t.requires_grad_();
+  }
+  return out;
+}
+
+// Records the output dtype of each aten::addmm (LibTorch's Linear on 2-d inputs) and aten::layer_norm call (RecordFunction sees the op as called,
+// before any dispatch key).
+class PolicyOpRecorder {
+ public:
+  PolicyOpRecorder() {
+    // Outermost calls only: O1's autocast kernel calls the op again after casting.
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              if (recorded(fn.name())) ++depth();
+              return nullptr;
+            },
+            [](const at::RecordFunction& fn, at::ObserverContext*) {
+              if (!recorded(fn.name()) || --depth() > 0) return;
+              const auto outputs = fn.outputs();
+              if (!outputs.empty() && outputs[0].isTensor()) {
+                records().push_back({fn.name(), outputs[0].toTensor().scalar_type()});
+              }
+            })
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
+    records().clear();
+    depth() = 0;
+  }
+  ~PolicyOpRecorder() { at::removeCallback(handle_); }
+  static std::vector<std::pair<std::string, c10::ScalarType>>& records() {
+    static thread_local std::vector<std::pair<std::string, c10::ScalarType>> r;
+    return r;
+  }
+
+ private:
+  static bool recorded(const std::string& name) { return name == "aten::addmm" || name == "aten::layer_norm"; }
+  static int& depth() {
+    static thread_local int d = 0;
+    return d;
+  }
+  at::CallbackHandle handle_;
+};
+
+class PrecisionPolicyLevelTest : public amp_test::LevelTest {};
+
+TEST_P(PrecisionPolicyLevelTest, KeptModulesComputeInFp32AndTheRestAsTheLevelSays) {
+  const auto [level, lp, device] = GetParam();
+  const bool o0 = std::string(level) == "O0";
+  PolicyNet net = policy_net(device);
+  PolicyNet fp32_net = policy_net(device);  // same seed: the same initial values
+  auto model = amp::initialize(net, options().keep_fp32({"head", "*.norm"}));
+
+  // Parameters: kept ones stay fp32 at every level; the rest follow the level.
+  for (const auto& item : net->named_parameters()) {
+    const bool low = !o0 && std::string(level) != "O1" && !policy_kept(item.key());
+    EXPECT_EQ(item.value().scalar_type(), low ? lp : torch::kFloat) << item.key();
+  }
+
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randn({5, 8}, torch::TensorOptions().device(device));
+  const torch::Tensor upstream = torch::randn({5, 4}, torch::TensorOptions().device(device));
+  torch::Tensor y;
+  {
+    PolicyOpRecorder recorder;
+    y = model(x);
+    if (!o0) {
+      // stem, fc, norm, fc, norm, head: each op's output dtype (a linear in lp, the kept ones fp32).
+      const std::vector<std::pair<std::string, c10::ScalarType>> expected = {
+          {"aten::addmm", lp}, {"aten::addmm", lp}, {"aten::layer_norm", torch::kFloat},
+          {"aten::addmm", lp}, {"aten::layer_norm", torch::kFloat}, {"aten::addmm", torch::kFloat}};
+      EXPECT_EQ(PolicyOpRecorder::records(), expected);
+    }
+  }
+  y.backward(upstream);
+
+  if (o0) {  // bitwise LibTorch
+    const torch::Tensor plain = fp32_net->forward(x);
+    plain.backward(upstream);
+    EXPECT_TRUE(amp_test::bitwise_equal(y, plain));
+    for (const auto& item : net->named_parameters()) {
+      EXPECT_TRUE(amp_test::bitwise_equal(item.value().grad(), fp32_net->named_parameters()[item.key()].grad())) << item.key();
+    }
+    return;
+  }
+
+  auto leaves = policy_leaves(fp32_net, level, lp);
+  std::map<std::string, torch::Tensor> used = leaves;
+  if (std::string(level) == "O1") {
+    for (auto& [name, t] : used) {
+      if (!policy_kept(name)) t = t.to(lp);
+    }
+  }
+  const torch::Tensor x_in = std::string(level) == "O1" ? x : x.to(lp);
+  const torch::Tensor ref = policy_reference(used, x_in, lp).to(torch::kFloat);
+  ref.backward(upstream);
+  EXPECT_TRUE(amp_test::bitwise_equal(y, ref)) << (y - ref).abs().max();
+  for (const auto& item : net->named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_TRUE(amp_test::bitwise_equal(item.value().grad(), leaves.at(item.key()).grad())) << item.key();
+  }
+}
+
+TEST_P(PrecisionPolicyLevelTest, TypesKeepLikePatterns) {
+  const auto [level, lp, device] = GetParam();
+  PolicyNet by_name = policy_net(device);
+  PolicyNet by_type = policy_net(device);
+  auto a = amp::initialize(by_name, options().keep_fp32({"*.norm"}));
+  auto b = amp::initialize(by_type, options().keep_fp32_type<torch::nn::LayerNormImpl>());
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randn({5, 8}, torch::TensorOptions().device(device));
+  EXPECT_TRUE(amp_test::bitwise_equal(a(x), b(x)));
+  for (const auto& item : by_type->named_parameters()) {
+    EXPECT_EQ(item.value().scalar_type(), by_name->named_parameters()[item.key()].scalar_type()) << item.key();
+  }
+}
+
+TEST_P(PrecisionPolicyLevelTest, TrainsAndResumesBitwise) {
+  const auto [level, lp, device] = GetParam();
+  const auto run = [&, level = level](int steps, const std::string& load_from, const std::string& save_to) {
+    PolicyNet net = policy_net(device);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2).eps(1e-4));  // eps above fp16's floor (O3)
+    auto [model, optimizer] = amp::initialize(net, std::move(adam), options().keep_fp32({"head", "*.norm"}));
+    if (!load_from.empty()) {  // the model's weights, then the optimizer's state (its masters)
+      torch::serialize::InputArchive archive;
+      archive.load_from(load_from + ".model");
+      net->load(archive);
+      torch::load(optimizer, load_from);
+    }
+    for (int i = 0; i < steps; ++i) {
+      torch::manual_seed(100 + i + (load_from.empty() ? 0 : 2));
+      const torch::Tensor x = torch::randn({6, 8}, torch::TensorOptions().device(device));
+      optimizer.zero_grad();
+      const torch::Tensor loss = model(x).pow(2).mean();
+      amp::scale_loss(loss, optimizer).backward();
+      optimizer.step();
+    }
+    if (!save_to.empty()) {
+      torch::save(optimizer, save_to);
+      torch::serialize::OutputArchive archive;
+      net->save(archive);
+      archive.save_to(save_to + ".model");
+    }
+    for (const auto& item : net->named_parameters()) {
+      if (policy_kept(item.key())) EXPECT_EQ(item.value().scalar_type(), torch::kFloat) << level << " " << item.key();
+    }
+    return net;
+  };
+  const std::string path = (std::filesystem::temp_directory_path() / ("amp_policy_resume_" + std::string(level) +
+                                                                       amp_test::dtype_label(lp) + ".pt")).string();
+  PolicyNet straight = run(4, "", "");
+  run(2, "", path);
+  PolicyNet resumed = run(2, path, "");
+  for (const auto& item : straight->named_parameters()) {
+    EXPECT_TRUE(amp_test::bitwise_equal(item.value(), resumed->named_parameters()[item.key()])) << item.key();
+  }
+  PolicyNet untrained = policy_net(device);
+  EXPECT_FALSE(amp_test::bitwise_equal(straight->head->weight.to(torch::kFloat), untrained->head->weight));
+  std::filesystem::remove(path);
+  std::filesystem::remove(path + ".model");
+}
+
+AMP_INSTANTIATE_FOR_LEVELS(PrecisionPolicyLevelTest, amp_test::level_cases({"O0", "O1", "O2", "O3"}, /*o0_once=*/true));
+
+TEST(PrecisionPolicyTest, PatternsFollowFnmatchOverTheWholeName) {
+  using amp::detail::glob_match;
+  EXPECT_TRUE(glob_match("*.norm", "blocks.0.norm"));
+  EXPECT_FALSE(glob_match("*.norm", "norm"));
+  EXPECT_FALSE(glob_match("*.norm", "blocks.0.norm.x"));
+  EXPECT_TRUE(glob_match("blocks.?.fc", "blocks.1.fc"));
+  EXPECT_FALSE(glob_match("blocks.?.fc", "blocks.10.fc"));
+  EXPECT_TRUE(glob_match("blocks.*.fc", "blocks.10.fc"));
+  EXPECT_TRUE(glob_match("head", "head"));
+  EXPECT_FALSE(glob_match("head", "head.0"));
+  EXPECT_TRUE(glob_match("*", "a.b.c"));
+  EXPECT_TRUE(glob_match("a*b*c", "aXbYbZc"));
+}
+
+TEST(PrecisionPolicyTest, ReportsKeptModulesWithTheirReasonInModelOrder) {
+  PolicyNet net = policy_net(torch::kCPU);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto [model, optimizer] = amp::initialize(
+      net, std::move(sgd),
+      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"head", "blocks.1.*"})
+          .keep_fp32_type<torch::nn::LayerNormImpl>());
+  const std::vector<std::string> expected = {"blocks.0.norm (keep_fp32_type)", "blocks.1.fc (keep_fp32)",
+                                             "blocks.1.norm (keep_fp32)", "head (keep_fp32)"};
+  EXPECT_EQ(amp::fp32_modules(optimizer), expected);
+  EXPECT_EQ(net->blocks[1]->as<PolicyBlockImpl>()->fc->weight.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->blocks[0]->as<PolicyBlockImpl>()->fc->weight.scalar_type(), torch::kBFloat16);
+}
+
+TEST(PrecisionPolicyTest, BatchNormKeptByTheLevelIsListed) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kBFloat16);
+  amp_test::ConvBnNet net;
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto [model, optimizer] = amp::initialize(
+      net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"fc"}));
+  const std::vector<std::string> expected = {"bn (keep_batchnorm_fp32)", "fc (keep_fp32)"};
+  EXPECT_EQ(amp::fp32_modules(optimizer), expected);
+  // The BatchNorm takes bf16 activations as before (its own rule); the fc island computes in fp32.
+  const torch::Tensor x = torch::randn({2, 1, 8, 8});
+  const torch::Tensor y = model(x);
+  EXPECT_EQ(y.scalar_type(), torch::kFloat);
+  amp::scale_loss(y.sum(), optimizer).backward();
+  optimizer.step();
+  EXPECT_EQ(net->fc->weight.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->fc->weight.grad().scalar_type(), torch::kFloat);
+}
+
+TEST(PrecisionPolicyTest, BannerListsTheIslands) {
+  PolicyNet net = policy_net(torch::kCPU);
+  testing::internal::CaptureStdout();
+  auto model = amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).keep_fp32({"head"}));
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("keep_fp32              : ['head']"), std::string::npos) << out;
+  EXPECT_NE(out.find("Kept in fp32 (fp32 islands): head (keep_fp32)"), std::string::npos) << out;
+}
+
+TEST(PrecisionPolicyTest, PatternMatchingNothingThrowsWithTheClosestNames) {
+  PolicyNet net = policy_net(torch::kCPU);
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32({"haed"})),
+                     "keep_fp32 pattern 'haed' matches no module of the model. Closest module names: 'head'");
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32({"norm"})),
+                     "'*' matches any characters, dots included");
+  // Nothing was changed by the refused calls: the model is still fp32 and can be initialized.
+  for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32_type<torch::nn::Conv2dImpl>()),
+                     "keep_fp32_types names Conv2d, but the model holds no module of that type");
+  ASSERT_THROWS_WITH(amp::Options("O2").keep_fp32({""}).resolve(), "keep_fp32 got an empty module pattern");
+  EXPECT_NO_THROW(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32({"head"})));
+}
+
+TEST(PrecisionPolicyTest, ConfigKeys) {
+  const auto path = std::filesystem::temp_directory_path() / "amp_policy_config.cfg";
+  {
+    std::ofstream(path) << "opt_level = O2\nlow_precision_dtype = bfloat16\nkeep_fp32 = head, *.norm\n"
+                           "keep_fp32_types = LayerNorm, BatchNorm*\nverbosity = 0\n";
+  }
+  const amp::Properties p = amp::load_options(path.string()).resolve();
+  EXPECT_EQ(p.keep_fp32, (std::vector<std::string>{"head", "*.norm"}));
+  std::vector<std::string> types;
+  for (const auto& t : p.keep_fp32_types) types.push_back(t.name);
+  EXPECT_EQ(types, (std::vector<std::string>{"LayerNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"}));
+  {
+    std::ofstream(path) << "opt_level = O2\nkeep_fp32_types = Layernorm\n";
+  }
+  ASSERT_THROWS_WITH(amp::load_options(path.string()), "'Layernorm' is not a LibTorch module type (did you mean 'LayerNorm'?)");
+  {
+    std::ofstream(path) << "opt_level = O2\nkeep_fp32 = head,,norm\n";
+  }
+  ASSERT_THROWS_WITH(amp::load_options(path.string()), "no empty item");
+  std::filesystem::remove(path);
+
+  // A config's type names find LibTorch's modules at initialize.
+  PolicyNet net = policy_net(torch::kCPU);
+  amp::Options options("O2");
+  options.low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32_types({{"LayerNorm"}});
+  auto model = amp::initialize(net, options);
+  EXPECT_EQ(net->blocks[0]->as<PolicyBlockImpl>()->norm->weight.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->head->weight.scalar_type(), torch::kBFloat16);
+}
+
+TEST(PrecisionPolicyTest, AutoFp32NeedsADynamicScaleAndLowPrecision) {
+  ASSERT_THROWS_WITH(amp::Options("O0").auto_fp32(8).resolve(), "auto_fp32 acts on overflows the dynamic loss scale can't cure");
+  ASSERT_THROWS_WITH(amp::Options("O3").auto_fp32(8).resolve(), "with loss_scale 1.0");
+  ASSERT_THROWS_WITH(amp::Options("O2").auto_fp32(-1).resolve(), "got -1");
+  EXPECT_EQ(amp::Options("O3").loss_scale(amp::LossScale::dynamic()).auto_fp32(8).resolve().auto_fp32, 8);
+}
+
+// A module that mixes an island's fp32 output with a low-precision activation in an op that refuses mixed
+// dtypes (matmul) and one that promotes (add): at O2 both run in fp32.
+struct PolicyMixImpl : torch::nn::Module {
+  PolicyMixImpl()
+      : q(register_module("q", torch::nn::Linear(8, 8))), k(register_module("k", torch::nn::Linear(8, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor a = q(x), b = k(x);
+    return torch::matmul(a, b.transpose(0, 1)) + a.sum();
+  }
+  torch::nn::Linear q, k;
+};
+TORCH_MODULE(PolicyMix);
+
+TEST(PrecisionPolicyTest, OpsMixingAnIslandsOutputWithLowPrecisionRunInFp32) {
+  torch::manual_seed(1);
+  PolicyMix net;
+  torch::manual_seed(1);
+  PolicyMix ref_net;
+  auto model = amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"k"}));
+  const torch::Tensor x = torch::randn({3, 8});
+  const torch::Tensor y = model(x);
+  const torch::Tensor xl = x.to(torch::kBFloat16);
+  const torch::Tensor a = torch::linear(xl, ref_net->q->weight.to(torch::kBFloat16), ref_net->q->bias.to(torch::kBFloat16));
+  const torch::Tensor b = torch::linear(xl.to(torch::kFloat), ref_net->k->weight, ref_net->k->bias);
+  const torch::Tensor expected = torch::matmul(a.to(torch::kFloat), b.transpose(0, 1)) + a.sum();
+  EXPECT_TRUE(amp_test::bitwise_equal(y, expected));
+}
+
+TEST(PrecisionPolicyTest, EmbeddingIslandFeedsLowPrecisionLayers) {
+  struct EmbedNetImpl : torch::nn::Module {
+    EmbedNetImpl()
+        : embed(register_module("embed", torch::nn::Embedding(10, 8))), fc(register_module("fc", torch::nn::Linear(8, 3))) {}
+    torch::Tensor forward(const torch::Tensor& ids) { return fc(embed(ids)); }
+    torch::nn::Embedding embed;
+    torch::nn::Linear fc;
+  };
+  auto net = std::make_shared<EmbedNetImpl>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto [model, optimizer] = amp::initialize(
+      net, std::move(sgd),
+      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32_type<torch::nn::EmbeddingImpl>());
+  EXPECT_EQ(net->embed->weight.scalar_type(), torch::kFloat);
+  const torch::Tensor ids = torch::tensor({1, 4, 7}, torch::kLong);
+  const torch::Tensor y = model(ids);
+  const torch::Tensor expected = torch::linear(torch::embedding(net->embed->weight, ids).to(torch::kBFloat16),
+                                               net->fc->weight, net->fc->bias).to(torch::kFloat);
+  EXPECT_TRUE(amp_test::bitwise_equal(y, expected));
+  amp::scale_loss(y.sum(), optimizer).backward();
+  const torch::Tensor before = net->embed->weight.detach().clone();
+  optimizer.step();
+  EXPECT_EQ(net->embed->weight.scalar_type(), torch::kFloat);
+  EXPECT_FALSE(amp_test::bitwise_equal(before, net->embed->weight));  // an fp32 parameter, its own master
+}
+
+TEST(PrecisionPolicyTest, ActivationCheckpointRecomputesUnderThePolicy) {
+  struct CkptNetImpl : torch::nn::Module {
+    explicit CkptNetImpl(bool checkpointed) : checkpointed(checkpointed) {
+      block = register_module("block", PolicyBlock());
+      head = register_module("head", torch::nn::Linear(16, 2));
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      torch::Tensor h = checkpointed ? amp::checkpoint([this](const torch::Tensor& in) { return block->forward(in); }, x)
+                                     : block->forward(x);
+      return head(h);
+    }
+    bool checkpointed;
+    PolicyBlock block{nullptr};
+    torch::nn::Linear head{nullptr};
+  };
+  const auto run = [](bool checkpointed) {
+    torch::manual_seed(5);
+    auto net = std::make_shared<CkptNetImpl>(checkpointed);
+    auto model = amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
+                                          .keep_fp32({"block.norm"}));
+    torch::manual_seed(6);
+    const torch::Tensor x = torch::randn({4, 16}, torch::requires_grad());
+    model(x).sum().backward();
+    return std::vector<torch::Tensor>{x.grad(), net->block->fc->weight.grad(), net->block->norm->weight.grad()};
+  };
+  const auto plain = run(false), ckpt = run(true);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(plain[i], ckpt[i])) << i;
+  EXPECT_EQ(plain[2].scalar_type(), torch::kFloat);
+}
+
+TEST(PrecisionPolicyTest, FrozenBatchNormAndLoadWeightsKeepWorking) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kBFloat16);
+  amp_test::ConvBnNet net;
+  amp::freeze_batchnorm(*net);
+  const torch::Tensor mean_before = net->bn->running_mean.clone();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto [model, optimizer] = amp::initialize(
+      net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"conv"}));
+  model.train();
+  const torch::Tensor y = model(torch::randn({2, 1, 8, 8}));
+  amp::scale_loss(y.sum(), optimizer).backward();
+  optimizer.step();
+  EXPECT_TRUE(amp_test::bitwise_equal(net->bn->running_mean, mean_before));
+  EXPECT_EQ(net->conv->weight.scalar_type(), torch::kFloat);
+
+  // load_weights into the kept conv (fp32) and the cast fc (bf16) from an fp32 model's archive.
+  amp_test::ConvBnNet source;
+  const auto path = (std::filesystem::temp_directory_path() / "amp_policy_weights.pt").string();
+  torch::save(source, path);
+  amp::load_weights(*model, path);
+  EXPECT_TRUE(amp_test::bitwise_equal(net->conv->weight, source->conv->weight));
+  EXPECT_TRUE(amp_test::bitwise_equal(net->fc->weight, source->fc->weight.to(torch::kBFloat16)));
+  std::filesystem::remove(path);
+}
+
+}  // namespace
