@@ -32,6 +32,15 @@ void MasterWeights::add(std::string name, at::Tensor model, at::Tensor master) {
   storage_.push_back(storage_of(model));
   model_.push_back(std::move(model));
   master_.push_back(std::move(master));
+  pending_.emplace_back();
+  unreduced_.emplace_back();
+  unreduced_flag_.push_back(0);
+}
+
+void MasterWeights::clear_pending_grads() {
+  for (auto& t : pending_) t = at::Tensor();
+  for (auto& t : unreduced_) t = at::Tensor();
+  unreduced_flag_.assign(unreduced_flag_.size(), 0);
 }
 
 bool holds_float32_bytes(const at::Tensor& t) {

@@ -45,6 +45,19 @@ class MasterWeights {
   /// Records that every model parameter and its master agree now (a fused step wrote both).
   void mark_all_synced();
 
+  /// The fp32 sum of still-scaled gradients that scale_loss with delay_unscale moved out of model[i]'s
+  /// low-precision .grad, so micro-batches accumulate in fp32 (summing 256 + 1 - 256 in bf16 gives 0); the
+  /// next unscale adds the last micro-batch and consumes it. Undefined when nothing is pending.
+  at::Tensor& pending_grad(size_t i) { return pending_[i]; }
+  /// Drops every pending sum (zero_grad).
+  void clear_pending_grads();
+  /// amp::parallel's no_sync(): model[i]'s gradient from the backward just finished was not all-reduced, so
+  /// delay_unscale moves it into unreduced_grad(i) instead, which the next synchronized backward all-reduces
+  /// (fp32, once per accumulation window) and adds to pending_grad(i).
+  void mark_unreduced(size_t i) { unreduced_flag_[i] = 1; }
+  bool take_unreduced(size_t i) { return std::exchange(unreduced_flag_[i], char{0}) != 0; }
+  at::Tensor& unreduced_grad(size_t i) { return unreduced_[i]; }
+
  private:
   void check_usable(size_t i) const;
 
@@ -53,6 +66,9 @@ class MasterWeights {
   std::vector<at::Tensor> master_;
   std::vector<int64_t> version_;
   std::vector<const void*> storage_;
+  std::vector<at::Tensor> pending_;
+  std::vector<at::Tensor> unreduced_;
+  std::vector<char> unreduced_flag_;  // char, not bool: std::exchange needs a real reference
 };
 
 /// Makes `table`'s masters findable from their model parameters (replacing earlier entries of the same

@@ -148,6 +148,7 @@ void OptimizerBase::zero_all_grads(bool set_to_none) {
   for (auto& p : masters_->model()) clear_grad(p, set_to_none);
   for (auto& p : masters_->master()) clear_grad(p, set_to_none);
   for (auto& p : direct_params_) clear_grad(p, set_to_none);
+  masters_->clear_pending_grads();
   stash_.clear();
   backward_prepared_ = false;
   scaled_grads_loss_id_.reset();
@@ -181,8 +182,21 @@ void OptimizerBase::prepare_backward(int loss_id) {
 void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf) {
   TORCH_INTERNAL_ASSERT(backward_prepared_);
   backward_prepared_ = false;
+  const auto& model = masters_->model();
+  const auto& master = masters_->master();
   if (delay_unscale) {
+    // Masters' gradients accumulate in fp32, still scaled, beside the model (whose .grad would round each sum
+    // to its dtype); direct parameters keep theirs in .grad, in their own dtype, as Apex.
     scaled_grads_loss_id_ = loss_id;
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < model.size(); ++i) {
+      at::Tensor& g = model[i].mutable_grad();
+      if (!g.defined()) continue;
+      at::Tensor& pending = masters_->take_unreduced(i) ? masters_->unreduced_grad(i) : masters_->pending_grad(i);
+      if (pending.defined()) pending.add_(g);
+      else pending = g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      g = at::Tensor();
+    }
     return;
   }
   std::vector<at::Tensor> new_grads;
@@ -192,17 +206,24 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_sc
   detail::unscale_(new_grads, inv_scale, found_inf);
 
   std::vector<at::Tensor> fresh_in, fresh_out, acc_in, acc_out;
-  const auto& model = masters_->model();
-  const auto& master = masters_->master();
   for (size_t i = 0; i < model.size(); ++i) {
-    const at::Tensor& g = model[i].grad();
+    at::Tensor g = model[i].grad();
+    (void)masters_->take_unreduced(i);  // a plain scale_loss inside no_sync(): amp::parallel refuses it next forward
+    if (at::Tensor& pending = masters_->pending_grad(i); pending.defined()) {  // delay_unscale's fp32 sum
+      if (g.defined()) {
+        c10::NoGradGuard no_grad;
+        pending.add_(g);
+      }
+      g = std::exchange(pending, at::Tensor());
+    }
     if (!g.defined()) continue;
     at::Tensor& master_grad = master[i].mutable_grad();
     if (master_grad.defined()) {
       acc_in.push_back(g);
       acc_out.push_back(master_grad);
     } else {
-      master_grad = at::empty_like(master[i]);
+      // The fp32 sum is unscaled in place and becomes the master's gradient.
+      master_grad = g.scalar_type() == at::kFloat && g.sizes() == master[i].sizes() ? g : at::empty_like(master[i]);
       fresh_in.push_back(g);
       fresh_out.push_back(master_grad);
     }

@@ -226,6 +226,8 @@ void OptimizerBase::sync_param_groups(bool at_initialize) {
       switch (plan.kind) {
         case Kind::kKnownMaster:
           masters->add(plan.name, masters_->model()[plan.known_index], p);
+          masters->pending_grad(masters->size() - 1) = masters_->pending_grad(plan.known_index);
+          masters->unreduced_grad(masters->size() - 1) = masters_->unreduced_grad(plan.known_index);
           break;
         case Kind::kKnownDirect:
           if (auto found = detail::find_lean(p); found && lean && found->first == lean_) lean->adopt(*lean_, found->second);

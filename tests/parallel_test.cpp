@@ -498,6 +498,16 @@ TEST(TwoRanksTest, LeanMastersStayIdenticalAcrossRanks) {
   expect_same_line_on_both_ranks(ranks, "lean params", {"split", "stochastic_rounding", "kahan"});
 }
 
+// The precision policy under amp::parallel: no_sync accumulation sums in fp32 (the worker checks the value), and
+// a model with fp32 islands stays bit-identical across ranks.
+TEST(TwoRanksTest, PrecisionPolicyAccumulatesInFp32AndKeepsRanksIdentical) {
+  const auto ranks = two_ranks("policy");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  expect_same_line_on_both_ranks(ranks, "policy params", {"O2 bf16"});
+}
+
 TEST(TwoRanksTest, MismatchedModels) {
   const auto ranks = two_ranks("mismatch");
   std::cout << outputs(ranks);

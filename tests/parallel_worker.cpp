@@ -915,6 +915,63 @@ void scenario_lean(const ProcessGroup& group) {
   }
 }
 
+// The precision policy under amp::parallel: (1) no_sync accumulation at O2 bf16 sums in fp32: rank 0's
+// micro-batch gradients are 256, 1, 1 and 1, rank 1's 1, 1, -256 and 1, so the average is 3, where summing in
+// bf16 (256 + 1 rounds to 256) would give 1.5; (2) a model with an fp32 island (buckets of two dtypes) trains
+// bit-identically on both ranks.
+void scenario_policy(const ProcessGroup& group) {
+  {
+    auto net = torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false));
+    {
+      torch::NoGradGuard no_grad;
+      net->weight.fill_(1.0);
+    }
+    auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1.0)),
+                                              amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+    auto ddp = amp::parallel::make_distributed(model, group);
+    const std::vector<double> c = group.rank() == 0 ? std::vector<double>{256, 1, 1, 1} : std::vector<double>{1, 1, -256, 1};
+    const torch::Tensor x = torch::ones({1, 1});
+    optimizer.zero_grad();
+    for (size_t i = 0; i + 1 < c.size(); ++i) {
+      auto no_sync = ddp.no_sync();
+      auto scaled = amp::scale_loss(ddp(x).sum() * c[i], optimizer, amp::ScaleLossOptions().delay_unscale(true));
+      scaled.backward();
+    }
+    {
+      auto scaled = amp::scale_loss(ddp(x).sum() * c.back(), optimizer);
+      scaled.backward();
+    }
+    const auto grads = optimizer.grads_for_step("scenario_policy");
+    const double g = grads.at(0).item<double>();
+    report(g == 3.0, "no_sync accumulation at O2 bf16 sums in fp32: the averaged gradient is 3 (bf16 sums give 1.5)",
+           "got " + std::to_string(g));
+    optimizer.step();
+    report(net->weight.item<double>() == -2.0, "the step applies it", std::to_string(net->weight.item<double>()));
+  }
+  {
+    torch::manual_seed(1);
+    auto net = torch::nn::Sequential(torch::nn::Linear(12, 16), torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})),
+                                     torch::nn::ReLU(), torch::nn::Linear(16, 5));
+    auto [model, optimizer] = amp::initialize(
+        net, torch::optim::Adam(net->parameters(), torch::optim::AdamOptions(1e-2)),
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).keep_fp32({"1", "3"}).verbosity(0));
+    auto ddp = amp::parallel::make_distributed(model, group);
+    for (int step = 0; step < 4; ++step) {
+      const Batch local = rows(global_batch(step, 16), group.rank() * 8, 8);
+      optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    report(net[3]->as<torch::nn::LinearImpl>()->weight.scalar_type() == torch::kFloat, "the kept head stays fp32");
+    double sum = 0;
+    for (const auto& p : net->parameters()) sum += p.detach().to(torch::kFloat).sum().item<double>();
+    std::cout << "[rank " << group.rank() << "] policy params O2 bf16: " << std::hexfloat << sum << std::defaultfloat << std::endl;
+  }
+}
+
 void scenario_mismatch(const ProcessGroup& group) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -984,6 +1041,8 @@ int main(int argc, char** argv) {
       scenario_checkpoint(group);
     } else if (scenario == "lean") {
       scenario_lean(group);
+    } else if (scenario == "policy") {
+      scenario_policy(group);
     } else if (scenario == "clip") {
       scenario_clip(group);
     } else if (scenario == "mismatch") {

@@ -292,3 +292,89 @@ TEST(ScaleLossTestCpu, DelayUnscaleThenAnotherLossIdIsRefused) {
 }
 
 AMP_INSTANTIATE_FOR_DEVICES(ScaleLossTest);
+
+// fp32 gradient accumulation (issue: O2's micro-batch gradients summed in the model's bf16 .grad lose small terms).
+// delay_unscale moves each micro-batch's gradient into an fp32 sum beside its master.
+TEST(Fp32AccumulationTest, MicroBatchesSumInFp32WhereBf16WouldLoseTheSmallTerms) {
+  auto net = torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    net->weight.fill_(1.0);
+  }
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1.0)),
+                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  const std::vector<double> c = {256, 1, 1, 1, 1, 1, 1, -256};  // gradient of micro-batch i: c[i]
+  const torch::Tensor x = torch::ones({1, 1});
+  optimizer.zero_grad();
+  for (size_t i = 0; i < c.size(); ++i) {
+    auto scaled = amp::scale_loss(model(x).sum() * c[i], optimizer,
+                                  amp::ScaleLossOptions().delay_unscale(i + 1 < c.size()));
+    scaled.backward();
+  }
+  const double accumulated = optimizer.grads_for_step("test").at(0).item<double>();
+
+  // What summing the scaled gradients in bf16 gives (amp's accumulation before fp32 sums): 2^24 + 2^16 rounds
+  // back to 2^24, so every 1 is lost.
+  const double scale = optimizer.loss_scalers().at(0).loss_scale();
+  torch::Tensor bf16_sum = torch::zeros({}, torch::kBFloat16);
+  for (double ci : c) bf16_sum = bf16_sum + torch::tensor(ci * scale).to(torch::kBFloat16);
+  const double bf16_accumulated = bf16_sum.item<double>() / scale;
+  std::cout << "8 micro-batches: fp32 accumulation " << accumulated << ", bf16 accumulation " << bf16_accumulated
+            << ", one 8x batch 6" << std::endl;
+  EXPECT_EQ(accumulated, 6.0);
+  EXPECT_EQ(bf16_accumulated, 0.0);  // the test's premise: bf16 sums do lose them
+
+  // One 8x batch: the same gradient.
+  optimizer.zero_grad();
+  torch::Tensor big = torch::zeros({});
+  for (double ci : c) big = big + model(x).sum() * ci;
+  amp::scale_loss(big, optimizer).backward();
+  EXPECT_EQ(optimizer.grads_for_step("test").at(0).item<double>(), accumulated);
+  optimizer.step();
+  EXPECT_EQ(net->weight.item<double>(), -5.0);
+}
+
+TEST(Fp32AccumulationTest, EqualsTheFp32SumOfEachMicroBatchsGradient) {
+  torch::manual_seed(0);
+  amp_test::Mlp net(8, 32, 4);
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  std::vector<torch::Tensor> xs;
+  for (int i = 0; i < 8; ++i) xs.push_back(torch::randn({4, 8}));
+  // Each micro-batch alone: its bf16 gradient, unscaled into fp32 (exactly: the scale is a power of two).
+  std::vector<torch::Tensor> sum;
+  for (const auto& x : xs) {
+    optimizer.zero_grad();
+    amp::scale_loss(model(x).pow(2).mean(), optimizer).backward();
+    const auto grads = optimizer.grads_for_step("test");
+    if (sum.empty()) {
+      for (const auto& g : grads) sum.push_back(g.clone());
+    } else {
+      for (size_t k = 0; k < grads.size(); ++k) sum[k] += grads[k];
+    }
+  }
+  optimizer.zero_grad();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    auto scaled = amp::scale_loss(model(xs[i]).pow(2).mean(), optimizer,
+                                  amp::ScaleLossOptions().delay_unscale(i + 1 < xs.size()));
+    scaled.backward();
+  }
+  const auto accumulated = optimizer.grads_for_step("test");
+  ASSERT_EQ(accumulated.size(), sum.size());
+  for (size_t k = 0; k < sum.size(); ++k) EXPECT_TRUE(amp_test::bitwise_equal(accumulated[k], sum[k])) << k;
+}
+
+TEST(Fp32AccumulationTest, ZeroGradDropsAPendingSum) {
+  amp_test::Mlp net;
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  const torch::Tensor x = torch::randn({4, 8});
+  amp::scale_loss(model(x).sum(), optimizer, amp::ScaleLossOptions().delay_unscale(true)).backward();
+  optimizer.zero_grad();
+  amp::scale_loss(model(x).sum(), optimizer).backward();
+  const auto once = optimizer.grads_for_step("test");
+  optimizer.zero_grad();
+  amp::scale_loss(model(x).sum(), optimizer).backward();
+  const auto again = optimizer.grads_for_step("test");
+  for (size_t k = 0; k < once.size(); ++k) EXPECT_TRUE(amp_test::bitwise_equal(once[k], again[k])) << k;
+}

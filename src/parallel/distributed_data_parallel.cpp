@@ -154,6 +154,7 @@ struct DistributedCore::Impl {
     uint32_t version = 0;
   };
   std::vector<GradSnapshot> unsynced;  // gradients a no_sync() backward left, awaiting a synchronized backward
+  bool window_unsynced = false;        // a no_sync() backward ran since the last synchronized one
   std::vector<std::string> last_missing;
   // Parameters this rank accumulated a gradient for since the last synchronized backward (no_sync ones included).
   std::vector<bool> used;
@@ -161,6 +162,7 @@ struct DistributedCore::Impl {
   void on_ready(size_t i);
   void end_of_backward();
   void reduce_delayed(const std::vector<bool>& used_here);
+  void reduce_unreduced_masters();
   void check_unsynced() const;
 };
 
@@ -197,12 +199,17 @@ void DistributedCore::Impl::end_of_backward() {
     unsynced.assign(params.size(), GradSnapshot{});
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& g = params[i].grad();
-      if (g.defined()) unsynced[i] = {true, g.unsafeGetTensorImpl(), g._version()};
+      if (!g.defined()) continue;
+      unsynced[i] = {true, g.unsafeGetTensorImpl(), g._version()};
+      // delay_unscale moves an O2 gradient into an fp32 sum beside its master: that sum is this rank's own.
+      if (const auto master = amp::detail::find_master(params[i])) master->first->mark_unreduced(master->second);
     }
+    window_unsynced = true;
     return;
   }
   counters.synced_backwards.fetch_add(1);
   unsynced.clear();
+  if (std::exchange(window_unsynced, false)) reduce_unreduced_masters();
   std::vector<std::string> missing;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!reached[i]) missing.push_back(names[i]);
@@ -270,6 +277,50 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
       g.copy_(p.flat.narrow(0, offset, g.numel()).view(g.sizes()));
       offset += g.numel();
     }
+  }
+}
+
+// NOTE [fp32 accumulation under no_sync]: at O2, scale_loss with delay_unscale moves each micro-batch's
+// low-precision gradient into an fp32 sum beside its master (summing in bf16 would lose small terms). The
+// no_sync() micro-batches' sums are this rank's own: the synchronized backward that closes the window
+// all-reduces them once, in fp32, beside the reduction of its own gradients, and adds them to what the
+// unscale consumes. Every rank sends every master parameter (zeros where it has none), so the message is the
+// same size everywhere.
+void DistributedCore::Impl::reduce_unreduced_masters() {
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>> entries;
+  int64_t total = 0;
+  for (const auto& p : params) {
+    if (auto master = amp::detail::find_master(p)) {
+      total += p.numel();
+      entries.push_back(std::move(*master));
+    }
+  }
+  if (entries.empty()) return;
+  at::Tensor flat = at::zeros({total}, params.front().options().dtype(at::kFloat));
+  int64_t offset = 0;
+  for (auto& [table, i] : entries) {
+    const at::Tensor& local = table->unreduced_grad(i);
+    const int64_t n = table->master()[i].numel();
+    if (local.defined()) flat.narrow(0, offset, n).copy_(local.reshape({-1}));
+    offset += n;
+  }
+  if (state.world_size > 1) {
+    counters.allreduce_calls.fetch_add(1);
+    counters.allreduce_bytes.fetch_add(flat.numel() * static_cast<int64_t>(c10::elementSize(wire_dtype(at::kFloat, average))));
+    auto future = average_async(state, flat, average);
+    future->wait();
+    if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+  }
+  offset = 0;
+  for (auto& [table, i] : entries) {
+    const at::Tensor& master = table->master()[i];
+    const at::Tensor reduced = flat.narrow(0, offset, master.numel()).view(master.sizes());
+    offset += master.numel();
+    table->unreduced_grad(i) = at::Tensor();
+    at::Tensor& pending = table->pending_grad(i);
+    if (pending.defined()) pending.add_(reduced);
+    else pending = reduced.clone();
   }
 }
 
