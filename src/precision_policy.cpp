@@ -35,6 +35,7 @@
 #include <torch/nn/modules/transformercoder.h>
 #include <torch/nn/modules/transformerlayer.h>
 
+#include <atomic>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -53,6 +54,18 @@ constexpr c10::DispatchKey kPolicyKey = c10::DispatchKey::DeferredInit;
 const c10::DispatchKeySet kAutocastKeys{c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA};
 
 thread_local std::shared_ptr<PrecisionPolicy> current_policy;
+
+// replace_batch_norm's layers, process-wide; each policy picks its model's (refreshed when the epoch moves).
+std::mutex batch_norm_mutex;
+std::vector<std::pair<std::weak_ptr<torch::nn::Module>, BatchNormKernel>> batch_norm_layers;
+std::atomic<uint64_t> batch_norm_epoch{0};
+
+const c10::OperatorHandle& batch_norm_op() {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::batch_norm", "");
+  return op;
+}
+
+at::Tensor optional_tensor(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
 
 // Policies by model, held as long as the model lives.
 std::mutex policies_mutex;
@@ -100,6 +113,23 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
   if (!policy || schema.is_mutable()) return op.redispatchBoxed(keys, stack);
   const size_t n = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - n);
+  if (op == batch_norm_op() && args[5].toBool()) {  // (input, weight, bias, running_mean, running_var, training, ...)
+    const at::Tensor weight = optional_tensor(args[1]), mean = optional_tensor(args[3]);
+    const BatchNormKernel* kernel = policy->batch_norm_kernel(weight.defined() ? weight.unsafeGetTensorImpl() : nullptr);
+    if (!kernel && mean.defined()) kernel = policy->batch_norm_kernel(mean.unsafeGetTensorImpl());
+    if (kernel) {
+      at::Tensor input = args[0].toTensor();
+      if (policy->active() && policy->decide(args, n) == PrecisionPolicy::Action::kFp32) input = input.to(at::kFloat);
+      at::Tensor out = (*kernel)(input, weight, optional_tensor(args[2]), mean, optional_tensor(args[4]),
+                                 args[6].toDouble(), args[7].toDouble());
+      if (out.defined()) {
+        torch::jit::drop(*stack, n);
+        torch::jit::push(*stack, std::move(out));
+        return;
+      }
+    }
+  }
+  if (!policy->active()) return op.redispatchBoxed(keys, stack);
   switch (policy->decide(args, n)) {
     case PrecisionPolicy::Action::kNone:
       break;
@@ -162,17 +192,58 @@ bool keeps_batchnorm(const torch::nn::Module& m, const Properties& p) {
 
 PrecisionPolicy::PrecisionPolicy(const Properties& properties, std::vector<KeptModule> kept, torch::nn::Module& root)
     : properties_(properties),
+      root_(root.shared_from_this()),
       per_op_(properties.enabled && properties.patch_torch_functions),
       cast_model_(casts_model_to_low_precision(properties)),
       low_dtype_(properties.low_precision_dtype),
       kept_(std::move(kept)) {
-  (void)root;
   for (const auto& k : kept_) {
     if (k.reason == "keep_batchnorm_fp32") continue;  // BatchNorm's own rule: fp32 tensors, ops as before
     if (auto m = k.module.lock()) collect_island(*m);
   }
   active_ = properties.enabled && !island_.empty() && (per_op_ || cast_model_);
   if (active_) register_policy_fallback();
+}
+
+bool PrecisionPolicy::engaged() {
+  const uint64_t epoch = batch_norm_epoch.load();
+  if (epoch != batch_norm_epoch_) {  // a layer was registered since: find this model's
+    batch_norm_epoch_ = epoch;
+    batch_norm_kernels_.clear();
+    if (const auto root = root_.lock()) {
+      std::unordered_set<const torch::nn::Module*> mine;
+      for (const auto& m : root->modules(/*include_self=*/true)) mine.insert(m.get());
+      std::lock_guard<std::mutex> lock(batch_norm_mutex);
+      for (const auto& [weak, kernel] : batch_norm_layers) {
+        const auto layer = weak.lock();
+        if (!layer || !mine.count(layer.get())) continue;
+        for (const char* name : {"weight", "running_mean"}) {
+          if (const at::Tensor* t = layer->named_parameters(false).find(name)) {
+            batch_norm_kernels_[t->unsafeGetTensorImpl()] = kernel;
+          } else if (const at::Tensor* b = layer->named_buffers(false).find(name)) {
+            batch_norm_kernels_[b->unsafeGetTensorImpl()] = kernel;
+          }
+        }
+      }
+    }
+  }
+  return active_ || !batch_norm_kernels_.empty();
+}
+
+const BatchNormKernel* PrecisionPolicy::batch_norm_kernel(const c10::TensorImpl* t) const {
+  if (!t) return nullptr;
+  const auto it = batch_norm_kernels_.find(t);
+  return it == batch_norm_kernels_.end() ? nullptr : &it->second;
+}
+
+void replace_batch_norm(torch::nn::Module& layer, BatchNormKernel kernel) {
+  register_policy_fallback();
+  std::lock_guard<std::mutex> lock(batch_norm_mutex);
+  batch_norm_layers.erase(std::remove_if(batch_norm_layers.begin(), batch_norm_layers.end(),
+                                         [&](const auto& e) { return e.first.expired() || e.first.lock().get() == &layer; }),
+                          batch_norm_layers.end());
+  batch_norm_layers.emplace_back(layer.shared_from_this(), std::move(kernel));
+  batch_norm_epoch.fetch_add(1);
 }
 
 void PrecisionPolicy::collect_island(torch::nn::Module& module) {
@@ -280,7 +351,7 @@ std::shared_ptr<PrecisionPolicy> precision_policy_of(const torch::nn::Module& mo
 std::shared_ptr<PrecisionPolicy> current_precision_policy() { return current_policy; }
 
 PrecisionPolicyGuard::PrecisionPolicyGuard(const std::shared_ptr<PrecisionPolicy>& policy) {
-  if (!policy || !policy->active()) return;
+  if (!policy || !policy->engaged()) return;
   previous_ = std::move(current_policy);
   current_policy = policy;
   key_.emplace(kPolicyKey);

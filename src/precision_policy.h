@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -15,6 +17,16 @@
 #include "amp/properties.h"
 
 namespace amp::detail {
+
+/// Replaces one layer's training-mode batch_norm: amp::parallel's synchronized statistics for a BatchNorm a
+/// module holds as a member (convert_syncbn_model can't swap those). Returns an undefined tensor to let the op
+/// run as it is (one rank).
+using BatchNormKernel = std::function<at::Tensor(const at::Tensor& input, const at::Tensor& weight,
+                                                 const at::Tensor& bias, const at::Tensor& running_mean,
+                                                 const at::Tensor& running_var, double momentum, double eps)>;
+/// Runs `layer`'s training-mode batch_norm through `kernel` whenever an amp::Model's forward reaches it
+/// (replacing an earlier kernel of the layer).
+void replace_batch_norm(torch::nn::Module& layer, BatchNormKernel kernel);
 
 /// One module kept in fp32, and the first reason that applies ("keep_fp32", "keep_fp32_type",
 /// "keep_batchnorm_fp32", "auto_fp32").
@@ -30,6 +42,10 @@ class PrecisionPolicy {
 
   /// Whether ops need the policy's kernel: fp32 islands exist and the level computes in low precision.
   bool active() const noexcept { return active_; }
+  /// Whether the forward runs under the policy's key: active(), or a layer's batch_norm is replaced.
+  bool engaged();
+  /// The replacement of the batch_norm reading `t` (a layer's weight or running_mean), or null.
+  const BatchNormKernel* batch_norm_kernel(const c10::TensorImpl* t) const;
   /// Whether a parameter or floating buffer belongs to an fp32 island (it stays fp32, its ops run in fp32).
   bool in_island(const c10::TensorImpl* t) const { return island_.count(t) > 0; }
   /// The kept modules in model order.
@@ -54,8 +70,12 @@ class PrecisionPolicy {
   std::vector<KeptModule> kept_;
   std::unordered_set<const c10::TensorImpl*> island_;  // parameters and floating buffers of fp32 islands
   std::unordered_set<const c10::TensorImpl*> low_;     // the model's low-precision parameters and buffers
+  std::weak_ptr<torch::nn::Module> root_;
+  uint64_t batch_norm_epoch_ = 0;                      // replace_batch_norm's registrations seen
+  std::unordered_map<const c10::TensorImpl*, BatchNormKernel> batch_norm_kernels_;  // this model's layers
 };
 
 // resolve_precision_policy(models, properties) is declared in amp/initialize.h, which calls it.
+
 
 }  // namespace amp::detail

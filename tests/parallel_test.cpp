@@ -394,13 +394,19 @@ TEST(SyncBatchNormTest, ConvertReplacesSequentialLayersSharingTheirTensors) {
   EXPECT_TRUE(amp::parallel::is_sync_batchnorm(*holder->named_modules()["body.1"]));
 }
 
-TEST(SyncBatchNormTest, ConvertRefusesBatchNormHeldByACustomModuleMember) {
+TEST(SyncBatchNormTest, ConvertKeepsBatchNormHeldByACustomModuleMemberAndRunsItAsBatchNormOnOneRank) {
   auto group = single_rank_group();
+  torch::manual_seed(3);
   amp_test::ConvBnNet net(4);
-  ASSERT_THROWS_WITH(amp::parallel::convert_syncbn_model(*net, group),
-                     "amp::parallel::convert_syncbn_model: BatchNorm layer 'bn' (torch::nn::BatchNorm2dImpl) is held by the "
-                     "root module (amp_test::ConvBnNetImpl), not by a torch::nn::Sequential");
-  ASSERT_THROWS_WITH(amp::parallel::convert_syncbn_model(*net, group), "Declare that member as amp::parallel::SyncBatchNorm2d");
+  torch::manual_seed(3);
+  amp_test::ConvBnNet plain(4);
+  const auto* layer = net->bn.get();
+  amp::parallel::convert_syncbn_model(*net, group);
+  EXPECT_EQ(net->bn.get(), layer);  // kept: the member can't be swapped
+  auto model = amp::initialize(net, amp::Options("O0").verbosity(0));
+  const torch::Tensor x = torch::randn({4, 1, 8, 8});
+  EXPECT_TRUE(amp_test::bitwise_equal(model(x), plain->forward(x)));
+  EXPECT_TRUE(amp_test::bitwise_equal(net->bn->running_var, plain->bn->running_var));
   torch::nn::BatchNorm2d alone(4);
   ASSERT_THROWS_WITH(amp::parallel::convert_syncbn_model(*alone, group), "the module itself is a BatchNorm layer");
 }

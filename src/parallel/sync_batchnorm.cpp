@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "amp/batchnorm.h"
+#include "precision_policy.h"
 #include "group_state.h"
 
 #if TORCH_VERSION_MAJOR < 2
@@ -217,26 +218,28 @@ void convert(torch::nn::Module& parent, const std::string& path, const ProcessGr
       convert(*child, name, group);
       continue;
     }
+    if (!sequential) {
+      // A member the parent's forward reaches directly can't be swapped: its training-mode batch_norm runs
+      // synchronized instead, through the precision policy's dispatch key (NOTE [Precision policy dispatch key]),
+      // whenever an amp::Model's forward (or make_distributed's) reaches it.
+      amp::detail::replace_batch_norm(*child, [group](const at::Tensor& input, const at::Tensor& weight,
+                                                      const at::Tensor& bias, const at::Tensor& running_mean,
+                                                      const at::Tensor& running_var, double momentum, double eps) {
+        if (group.world_size() == 1) return at::Tensor();  // exactly BatchNorm
+        return detail::sync_batch_norm(input, weight, bias, running_mean, running_var, momentum, eps, group);
+      });
+      continue;
+    }
     std::shared_ptr<torch::nn::Module> sync;
     torch::nn::AnyModule any;
-    const char* holder = "";
     if ((sync = make_sync<SyncBatchNorm1dImpl, torch::nn::BatchNorm1dImpl>(child, group))) {
       any = any_of<SyncBatchNorm1dImpl>(sync);
-      holder = "SyncBatchNorm1d";
     } else if ((sync = make_sync<SyncBatchNorm2dImpl, torch::nn::BatchNorm2dImpl>(child, group))) {
       any = any_of<SyncBatchNorm2dImpl>(sync);
-      holder = "SyncBatchNorm2d";
     } else if ((sync = make_sync<SyncBatchNorm3dImpl, torch::nn::BatchNorm3dImpl>(child, group))) {
       any = any_of<SyncBatchNorm3dImpl>(sync);
-      holder = "SyncBatchNorm3d";
     }
-    TORCH_CHECK(sync && sequential, "amp::parallel::convert_syncbn_model: BatchNorm layer '", name, "' (",
-                child->name(), ") is held by ", path.empty() ? std::string("the root module") : "'" + path + "'", " (",
-                parent.name(), "), not by a torch::nn::Sequential. C++ modules can't swap a layer their forward reaches "
-                "through a member variable, so replacing it here would leave the old layer running unsynchronized. "
-                "Declare that member as amp::parallel::", holder[0] ? holder : "SyncBatchNorm2d", " (same options, "
-                "parameters and state_dict; convert_syncbn_model then gives it the group), or hold the layer in a "
-                "torch::nn::Sequential.");
+    TORCH_INTERNAL_ASSERT(sync, "convert_syncbn_model: '", name, "' is BatchNorm but not BatchNorm1d/2d/3d");
     size_t index = 0;
     for (auto it = sequential->begin(); it != sequential->end(); ++it, ++index) {
       if (it->ptr().get() == child.get()) {

@@ -27,8 +27,8 @@ at::Tensor sync_batch_norm(const at::Tensor& input, const at::Tensor& weight, co
 /// A BatchNorm layer whose training-mode statistics cover the batch of every rank of its process group.
 /// It is a torch::nn::BatchNorm{1,2,3}dImpl (`Base`), with the same options, parameters, buffers and
 /// state_dict, so amp treats it as BatchNorm (fp32 at O2, amp::freeze_batchnorm) and checkpoints load either
-/// way. Without a group (or with one rank), and in eval mode, it is exactly its Base. Declare it directly
-/// where a custom module holds a BatchNorm as a member (convert_syncbn_model can't replace those), then
+/// way. Without a group (or with one rank), and in eval mode, it is exactly its Base. Declaring it directly
+/// is optional: convert_syncbn_model synchronizes plain BatchNorm members too; then
 /// convert_syncbn_model(*model, group) attaches the group.
 ///
 /// Example:
@@ -108,11 +108,13 @@ TORCH_MODULE_IMPL(SyncBatchNorm3d, SyncBatchNorm3dImpl);
 /// Returns whether `module` is one of the SyncBatchNorm layers.
 bool is_sync_batchnorm(const torch::nn::Module& module);
 
-/// Replaces every BatchNorm{1,2,3}d under `module` with a SyncBatchNorm sharing its parameters, statistics
-/// and mode (Apex's convert_syncbn_model; call before amp::initialize), and gives SyncBatchNorm layers
-/// already there the group. It replaces layers inside torch::nn::Sequential containers; a BatchNorm held by
-/// any other module (a custom module's member, a ModuleList, the root itself) can't be replaced safely in
-/// C++ (the member would keep the old layer), so it throws naming that layer: declare it as SyncBatchNorm.
+/// Makes every BatchNorm{1,2,3}d under `module` compute training-mode statistics over every rank of `group`
+/// (Apex's convert_syncbn_model), and gives SyncBatchNorm layers already there the group. Layers inside a
+/// torch::nn::Sequential are replaced by a SyncBatchNorm sharing their parameters, statistics and mode. A
+/// layer a custom module holds as a member (every ResNet block's) can't be swapped in C++, so it stays and its
+/// batch_norm op runs synchronized whenever the forward goes through amp::Model (make_distributed's wrapper
+/// included; NOTE [Precision policy dispatch key]); a forward called on the module itself, bypassing amp,
+/// normalizes with this rank's batch. Throws if `module` is itself a BatchNorm layer.
 void convert_syncbn_model(torch::nn::Module& module, const ProcessGroup& group);
 
 }  // namespace amp::parallel
