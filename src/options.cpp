@@ -204,8 +204,14 @@ Properties Options::resolve() const {
     if (*auto_fp32_ > 0 && !(p.enabled && low_precision && p.loss_scale.is_dynamic())) {
       fail("auto_fp32 acts on overflows the dynamic loss scale can't cure, so it needs low precision and "
            "loss_scale dynamic; got opt_level " + level + " with loss_scale " + to_string(p.loss_scale) +
-           (low_precision ? "" : " and no low precision") + ". Use O1 or O2 (or O3 with loss_scale dynamic), or "
-           "set auto_fp32 0.");
+           (low_precision ? "" : " and no low precision") + ". Use O1 or O2, or set auto_fp32 0.");
+    }
+    if (*auto_fp32_ > 0 && !p.patch_torch_functions &&
+        !(p.master_weights && p.master_weights_format == MasterWeights::kCopy)) {
+      fail("auto_fp32 moves a module to fp32 by making its fp32 master weights its parameters, so with a model cast "
+           "to low precision it needs master_weights on in Apex's copy format; got opt_level " + level +
+           " with master_weights " + detail::python_bool(p.master_weights) + " and master_weights_format " +
+           to_string(p.master_weights_format) + ". Use O1 or O2 (master_weights_format copy), or set auto_fp32 0.");
     }
     p.auto_fp32 = *auto_fp32_;
   }

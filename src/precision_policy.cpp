@@ -108,7 +108,7 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
   // the op's own inner ops, which see cast inputs already.
   c10::impl::ExcludeDispatchKeyGuard no_policy(kPolicyKey);
   keys = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kPolicyKey);
-  const PrecisionPolicy* policy = current_policy.get();
+  PrecisionPolicy* policy = current_policy.get();
   const auto& schema = op.schema();
   if (!policy || schema.is_mutable()) return op.redispatchBoxed(keys, stack);
   const size_t n = schema.arguments().size();
@@ -129,24 +129,29 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
       }
     }
   }
-  if (!policy->active()) return op.redispatchBoxed(keys, stack);
-  switch (policy->decide(args, n)) {
-    case PrecisionPolicy::Action::kNone:
-      break;
-    case PrecisionPolicy::Action::kFp32: {
-      cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
-      if (!policy->per_op()) break;
-      c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
-      return op.redispatchBoxed(keys - kAutocastKeys, stack);
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
+  if (policy->active()) {
+    switch (policy->decide(args, n)) {
+      case PrecisionPolicy::Action::kNone:
+        break;
+      case PrecisionPolicy::Action::kFp32:
+        cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
+        if (policy->per_op()) {
+          no_autocast.emplace(kAutocastKeys);
+          keys = keys - kAutocastKeys;
+        }
+        break;
+      case PrecisionPolicy::Action::kLowPrecision:
+        cast_arguments(args, n, policy->low_precision_dtype(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
+        break;
+      case PrecisionPolicy::Action::kPromote:
+        cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
+        break;
     }
-    case PrecisionPolicy::Action::kLowPrecision:
-      cast_arguments(args, n, policy->low_precision_dtype(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
-      break;
-    case PrecisionPolicy::Action::kPromote:
-      cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
-      break;
   }
+  const std::optional<size_t> record = policy->diagnosing() ? policy->before_op(args, n) : std::nullopt;
   op.redispatchBoxed(keys, stack);
+  if (record) policy->after_op(*record, *stack, schema.returns().size());
 }
 
 void register_policy_fallback() {
@@ -227,7 +232,124 @@ bool PrecisionPolicy::engaged() {
       }
     }
   }
-  return active_ || !batch_norm_kernels_.empty();
+  return active_ || diagnosing() || !batch_norm_kernels_.empty();
+}
+
+void PrecisionPolicy::keep(torch::nn::Module& module, const std::string& name, const std::string& reason) {
+  kept_.push_back({name, reason, module.shared_from_this()});
+  if (const auto root = root_.lock()) {  // model order, as fp32_modules promises
+    std::unordered_map<std::string, size_t> order;
+    for (const auto& item : root->named_modules("", /*include_self=*/false)) order.emplace(item.key(), order.size());
+    std::stable_sort(kept_.begin(), kept_.end(), [&](const KeptModule& a, const KeptModule& b) {
+      return order[a.name] < order[b.name];
+    });
+  }
+  collect_island(module);
+  for (const auto* t : island_) low_.erase(t);
+  active_ = properties_.enabled && !island_.empty() && (per_op_ || cast_model_);
+  if (active_) register_policy_fallback();
+}
+
+// NOTE [Finding the module that overflows]
+// Once the loss scale sits at its floor and gradients keep overflowing (Options::auto_fp32), the overflow report
+// can't say which layer made the first inf: a forward inf makes every gradient non-finite, a backward one every
+// upstream gradient. So the next forward runs diagnosed: each op that reads a parameter of a module still in low
+// precision is checked, and
+//  - forward: the first op whose floating inputs were finite and whose output is not blames its module;
+//  - backward (if the forward was finite): hooks on each such op's output and activation inputs see its
+//    incoming and outgoing gradients; the first op in backward order whose incoming gradient was finite and whose
+//    outgoing one is not blames its module.
+// Each checked op costs a host sync, so only that one iteration runs diagnosed.
+struct PrecisionPolicy::OpRecord {
+  std::string module;
+  bool grad_out_finite = true;
+  bool grad_in_finite = true;
+};
+
+struct PrecisionPolicy::Diagnosis {
+  std::mutex mutex;  // hooks run on the autograd engine's threads
+  std::unordered_map<const c10::TensorImpl*, std::string> owner;  // parameter -> its module's qualified name
+  std::optional<std::string> forward_culprit;
+  std::vector<OpRecord> ops;                                      // in forward order
+};
+
+void PrecisionPolicy::arm_diagnosis() {
+  auto d = std::make_shared<Diagnosis>();
+  if (const auto root = root_.lock()) {
+    for (const auto& item : root->named_modules("", /*include_self=*/false)) {
+      for (const auto& t : item.value()->parameters(/*recurse=*/false)) {
+        if (!island_.count(t.unsafeGetTensorImpl())) d->owner.emplace(t.unsafeGetTensorImpl(), item.key());
+      }
+    }
+  }
+  diagnosis_ = std::move(d);
+}
+
+void PrecisionPolicy::disarm_diagnosis() { diagnosis_.reset(); }
+
+std::optional<size_t> PrecisionPolicy::before_op(const c10::IValue* args, size_t n) {
+  Diagnosis& d = *diagnosis_;
+  const std::string* owner = nullptr;
+  bool inputs_finite = true;
+  std::vector<at::Tensor> activations;
+  for_each_tensor(args, n, [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    if (const auto it = d.owner.find(t.unsafeGetTensorImpl()); it != d.owner.end()) {
+      if (!owner) owner = &it->second;
+      return;
+    }
+    if (!t.is_floating_point() || island_.count(t.unsafeGetTensorImpl())) return;
+    activations.push_back(t);
+    inputs_finite = inputs_finite && at::isfinite(t).all().item<bool>();
+  });
+  if (!owner) return std::nullopt;
+  std::lock_guard<std::mutex> lock(d.mutex);
+  const size_t index = d.ops.size();
+  d.ops.push_back({*owner});
+  if (!inputs_finite) d.ops.back().grad_out_finite = false;  // not this op's doing: never blamed in backward
+  std::weak_ptr<Diagnosis> weak = diagnosis_;
+  for (const at::Tensor& a : activations) {
+    if (!a.requires_grad() || a.is_leaf()) continue;  // a leaf's hook would outlive this iteration
+    a.register_hook([weak, index](const at::TensorBase& grad) {
+      const auto diagnosis = weak.lock();
+      const at::Tensor g(grad);
+      if (!diagnosis || !g.defined() || at::isfinite(g).all().item<bool>()) return;
+      std::lock_guard<std::mutex> lock(diagnosis->mutex);
+      diagnosis->ops[index].grad_in_finite = false;
+    });
+  }
+  return inputs_finite ? std::optional<size_t>(index) : std::nullopt;
+}
+
+void PrecisionPolicy::after_op(size_t index, const torch::jit::Stack& stack, size_t returns) {
+  Diagnosis& d = *diagnosis_;
+  for (size_t i = stack.size() - returns; i < stack.size(); ++i) {
+    if (!stack[i].isTensor()) continue;
+    at::Tensor out = stack[i].toTensor();
+    if (!out.defined() || !out.is_floating_point()) continue;
+    const bool finite = at::isfinite(out).all().item<bool>();
+    std::lock_guard<std::mutex> lock(d.mutex);
+    if (!finite && !d.forward_culprit) d.forward_culprit = d.ops[index].module;
+    if (!out.requires_grad()) continue;
+    std::weak_ptr<Diagnosis> weak = diagnosis_;
+    out.register_hook([weak, index](const at::TensorBase& grad) {
+      const auto diagnosis = weak.lock();
+      const at::Tensor g(grad);
+      if (!diagnosis || !g.defined() || at::isfinite(g).all().item<bool>()) return;
+      std::lock_guard<std::mutex> lock(diagnosis->mutex);
+      diagnosis->ops[index].grad_out_finite = false;
+    });
+  }
+}
+
+std::optional<std::string> PrecisionPolicy::diagnosed_module() const {
+  if (!diagnosis_) return std::nullopt;
+  std::lock_guard<std::mutex> lock(diagnosis_->mutex);
+  if (diagnosis_->forward_culprit) return diagnosis_->forward_culprit;
+  for (auto it = diagnosis_->ops.rbegin(); it != diagnosis_->ops.rend(); ++it) {  // backward order
+    if (it->grad_out_finite && !it->grad_in_finite) return it->module;
+  }
+  return std::nullopt;
 }
 
 const BatchNormKernel* PrecisionPolicy::batch_norm_kernel(const c10::TensorImpl* t) const {
@@ -352,6 +474,7 @@ std::shared_ptr<PrecisionPolicy> current_precision_policy() { return current_pol
 
 PrecisionPolicyGuard::PrecisionPolicyGuard(const std::shared_ptr<PrecisionPolicy>& policy) {
   if (!policy || !policy->engaged()) return;
+  register_policy_fallback();  // once per process; the key must never be on without it
   previous_ = std::move(current_policy);
   current_policy = policy;
   key_.emplace(kPolicyKey);

@@ -3,11 +3,13 @@
 // tensors behind them, and the dispatcher kernel that runs the ops reading them in fp32.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -52,6 +54,23 @@ class PrecisionPolicy {
   const std::vector<KeptModule>& kept() const noexcept { return kept_; }
   /// Records the model's low-precision tensors, once initialize has cast it.
   void note_cast(torch::nn::Module& root);
+  /// Makes `module` (qualified `name`) an fp32 island for `reason` (auto_fp32): its tensors join the island
+  /// (the caller made them fp32) and its ops run in fp32 from the next forward.
+  void keep(torch::nn::Module& module, const std::string& name, const std::string& reason);
+  /// The root module the policy belongs to (null once it is gone).
+  std::shared_ptr<torch::nn::Module> root() const { return root_.lock(); }
+
+  // auto_fp32's diagnosis (NOTE [Finding the module that overflows]): the next forward checks each op that reads
+  // a low-precision module's parameter; its backward reports where gradients first turned non-finite.
+  void arm_diagnosis();
+  void disarm_diagnosis();
+  bool diagnosing() const noexcept { return diagnosis_ != nullptr; }
+  /// The module the diagnosed forward and backward blame, if they found one.
+  std::optional<std::string> diagnosed_module() const;
+  struct OpRecord;
+  /// Called by the policy's kernel around an op during a diagnosed forward.
+  std::optional<size_t> before_op(const c10::IValue* args, size_t n);
+  void after_op(size_t record, const torch::jit::Stack& stack, size_t returns);
 
   /// What an op's tensor arguments ask for.
   enum class Action { kNone, kFp32, kLowPrecision, kPromote };
@@ -73,6 +92,8 @@ class PrecisionPolicy {
   std::weak_ptr<torch::nn::Module> root_;
   uint64_t batch_norm_epoch_ = 0;                      // replace_batch_norm's registrations seen
   std::unordered_map<const c10::TensorImpl*, BatchNormKernel> batch_norm_kernels_;  // this model's layers
+  struct Diagnosis;
+  std::shared_ptr<Diagnosis> diagnosis_;  // shared with the backward hooks of the diagnosed forward
 };
 
 // resolve_precision_policy(models, properties) is declared in amp/initialize.h, which calls it.

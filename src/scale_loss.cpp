@@ -84,6 +84,11 @@ void ScaledLoss::backward() {
   LossScaler& scaler = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)];
   const bool skip = scaler.update_scale(overflow_);
   for (auto* o : optimizers_) o->finish_backward(loss_id, skip);
+  if (scaler.dynamic()) {
+    // At or below a scale of 1 (or the floor), a smaller scale can't cure an overflow (auto_fp32).
+    const double floor = std::max(scaler.min_loss_scale(), 1.0);
+    for (auto* o : optimizers_) o->auto_fp32_after_backward(overflow_, scale_, floor);
+  }
   if (overflow_ && scaler.dynamic() && scale_ <= scaler.min_loss_scale()) warn_overflow_at_minimum();
 }
 

@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "amp/precision_policy.h"
 #include "amp/scale_loss.h"
 
 namespace amp {
@@ -493,6 +494,11 @@ void add_amp_scalars(SummaryWriter& writer, const OptimizerBase& optimizer, int6
     writer.add_scalar(prefix + "loss_scale/" + std::to_string(loss_id), loss_scale(optimizer, loss_id), step);
   }
   writer.add_scalar(prefix + "skipped_steps", static_cast<double>(optimizer.skipped_steps()), step);
+  if (optimizer.properties().auto_fp32 > 0) {  // modules auto_fp32 moved to fp32 so far
+    double moved = 0;
+    for (const auto& line : fp32_modules(optimizer)) moved += line.size() > 11 && line.compare(line.size() - 11, 11, "(auto_fp32)") == 0;
+    writer.add_scalar(prefix + "fp32_modules", moved, step);
+  }
 }
 
 }  // namespace amp

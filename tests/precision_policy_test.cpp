@@ -342,7 +342,12 @@ TEST(PrecisionPolicyTest, AutoFp32NeedsADynamicScaleAndLowPrecision) {
   ASSERT_THROWS_WITH(amp::Options("O0").auto_fp32(8).resolve(), "auto_fp32 acts on overflows the dynamic loss scale can't cure");
   ASSERT_THROWS_WITH(amp::Options("O3").auto_fp32(8).resolve(), "with loss_scale 1.0");
   ASSERT_THROWS_WITH(amp::Options("O2").auto_fp32(-1).resolve(), "got -1");
-  EXPECT_EQ(amp::Options("O3").loss_scale(amp::LossScale::dynamic()).auto_fp32(8).resolve().auto_fp32, 8);
+  ASSERT_THROWS_WITH(amp::Options("O3").loss_scale(amp::LossScale::dynamic()).auto_fp32(8).resolve(),
+                     "needs master_weights on in Apex's copy format");
+  ASSERT_THROWS_WITH(amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(amp::MasterWeights::kSplit)
+                         .auto_fp32(8).resolve(), "master_weights_format split");
+  EXPECT_EQ(amp::Options("O2").auto_fp32(8).resolve().auto_fp32, 8);
+  EXPECT_EQ(amp::Options("O1").auto_fp32(3).resolve().auto_fp32, 3);
 }
 
 // A module that mixes an island's fp32 output with a low-precision activation in an op that refuses mixed
@@ -455,3 +460,128 @@ TEST(PrecisionPolicyTest, FrozenBatchNormAndLoadWeightsKeepWorking) {
 }
 
 }  // namespace
+
+namespace {
+
+// Scales by b then by a (b = 1 / a): harmless in the forward, but its backward multiplies the incoming
+// gradient by a = 10^4 before b brings it back, which overflows float16 inside the module.
+struct AmplifyImpl : torch::nn::Module {
+  AmplifyImpl()
+      : a(register_parameter("a", torch::full({1}, 1e4))), b(register_parameter("b", torch::full({1}, 1e-4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return (x * b) * a; }
+  torch::Tensor a, b;
+};
+TORCH_MODULE(Amplify);
+
+// in_forward: fc -> head whose 1e5 weights overflow float16 in the forward (fp32 holds it);
+// otherwise: fc -> Amplify -> out, whose backward overflows inside Amplify.
+torch::nn::Sequential overflowing_net(bool in_forward) {
+  torch::manual_seed(4);
+  if (!in_forward) return torch::nn::Sequential(torch::nn::Linear(4, 8), Amplify(), torch::nn::Linear(8, 1));
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Linear(8, 1));
+  torch::NoGradGuard no_grad;
+  net[1]->as<torch::nn::LinearImpl>()->weight.fill_(1e5);
+  return net;
+}
+
+torch::Tensor overflowing_loss(bool in_forward, amp::Model<torch::nn::Sequential>& model, const torch::Tensor& x) {
+  return in_forward ? model(x).mean() * 1e-4 : model(x).sum() * 1e3;
+}
+
+amp::Options auto_fp32_options(const char* level) {
+  return amp::Options(level).low_precision_dtype(torch::kHalf).init_scale(1.0).auto_fp32(2).verbosity(0);
+}
+
+}  // namespace
+
+TEST(AutoFp32Test, AModuleThatOverflowsInTheForwardMovesToFp32AndTrainingGoesOn) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  for (const char* level : {"O1", "O2"}) {
+    auto net = overflowing_net(true);
+    auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1e-6)),
+                                              auto_fp32_options(level));
+    std::vector<double> losses;
+    for (int step = 0; step < 8; ++step) {
+      torch::manual_seed(50 + step);
+      const torch::Tensor x = torch::randn({16, 4});
+      optimizer.zero_grad();
+      const torch::Tensor loss = overflowing_loss(true, model, x);
+      losses.push_back(loss.item<double>());
+      amp::scale_loss(loss, optimizer).backward();
+      optimizer.step();
+    }
+    // Overflows 1 and 2 count (patience 2), 3 is diagnosed and moves `1`; from step 4 on the steps are taken.
+    EXPECT_EQ(optimizer.skipped_steps(), 3) << level;
+    EXPECT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"1 (auto_fp32)"}) << level;
+    for (int step = 3; step < 8; ++step) EXPECT_TRUE(std::isfinite(losses[step])) << level << " step " << step;
+    if (std::string(level) == "O2") {
+      EXPECT_EQ(net[1]->as<torch::nn::LinearImpl>()->weight.scalar_type(), torch::kFloat);
+      EXPECT_EQ(net[0]->as<torch::nn::LinearImpl>()->weight.scalar_type(), torch::kHalf);
+    }
+  }
+}
+
+TEST(AutoFp32Test, TheDiagnosisFindsAModuleWhoseBackwardOverflows) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  auto net = overflowing_net(false);
+  // A learning rate that keeps Amplify's b = 1 / a: its gradient, ~2e7, is large by construction.
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1e-15)),
+                                            auto_fp32_options("O2"));
+  for (int step = 0; step < 5; ++step) {
+    torch::manual_seed(50 + step);
+    optimizer.zero_grad();
+    const torch::Tensor loss = overflowing_loss(false, model, torch::randn({16, 4}));
+    ASSERT_TRUE(std::isfinite(loss.item<double>())) << "the premise: a finite forward";
+    amp::scale_loss(loss, optimizer).backward();
+    optimizer.step();
+  }
+  EXPECT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"1 (auto_fp32)"});
+  EXPECT_EQ(optimizer.skipped_steps(), 3);  // 2 counted, 1 diagnosed; steps 3 and 4 are taken
+}
+
+TEST(AutoFp32Test, TheDecisionIsSavedAndResumesBitwiseWhicheverIsLoadedFirst) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string opt_path = (dir / "amp_auto_fp32_opt.pt").string(), model_path = (dir / "amp_auto_fp32_model.pt").string();
+  const auto train = [](torch::nn::Sequential& net, amp::Optimizer<torch::optim::Adam>& optimizer,
+                        amp::Model<torch::nn::Sequential>& model, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      torch::manual_seed(50 + step);
+      optimizer.zero_grad();
+      amp::scale_loss(overflowing_loss(true, model, torch::randn({16, 4})), optimizer).backward();
+      optimizer.step();
+    }
+    (void)net;
+  };
+  const auto make = [] {
+    auto net = overflowing_net(true);
+    auto init = amp::initialize(net, torch::optim::Adam(net->parameters(), torch::optim::AdamOptions(1e-3)),
+                                auto_fp32_options("O2"));
+    return std::make_tuple(net, std::move(init.model), std::move(init.optimizer));
+  };
+  auto [net, model, optimizer] = make();
+  train(net, optimizer, model, 0, 5);
+  ASSERT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"1 (auto_fp32)"});
+  torch::save(optimizer, opt_path);
+  torch::save(net, model_path);
+  train(net, optimizer, model, 5, 9);
+
+  for (bool model_first : {true, false}) {
+    auto [net2, model2, optimizer2] = make();
+    if (model_first) torch::load(net2, model_path);
+    torch::load(optimizer2, opt_path);
+    if (!model_first) torch::load(net2, model_path);
+    EXPECT_EQ(amp::fp32_modules(optimizer2), std::vector<std::string>{"1 (auto_fp32)"}) << model_first;
+    EXPECT_EQ(net2[1]->as<torch::nn::LinearImpl>()->weight.scalar_type(), torch::kFloat);
+    train(net2, optimizer2, model2, 5, 9);
+    // Bitwise, the moved head always; the fp16 layer too when the model comes first (loaded after the optimizer,
+    // its fp16 weights replace the fp32 masters: NOTE [Masters follow the model]).
+    const auto a = net->parameters(), b = net2->parameters();
+    for (size_t i = model_first ? 0 : 2; i < a.size(); ++i) {
+      EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << model_first << " " << i;
+    }
+    EXPECT_EQ(optimizer2.skipped_steps(), optimizer.skipped_steps());
+  }
+  std::filesystem::remove(opt_path);
+  std::filesystem::remove(model_path);
+}

@@ -112,6 +112,11 @@ class OptimizerBase {
   void finish_backward(int loss_id, bool skip);
   // On an overflowing backward only: records which of this optimizer's gradients are non-finite.
   void record_overflow(int loss_id, double loss_scale);
+  // Options::auto_fp32, after each unscaled backward: counts overflows at the scale's floor, arms the diagnosis
+  // (NOTE [Finding the module that overflows]) and moves the module it blames to fp32.
+  void auto_fp32_after_backward(bool overflow, double loss_scale, double floor);
+  // Moves module `name` of model `model` to fp32 for auto_fp32: at O2 its masters become its parameters.
+  void move_to_fp32(size_t model, const std::string& name);
   void abort_backward() noexcept;
   bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
   void check_loss_id(int loss_id) const;
@@ -149,6 +154,8 @@ class OptimizerBase {
   int64_t skipped_steps_ = 0;
   std::optional<OverflowReport> last_overflow_;
   std::vector<bool> warned_at_min_scale_;  // per loss_id: the "still overflowing at the minimum" notice, once
+  int auto_fp32_overflows_ = 0;            // overflows at the scale's floor since the last move (auto_fp32)
+  bool auto_fp32_armed_ = false;           // the next forward is diagnosed
 };
 
 /// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with
