@@ -1,5 +1,5 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|masters] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|masters|policy] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
@@ -599,6 +599,49 @@ void checkpoint_section(MemoryMeter& meter) {
   std::printf("\n");
 }
 
+// The precision policy's cost at O2 and O1 bf16: no fp32 islands; the last layer alone kept (every op of the
+// forward then goes through the policy's dispatch key: on the tiny MLP, where per-op overhead decides the step,
+// that is the key's bookkeeping cost); the transformer's LayerNorms and head kept (the islands' fp32 compute).
+template <class Model>
+void policy_for(const char* name, const std::vector<std::pair<const char*, std::vector<std::string>>>& configs) {
+  for (const auto level : {amp::OptLevel::O2, amp::OptLevel::O1}) {
+    torch::manual_seed(0);
+    const auto x = bench::input_for(name);
+    const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+    std::vector<std::function<void()>> steps;
+    std::vector<std::shared_ptr<void>> keep;
+    for (const auto& [label, patterns] : configs) {
+      torch::manual_seed(0);
+      Model net;
+      amp::Options options(level);
+      options.low_precision_dtype(torch::kBFloat16).verbosity(0);
+      if (!patterns.empty()) options.keep_fp32(patterns);
+      auto initialized = amp::initialize(
+          net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)), options);
+      auto run = std::make_shared<decltype(initialized)>(std::move(initialized));
+      for (int i = 0; i < 3; ++i) bench::amp_step(run->model, run->optimizer, x, y);
+      steps.push_back([run, &x, &y] { bench::amp_step(run->model, run->optimizer, x, y); });
+      keep.push_back(run);
+    }
+    const auto times = time_alternating(steps);
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const std::string config = amp::to_string(level) + " " + configs[i].first;
+      std::printf("| %s | %s bf16 | %s | %.3f | %.3f |\n", name, amp::to_string(level).c_str(), configs[i].first,
+                  1e3 * times[i], times[i] / times[0]);
+      record("policy", name, config, "ms_per_step", 1e3 * times[i]);
+      record("policy", name, config, "ratio", times[i] / times[0]);
+    }
+  }
+}
+
+void policy_section() {
+  std::printf("## Precision policy\n\nbf16, SGD with momentum; keep_fp32 patterns as listed; interleaved "
+              "repetitions.\n\n| model | level | islands | ms/step | / no islands |\n|---|---|---|---|---|\n");
+  policy_for<bench::TinyMlp>("tiny_mlp", {{"none", {}}, {"fc3", {"fc3"}}});
+  policy_for<bench::Transformer>("transformer", {{"none", {}}, {"head", {"head"}}, {"LayerNorms + head", {"*.ln1", "*.ln2", "head"}}});
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -637,6 +680,7 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "checkpoint") checkpoint_section(meter);
     if (section == "all" || section == "o1") o1_lists_section();
     if (section == "all" || section == "masters") masters_section(meter);
+    if (section == "all" || section == "policy") policy_section();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

@@ -198,6 +198,15 @@ amp::parallel::ProcessGroup single_rank_group() {
 
 }  // namespace
 
+TEST(ParallelOptionsTest, AutoFp32IsRefused) {
+  auto group = single_rank_group();
+  amp_test::Mlp net;
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                            amp::Options("O2").auto_fp32(8).verbosity(0));
+  ASSERT_THROWS_WITH(amp::parallel::make_distributed(model, group),
+                     "amp::parallel::make_distributed: auto_fp32 (8) moves modules to fp32 during training");
+}
+
 TEST(ParallelOptionsTest, DefaultsAreApexsAndTorchs) {
   amp::parallel::DistributedDataParallelOptions o;
   EXPECT_EQ(o.bucket_cap_mb(), 25.0);
