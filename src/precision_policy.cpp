@@ -27,6 +27,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/functional/instancenorm.h>  // LibTorch 1.13's modules/instancenorm.h uses it without including it
 #include <torch/nn/modules/instancenorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
@@ -113,7 +114,7 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
   if (!policy || schema.is_mutable()) return op.redispatchBoxed(keys, stack);
   const size_t n = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - n);
-  if (op == batch_norm_op() && args[5].toBool()) {  // (input, weight, bias, running_mean, running_var, training, ...)
+  if (&schema == &batch_norm_op().schema() && args[5].toBool()) {  // one schema object per operator  // (input, weight, bias, running_mean, running_var, training, ...)
     const at::Tensor weight = optional_tensor(args[1]), mean = optional_tensor(args[3]);
     const BatchNormKernel* kernel = policy->batch_norm_kernel(weight.defined() ? weight.unsafeGetTensorImpl() : nullptr);
     if (!kernel && mean.defined()) kernel = policy->batch_norm_kernel(mean.unsafeGetTensorImpl());

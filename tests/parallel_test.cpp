@@ -202,7 +202,7 @@ TEST(ParallelOptionsTest, AutoFp32IsRefused) {
   auto group = single_rank_group();
   amp_test::Mlp net;
   auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1)),
-                                            amp::Options("O2").auto_fp32(8).verbosity(0));
+                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).auto_fp32(8).verbosity(0));
   ASSERT_THROWS_WITH(amp::parallel::make_distributed(model, group),
                      "amp::parallel::make_distributed: auto_fp32 (8) moves modules to fp32 during training");
 }

@@ -296,16 +296,16 @@ TEST(PrecisionPolicyTest, BannerListsTheIslands) {
 
 TEST(PrecisionPolicyTest, PatternMatchingNothingThrowsWithTheClosestNames) {
   PolicyNet net = policy_net(torch::kCPU);
-  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32({"haed"})),
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"haed"})),
                      "keep_fp32 pattern 'haed' matches no module of the model. Closest module names: 'head'");
-  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32({"norm"})),
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"norm"})),
                      "'*' matches any characters, dots included");
   // Nothing was changed by the refused calls: the model is still fp32 and can be initialized.
   for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
-  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32_type<torch::nn::Conv2dImpl>()),
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32_type<torch::nn::Conv2dImpl>()),
                      "keep_fp32_types names Conv2d, but the model holds no module of that type");
   ASSERT_THROWS_WITH(amp::Options("O2").keep_fp32({""}).resolve(), "keep_fp32 got an empty module pattern");
-  EXPECT_NO_THROW(amp::initialize(net, amp::Options("O2").verbosity(0).keep_fp32({"head"})));
+  EXPECT_NO_THROW(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"head"})));
 }
 
 TEST(PrecisionPolicyTest, ConfigKeys) {
