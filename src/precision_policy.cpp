@@ -223,10 +223,13 @@ bool PrecisionPolicy::engaged() {
       for (const auto& [weak, kernel] : batch_norm_layers) {
         const auto layer = weak.lock();
         if (!layer || !mine.count(layer.get())) continue;
+        // The dicts are held: find() points into them.
+        const auto parameters = layer->named_parameters(/*recurse=*/false);
+        const auto buffers = layer->named_buffers(/*recurse=*/false);
         for (const char* name : {"weight", "running_mean"}) {
-          if (const at::Tensor* t = layer->named_parameters(false).find(name)) {
+          if (const at::Tensor* t = parameters.find(name)) {
             batch_norm_kernels_[t->unsafeGetTensorImpl()] = kernel;
-          } else if (const at::Tensor* b = layer->named_buffers(false).find(name)) {
+          } else if (const at::Tensor* b = buffers.find(name)) {
             batch_norm_kernels_[b->unsafeGetTensorImpl()] = kernel;
           }
         }
