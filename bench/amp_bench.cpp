@@ -1,5 +1,5 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|masters|policy] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|o1_profile|o1_dispatch|versus_python|masters|policy] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
@@ -19,6 +19,7 @@
 
 #include "../examples/common/memory_meter.h"
 #include "models.h"
+#include "op_profile.h"
 #include "training_steps.h"
 #include "fused_route.h"
 #include "multi_tensor.h"
@@ -553,6 +554,176 @@ void o1_lists_section() {
   std::printf("\n");
 }
 
+// Where an O1 step's time goes, per op category, for amp with Apex's lists, amp with the native lists, and torch.amp's
+// O1 in C++ (AtenAutocastGuard + amp::GradScaler, the Python script's loop): the step time without the profiler
+// (interleaved), then the self time of the ops by category with it (RecordFunction's own cost inflates those).
+template <class Net>
+void o1_profile_for(const std::string& name) {
+  torch::manual_seed(0);
+  const auto x = bench::input_for(name);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+  auto sgd = [](Net& net) { return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)); };
+  const auto options = amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  Net apex_net, native_net;
+  auto [apex_model, apex_opt] = amp::initialize(apex_net, sgd(apex_net), options);
+  auto [native_model, native_opt] =
+      amp::initialize(native_net, sgd(native_net), amp::Options(options).cast_lists(amp::CastLists::kNative));
+  bench::TorchAmpStep<Net> torch_amp(torch::kBFloat16);
+  const std::vector<std::pair<std::string, std::function<void()>>> configs = {
+      {"amp O1 apex", [&, &m = apex_model, &o = apex_opt] { bench::amp_step(m, o, x, y); }},
+      {"amp O1 native", [&, &m = native_model, &o = native_opt] { bench::amp_step(m, o, x, y); }},
+      {"torch.amp in C++", [&] { torch_amp.step(x, y); }}};
+  std::vector<std::function<void()>> steps;
+  for (const auto& c : configs) steps.push_back(c.second);
+  const auto t = time_alternating(steps);
+  std::printf("### %s\n\n| config | ms/step | ", name.c_str());
+  for (int c = 0; c < bench::OpProfile::kCategories; ++c) std::printf("%s ms | ", bench::OpProfile::category_name(c));
+  std::printf("outside ops ms |\n|---|---|");
+  for (int c = 0; c <= bench::OpProfile::kCategories; ++c) std::printf("---|");
+  std::printf("\n");
+  std::vector<std::map<std::string, double>> per_op;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const int steps_profiled = std::max(3, static_cast<int>(0.5 / t[i]));
+    double profiled_s = 0;
+    {
+      bench::OpProfile profile;
+      const auto start = Clock::now();
+      for (int k = 0; k < steps_profiled; ++k) configs[i].second();
+      profiled_s = std::chrono::duration<double>(Clock::now() - start).count();
+      per_op.push_back(profile.op_ns());
+      std::printf("| %s | %.3f | ", configs[i].first.c_str(), 1e3 * t[i]);
+      for (int c = 0; c < bench::OpProfile::kCategories; ++c) {
+        const double ms = 1e-6 * profile.category_ns()[c] / steps_profiled;
+        std::printf("%.3f | ", ms);
+        record("o1_profile", name, configs[i].first, bench::OpProfile::category_name(c), ms);
+      }
+      const double outside = 1e3 * profiled_s / steps_profiled - 1e-6 * profile.op_total_ns() / steps_profiled;
+      std::printf("%.3f |\n", outside);
+      for (auto& [op, ns] : per_op.back()) ns /= steps_profiled;
+    }
+    record("o1_profile", name, configs[i].first, "ms_per_step", 1e3 * t[i]);
+  }
+  // The ops whose time differs most between the configurations.
+  std::map<std::string, double> spread;
+  for (const auto& ops : per_op) {
+    for (const auto& [op, ns] : ops) spread[op] = 0;
+  }
+  for (auto& [op, s] : spread) {
+    double lo = 1e300, hi = 0;
+    for (const auto& ops : per_op) {
+      const auto it = ops.find(op);
+      const double v = it == ops.end() ? 0.0 : it->second;
+      lo = std::min(lo, v), hi = std::max(hi, v);
+    }
+    s = hi - lo;
+  }
+  std::vector<std::pair<double, std::string>> ranked;
+  for (const auto& [op, s] : spread) ranked.push_back({s, op});
+  std::sort(ranked.rbegin(), ranked.rend());
+  std::printf("\nSelf time per step of the ops that differ most (ms, with the profiler on):\n\n| op |");
+  for (const auto& c : configs) std::printf(" %s |", c.first.c_str());
+  std::printf("\n|---|");
+  for (size_t i = 0; i < configs.size(); ++i) std::printf("---|");
+  std::printf("\n");
+  for (size_t r = 0; r < std::min<size_t>(12, ranked.size()); ++r) {
+    std::printf("| %s |", ranked[r].second.c_str());
+    for (const auto& ops : per_op) {
+      const auto it = ops.find(ranked[r].second);
+      std::printf(" %.3f |", it == ops.end() ? 0.0 : 1e-6 * it->second);
+    }
+    std::printf("\n");
+  }
+  std::printf("\n");
+}
+
+// The C++ side of the comparison with Python (bench/versus_python.py runs it alternately with python_amp.py):
+// plain LibTorch and amp at O0, torch.amp's loop in C++ and amp's O1 with either list, interleaved.
+template <class Net>
+void versus_python_for(const std::string& name) {
+  torch::manual_seed(0);
+  const auto x = bench::input_for(name);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+  auto sgd = [](Net& net) { return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)); };
+  Net o0_net, native_net, apex_net;
+  bench::TorchAmpStep<Net> libtorch(std::nullopt), torch_amp(torch::kBFloat16);
+  auto [o0_model, o0_opt] = amp::initialize(o0_net, sgd(o0_net), amp::Options("O0").verbosity(0));
+  const auto o1 = amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto [native_model, native_opt] =
+      amp::initialize(native_net, sgd(native_net), amp::Options(o1).cast_lists(amp::CastLists::kNative));
+  auto [apex_model, apex_opt] = amp::initialize(apex_net, sgd(apex_net), o1);
+  const std::vector<std::string> configs = {"LibTorch O0", "amp O0", "torch.amp in C++ O1 bf16", "amp O1 bf16 native",
+                                            "amp O1 bf16 apex"};
+  const auto t = time_alternating({[&] { libtorch.step(x, y); },
+                                   [&, &m = o0_model, &o = o0_opt] { bench::amp_step(m, o, x, y); },
+                                   [&] { torch_amp.step(x, y); },
+                                   [&, &m = native_model, &o = native_opt] { bench::amp_step(m, o, x, y); },
+                                   [&, &m = apex_model, &o = apex_opt] { bench::amp_step(m, o, x, y); }});
+  std::printf("| %s |", name.c_str());
+  for (size_t i = 0; i < configs.size(); ++i) {
+    std::printf(" %.3f |", 1e3 * t[i]);
+    record("versus_python", name, configs[i], "ms_per_step", 1e3 * t[i]);
+  }
+  std::printf("\n");
+}
+
+void versus_python_section() {
+  std::printf("## The C++ side of the Python comparison\n\nms per step, SGD with momentum, interleaved repetitions "
+              "(bench/versus_python.py alternates this with bench/python_amp.py).\n\n| model | LibTorch O0 | amp O0 | "
+              "torch.amp in C++ O1 bf16 | amp O1 bf16 native | amp O1 bf16 apex |\n|---|---|---|---|---|---|\n");
+  versus_python_for<bench::TinyMlp>("tiny_mlp");
+  versus_python_for<bench::Mlp>("mlp");
+  versus_python_for<bench::Cnn>("cnn");
+  versus_python_for<bench::Transformer>("transformer");
+  std::printf("\n");
+}
+
+// What a cast kernel's dispatch costs per call, on tensors small enough that the op's math is negligible: ops in
+// each of O1's cases (an Apex row amp adds, a Promote row, a row native autocast has, an op in no list) with fp32
+// inputs, so no cast happens, under no autocast, ATen's autocast (amp's kernels registered but inactive), and amp's
+// O1 guard with either list.
+void o1_dispatch_section() {
+  std::printf("## O1's per-op dispatch cost\n\nNanoseconds per call on 4x4 fp32 tensors (nothing to cast), interleaved; "
+              "the difference to \"no autocast\" is the cost of the autocast kernel's dispatch.\n\n| op | no autocast ns "
+              "| ATen autocast ns | amp native ns | amp apex ns |\n|---|---|---|---|---|\n");
+  const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
+  const std::vector<std::pair<std::string, std::function<void()>>> ops = {
+      {"softmax (Apex row: fp32)", [&] { (void)torch::softmax(a, -1); }},
+      {"cat (Apex row: promote)", [&] { (void)torch::cat({a, b}); }},
+      {"mm (native row: bf16)", [&] { (void)torch::mm(a, b); }},
+      {"relu (no row)", [&] { (void)torch::relu(a); }}};
+  for (const auto& [label, op] : ops) {
+    auto under = [&op = op](int mode) {
+      return [&op, mode] {
+        if (mode == 0) {
+          for (int i = 0; i < 100; ++i) op();
+        } else if (mode == 1) {
+          bench::AtenAutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+          for (int i = 0; i < 100; ++i) op();
+        } else {
+          amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16, mode == 2 ? amp::CastLists::kNative : amp::CastLists::kApex);
+          for (int i = 0; i < 100; ++i) op();
+        }
+      };
+    };
+    const auto t = time_alternating({under(0), under(1), under(2), under(3)}, 0.1);
+    std::printf("| %s | %.0f | %.0f | %.0f | %.0f |\n", label.c_str(), 1e7 * t[0], 1e7 * t[1], 1e7 * t[2], 1e7 * t[3]);
+    const char* modes[] = {"no autocast", "ATen autocast", "amp native", "amp apex"};
+    for (int m = 0; m < 4; ++m) record("o1_dispatch", label, modes[m], "ns_per_call", 1e7 * t[m]);
+  }
+  std::printf("\n");
+}
+
+void o1_profile_section() {
+  std::printf("## Where O1's time goes\n\nSelf time per step by op category (RecordFunction, outermost categorized op "
+              "decides; an autocast kernel's own work is the self time of an op that calls itself), for amp's O1 bf16 "
+              "with Apex's lists, with the native lists, and torch.amp's O1 written in C++ (ATen's autocast + "
+              "amp::GradScaler). ms/step: without the profiler, interleaved.\n\n");
+  o1_profile_for<bench::TinyMlp>("tiny_mlp");
+  o1_profile_for<bench::Mlp>("mlp");
+  o1_profile_for<bench::Cnn>("cnn");
+  o1_profile_for<bench::Transformer>("transformer");
+}
+
 // The bench transformer (one block) and a four-block one, every block checkpointed or none, at O0 and O2 bf16:
 // the peak of a step above the state kept between steps (activations, gradients, temporaries), and the step time.
 void checkpoint_section(MemoryMeter& meter) {
@@ -647,7 +818,7 @@ void policy_section() {
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | masters").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | o1_profile | o1_dispatch | versus_python | masters | policy").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -679,6 +850,9 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "lamb") lamb_section();
     if (section == "all" || section == "checkpoint") checkpoint_section(meter);
     if (section == "all" || section == "o1") o1_lists_section();
+    if (section == "all" || section == "o1_profile") o1_profile_section();
+    if (section == "all" || section == "versus_python") versus_python_section();
+    if (section == "all" || section == "o1_dispatch") o1_dispatch_section();
     if (section == "all" || section == "masters") masters_section(meter);
     if (section == "all" || section == "policy") policy_section();
   } catch (const std::exception& e) {

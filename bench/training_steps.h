@@ -5,7 +5,10 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
+
+#include "autocast_adapter.h"
 
 namespace bench {
 
@@ -86,6 +89,55 @@ struct HandWritten {
     } else {
       scale /= 2;
     }
+  }
+};
+
+// torch.autocast's __enter__ / __exit__ against ATen alone: the build's autocast lists, no amp guard.
+class AtenAutocastGuard {
+ public:
+  AtenAutocastGuard(c10::DeviceType device, c10::ScalarType dtype)
+      : device_(device), was_enabled_(amp::detail::autocast::is_enabled(device)),
+        previous_dtype_(amp::detail::autocast::get_dtype(device)) {
+    amp::detail::autocast::set_dtype(device, dtype);
+    amp::detail::autocast::set_enabled(device, true);
+    amp::detail::autocast::increment_nesting();
+  }
+  ~AtenAutocastGuard() {
+    if (amp::detail::autocast::decrement_nesting() == 0) amp::detail::autocast::clear_cache();
+    amp::detail::autocast::set_enabled(device_, was_enabled_);
+    amp::detail::autocast::set_dtype(device_, previous_dtype_);
+  }
+  AtenAutocastGuard(const AtenAutocastGuard&) = delete;
+  AtenAutocastGuard& operator=(const AtenAutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool was_enabled_;
+  c10::ScalarType previous_dtype_;
+};
+
+// bench/python_amp.py's loop, op for op, in C++: torch.amp's O1 (ATen's autocast around the forward, amp::GradScaler)
+// with a dtype, plain LibTorch (no autocast, scaler disabled) without one. amp's only part is the GradScaler.
+template <class Net>
+struct TorchAmpStep {
+  Net net;
+  torch::optim::SGD sgd{net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)};
+  std::optional<c10::ScalarType> dtype;
+  amp::GradScaler scaler;
+  explicit TorchAmpStep(std::optional<c10::ScalarType> dtype_)
+      : dtype(dtype_), scaler(amp::GradScalerOptions().enabled(dtype_.has_value())) {}
+  void step(const torch::Tensor& x, const torch::Tensor& y) {
+    sgd.zero_grad();
+    torch::Tensor out;
+    if (dtype) {
+      AtenAutocastGuard autocast(x.device().type(), *dtype);
+      out = net->forward(x);
+    } else {
+      out = net->forward(x);
+    }
+    scaler.scale(torch::nn::functional::cross_entropy(out.to(torch::kFloat), y)).backward();
+    scaler.step(sgd);
+    scaler.update();
   }
 };
 

@@ -39,10 +39,13 @@ class CastKernel final : public c10::OperatorKernel {
   CastKernel(CastPolicy policy, c10::DeviceType device, std::string banned_message, bool apex_row)
       : policy_(policy), device_(device), banned_message_(std::move(banned_message)), apex_row_(apex_row) {}
 
-  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+    // Nested ops (a composite op's parts) run without autocast, as under ATen's own autocast kernels.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
     if (amp_casts_active() && (!apex_row_ || apex_rows_active())) cast_arguments(op, *stack);
-    op.callBoxed(stack);
+    // On to the keys below autocast with the keys the call already computed: no second RecordFunction and
+    // argument scan, as a fresh callBoxed would do (casts change dtypes, never a tensor's dispatch keys).
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU), stack);
   }
 
  private:
@@ -82,15 +85,20 @@ class CastKernel final : public c10::OperatorKernel {
       if (!widest) return;
       target = *widest;
     }
-    auto cast = [&](const at::Tensor& t) { return eligible(t) ? autocast::cached_cast(target, t, device_) : t; };
+    // Arguments already in the target dtype stay as they are (no new IValue, no list rebuilt).
+    auto needs_cast = [&](const at::Tensor& t) { return eligible(t) && t.scalar_type() != target; };
     for (size_t i = 0; i < n; ++i) {
       c10::IValue& v = args[i];
       if (v.isTensor()) {
-        v = cast(v.toTensor());
+        if (needs_cast(v.toTensor())) v = autocast::cached_cast(target, v.toTensor(), device_);
       } else if (v.isTensorList()) {
-        std::vector<at::Tensor> list = v.toTensorVector();
-        for (auto& t : list) t = cast(t);
-        v = c10::IValue(std::move(list));
+        const auto list = v.toTensorList();
+        if (std::none_of(list.begin(), list.end(), [&](const at::Tensor& t) { return needs_cast(t); })) continue;
+        std::vector<at::Tensor> cast = v.toTensorVector();
+        for (auto& t : cast) {
+          if (needs_cast(t)) t = autocast::cached_cast(target, t, device_);
+        }
+        v = c10::IValue(std::move(cast));
       }
     }
   }

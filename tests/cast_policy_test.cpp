@@ -1,6 +1,10 @@
 // O1 per-op casts. Ports Apex's tests/L0/run_amp test_basic_casts.py, test_promotion.py and
 // test_cache.py to amp::AutocastGuard on every device (the CPU, and CUDA, where LibTorch's AutocastCUDA lists
 // cast most rows natively and amp's kernels the rest), for bf16 and (where the build computes it) fp16.
+#include <ATen/record_function.h>
+
+#include <map>
+
 #include "autocast_adapter.h"
 #include "support.h"
 
@@ -149,6 +153,40 @@ TEST_P(CastPolicyTest, AmpsRowsActOnlyInsideTheGuard) {
     EXPECT_EQ(torch::mm(draw({2, 2}), draw({2, 2})).scalar_type(), torch::kFloat);
   }
   EXPECT_EQ(torch::mm(draw({2, 2}), draw({2, 2})).scalar_type(), torch::kFloat);
+}
+
+// amp's kernels pass an op on to the keys below autocast once (RecordFunction sees the op as called, not a second
+// time from inside the kernel), and cast only the arguments that are not in the target dtype yet.
+TEST_P(CastPolicyTest, AmpsKernelsDispatchOnceAndCastOnlyWhatNeedsIt) {
+  if (device_type() != c10::DeviceType::CPU) GTEST_SKIP() << "softmax and addcmul are native autocast rows on CUDA";
+  const auto fp32 = draw({4, 4}), low = draw({4, 4}, lp);
+  static thread_local std::map<std::string, int> calls;
+  calls.clear();
+  const auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        ++calls[fn.name()];
+        return nullptr;
+      }).scopes({at::RecordScope::FUNCTION}));
+  torch::Tensor soft, same, mixed;
+  {
+    amp::AutocastGuard casts(device_type(), lp);
+    soft = torch::softmax(fp32, 1);  // Fp32 row, input already fp32
+    same = torch::addcmul(fp32, fp32, fp32);  // Promote row, nothing to promote
+  }
+  const auto quiet = calls;
+  {
+    amp::AutocastGuard casts(device_type(), lp);
+    mixed = torch::addcmul(fp32, low, fp32);  // one argument to promote
+  }
+  at::removeCallback(handle);
+  EXPECT_EQ(quiet.at("aten::softmax"), 1);
+  EXPECT_EQ(quiet.at("aten::addcmul"), 1);
+  EXPECT_EQ(quiet.count("aten::_to_copy"), 0u) << "an argument already in the target dtype was copied";
+  EXPECT_EQ(calls.at("aten::addcmul"), 2);
+  EXPECT_EQ(calls.at("aten::_to_copy"), 1);
+  EXPECT_TRUE(amp_test::bitwise_equal(soft, torch::softmax(fp32, 1)));
+  EXPECT_TRUE(amp_test::bitwise_equal(same, torch::addcmul(fp32, fp32, fp32)));
+  EXPECT_TRUE(amp_test::bitwise_equal(mixed, torch::addcmul(fp32, low.to(torch::kFloat), fp32)));
 }
 
 // Apex's test_cache: a weight used in train -> no_grad eval -> train gets exactly one gradient, of its
