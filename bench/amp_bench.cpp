@@ -851,7 +851,7 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "checkpoint") checkpoint_section(meter);
     if (section == "all" || section == "o1") o1_lists_section();
     if (section == "all" || section == "o1_profile") o1_profile_section();
-    if (section == "all" || section == "versus_python") versus_python_section();
+    if (section == "versus_python") versus_python_section();  // bench/versus_python.py runs it, in alternation with Python
     if (section == "all" || section == "o1_dispatch") o1_dispatch_section();
     if (section == "all" || section == "masters") masters_section(meter);
     if (section == "all" || section == "policy") policy_section();

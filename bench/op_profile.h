@@ -23,7 +23,7 @@ class OpProfile {
   enum Category { kCast, kNormSoftmaxGelu, kGemm, kAutocastKernel, kOther, kCategories };
   static const char* category_name(int c) {
     static const char* names[] = {"casts (aten::to, _to_copy)", "softmax, GELU, LayerNorm (fwd + bwd)",
-                                  "GEMMs (addmm, mm, bmm, matmul, linear)", "autocast kernels (dispatch work)",
+                                  "GEMMs and convolutions", "autocast kernels (dispatch work)",
                                   "everything else"};
     return names[c];
   }
@@ -75,7 +75,10 @@ class OpProfile {
                   "aten::layer_norm", "aten::native_layer_norm", "aten::native_layer_norm_backward"})) {
       return kNormSoftmaxGelu;
     }
-    if (is(name, {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear"})) return kGemm;
+    if (is(name, {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::conv2d",
+                  "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward"})) {
+      return kGemm;
+    }
     return kOther;
   }
 

@@ -11,7 +11,9 @@ mkdir -p build bench/results
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 stamp=$(date +%Y-%m-%d)
 build/torch-2.13/bench/amp_bench --reps "$reps" --csv build/bench-cpp.csv > build/bench-cpp.md
-python3 bench/python_amp.py --reps "$reps" > build/bench-python.csv
+# C++ and Python in alternating processes (3 rounds): the Python rows the report compares with, and its own table.
+python3 bench/versus_python.py build/torch-2.13/bench/amp_bench --rounds 3 --reps "$reps" --csv build/bench-python.csv \
+  >> build/bench-cpp.md
 python3 bench/report.py build/bench-cpp.csv build/bench-python.csv build/bench-cpp.md \
   "bench/results/$stamp.md" "bench/results/$stamp.csv"
 echo "wrote bench/results/$stamp.md and .csv"
