@@ -555,7 +555,7 @@ void o1_lists_section() {
 }
 
 // Where an O1 step's time goes, per op category, for amp with Apex's lists, amp with the native lists, and torch.amp's
-// O1 in C++ (AtenAutocastGuard + amp::GradScaler, the Python script's loop): the step time without the profiler
+// O1 in C++ (NativeAutocastGuard + amp::GradScaler, the Python script's loop): the step time without the profiler
 // (interleaved), then the self time of the ops by category with it (RecordFunction's own cost inflates those).
 template <class Net>
 void o1_profile_for(const std::string& name) {
@@ -697,7 +697,7 @@ void o1_dispatch_section() {
         if (mode == 0) {
           for (int i = 0; i < 100; ++i) op();
         } else if (mode == 1) {
-          bench::AtenAutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+          amp::detail::autocast::NativeAutocastGuard autocast(torch::kCPU, torch::kBFloat16);
           for (int i = 0; i < 100; ++i) op();
         } else {
           amp::AutocastGuard casts(torch::kCPU, torch::kBFloat16, mode == 2 ? amp::CastLists::kNative : amp::CastLists::kApex);

@@ -92,30 +92,6 @@ struct HandWritten {
   }
 };
 
-// torch.autocast's __enter__ / __exit__ against ATen alone: the build's autocast lists, no amp guard.
-class AtenAutocastGuard {
- public:
-  AtenAutocastGuard(c10::DeviceType device, c10::ScalarType dtype)
-      : device_(device), was_enabled_(amp::detail::autocast::is_enabled(device)),
-        previous_dtype_(amp::detail::autocast::get_dtype(device)) {
-    amp::detail::autocast::set_dtype(device, dtype);
-    amp::detail::autocast::set_enabled(device, true);
-    amp::detail::autocast::increment_nesting();
-  }
-  ~AtenAutocastGuard() {
-    if (amp::detail::autocast::decrement_nesting() == 0) amp::detail::autocast::clear_cache();
-    amp::detail::autocast::set_enabled(device_, was_enabled_);
-    amp::detail::autocast::set_dtype(device_, previous_dtype_);
-  }
-  AtenAutocastGuard(const AtenAutocastGuard&) = delete;
-  AtenAutocastGuard& operator=(const AtenAutocastGuard&) = delete;
-
- private:
-  c10::DeviceType device_;
-  bool was_enabled_;
-  c10::ScalarType previous_dtype_;
-};
-
 // bench/python_amp.py's loop, op for op, in C++: torch.amp's O1 (ATen's autocast around the forward, amp::GradScaler)
 // with a dtype, plain LibTorch (no autocast, scaler disabled) without one. amp's only part is the GradScaler.
 template <class Net>
@@ -130,7 +106,7 @@ struct TorchAmpStep {
     sgd.zero_grad();
     torch::Tensor out;
     if (dtype) {
-      AtenAutocastGuard autocast(x.device().type(), *dtype);
+      amp::detail::autocast::NativeAutocastGuard autocast(x.device().type(), *dtype);
       out = net->forward(x);
     } else {
       out = net->forward(x);

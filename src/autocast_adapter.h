@@ -24,4 +24,28 @@ void clear_cache();
 /// Casts `t` to `dtype` through autocast's weight-cast cache (fp32 leaf parameters are cast once per region).
 at::Tensor cached_cast(c10::ScalarType dtype, const at::Tensor& t, c10::DeviceType device);
 
+/// torch.autocast's region (its __enter__ / __exit__) against ATen alone: the build's own lists, no amp guard.
+/// The reference the tests and benchmarks hold amp's O1 to.
+class NativeAutocastGuard {
+ public:
+  NativeAutocastGuard(c10::DeviceType device, c10::ScalarType dtype)
+      : device_(device), was_enabled_(is_enabled(device)), was_dtype_(get_dtype(device)) {
+    set_dtype(device, dtype);
+    set_enabled(device, true);
+    increment_nesting();
+  }
+  ~NativeAutocastGuard() {
+    if (decrement_nesting() == 0) clear_cache();
+    set_enabled(device_, was_enabled_);
+    set_dtype(device_, was_dtype_);
+  }
+  NativeAutocastGuard(const NativeAutocastGuard&) = delete;
+  NativeAutocastGuard& operator=(const NativeAutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool was_enabled_;
+  c10::ScalarType was_dtype_;
+};
+
 }  // namespace amp::detail::autocast

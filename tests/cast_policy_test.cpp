@@ -300,28 +300,6 @@ TEST_P(CastPolicyTest, InterpolateAndUpsampleRunInFp32) {
   EXPECT_EQ(upsample(input).scalar_type(), torch::kFloat);
 }
 
-// LibTorch's autocast on `device` in `dtype`, without amp's kernels (torch.autocast's region), for its scope.
-class NativeAutocastRegion {
- public:
-  NativeAutocastRegion(c10::DeviceType device, c10::ScalarType dtype)
-      : device_(device), was_enabled_(amp::detail::autocast::is_enabled(device)),
-        was_dtype_(amp::detail::autocast::get_dtype(device)) {
-    amp::detail::autocast::set_dtype(device, dtype);
-    amp::detail::autocast::set_enabled(device, true);
-    amp::detail::autocast::increment_nesting();
-  }
-  ~NativeAutocastRegion() {
-    if (amp::detail::autocast::decrement_nesting() == 0) amp::detail::autocast::clear_cache();
-    amp::detail::autocast::set_enabled(device_, was_enabled_);
-    amp::detail::autocast::set_dtype(device_, was_dtype_);
-  }
-
- private:
-  c10::DeviceType device_;
-  bool was_enabled_;
-  c10::ScalarType was_dtype_;
-};
-
 // cast_lists native: every op casts exactly as the build's own autocast does (same dtype, same bits), for fp32
 // and low-precision inputs; with Apex's lists (the default) the rows LibTorch lacks cast differently.
 TEST_P(CastPolicyTest, NativeListsCastExactlyAsTheBuildsAutocast) {
@@ -376,7 +354,7 @@ TEST_P(CastPolicyTest, NativeListsCastExactlyAsTheBuildsAutocast) {
         }
       };
       const auto native = run([&] {  // the build's autocast alone, as torch.autocast turns it on
-        NativeAutocastRegion region(device_type(), lp);
+        amp::detail::autocast::NativeAutocastGuard region(device_type(), lp);
         return op(x);
       });
       const auto amp_native = run([&] {
@@ -411,7 +389,7 @@ TEST(CastListsModelTest, O1NativeForwardIsTheBuildsAutocastForward) {
   const auto x = torch::randn({8, 16});
   torch::Tensor expected;
   {
-    NativeAutocastRegion region(torch::kCPU, torch::kBFloat16);
+    amp::detail::autocast::NativeAutocastGuard region(torch::kCPU, torch::kBFloat16);
     expected = net->forward(x).to(torch::kFloat);
   }
   auto model = amp::initialize(net, amp::Options("O1").low_precision_dtype(torch::kBFloat16).cast_lists(amp::CastLists::kNative).verbosity(0));
