@@ -512,6 +512,22 @@ TEST(AutoFp32Test, AModuleThatOverflowsInTheForwardMovesToFp32AndTrainingGoesOn)
     }
     // Overflows 1 and 2 count (patience 2), 3 is diagnosed and moves `1`; from step 4 on the steps are taken.
     EXPECT_EQ(optimizer.skipped_steps(), 3) << level;
+    {  // Without auto_fp32 the same run skips every step at the floor and never gets a finite loss.
+      auto stuck_net = overflowing_net(true);
+      auto [stuck_model, stuck] = amp::initialize(
+          stuck_net, torch::optim::SGD(stuck_net->parameters(), torch::optim::SGDOptions(1e-6)),
+          amp::Options(auto_fp32_options(level)).auto_fp32(0));
+      for (int step = 0; step < 8; ++step) {
+        torch::manual_seed(50 + step);
+        stuck.zero_grad();
+        const torch::Tensor loss = overflowing_loss(true, stuck_model, torch::randn({16, 4}));
+        EXPECT_FALSE(std::isfinite(loss.item<double>())) << level << " step " << step;
+        amp::scale_loss(loss, stuck).backward();
+        stuck.step();
+      }
+      EXPECT_EQ(stuck.skipped_steps(), 8) << level;
+      EXPECT_TRUE(amp::fp32_modules(stuck).empty()) << level;
+    }
     EXPECT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"1 (auto_fp32)"}) << level;
     for (int step = 3; step < 8; ++step) EXPECT_TRUE(std::isfinite(losses[step])) << level << " step " << step;
     if (std::string(level) == "O2") {
