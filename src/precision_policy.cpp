@@ -395,7 +395,9 @@ PrecisionPolicy::Action PrecisionPolicy::decide(const c10::IValue* args, size_t 
   bool reads_island = false, reads_low = false, has_fp32 = false, has_low = false;
   for_each_tensor(args, n, [&](const at::Tensor& t) {
     if (!t.defined()) return;
-    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    // A view of a parameter reads the parameter: LibTorch's F::linear on inputs of more than 2 dims computes
+    // input.matmul(weight.t()), so the GEMM sees only the view.
+    const c10::TensorImpl* impl = t.is_view() ? t._base().unsafeGetTensorImpl() : t.unsafeGetTensorImpl();
     reads_island = reads_island || island_.count(impl) > 0;
     reads_low = reads_low || low_.count(impl) > 0;
     if (is_computable(t)) {

@@ -239,6 +239,55 @@ TEST_P(PrecisionPolicyLevelTest, TrainsAndResumesBitwise) {
 
 AMP_INSTANTIATE_FOR_LEVELS(PrecisionPolicyLevelTest, amp_test::level_cases({"O0", "O1", "O2", "O3"}, /*o0_once=*/true));
 
+// On [batch, sequence, features] inputs LibTorch's Linear computes input.matmul(weight.t()): the GEMM reads a view of
+// the weight, and follows the weight's policy all the same (at O2 a low-precision Linear after an fp32 island casts
+// its input down, it does not promote its weight to fp32; at O1 a kept Linear's GEMM stays fp32, out of autocast).
+TEST(PrecisionPolicyTest, LinearOnSequenceInputsFollowsItsWeightsPolicy) {
+  struct SeqNetImpl : torch::nn::Module {
+    torch::nn::LayerNorm norm{register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})))};
+    torch::nn::Linear body{register_module("body", torch::nn::Linear(8, 16))};
+    torch::nn::Linear head{register_module("head", torch::nn::Linear(16, 4))};
+    torch::Tensor forward(const torch::Tensor& x) { return head(body(norm(x))); }
+  };
+  static thread_local std::vector<c10::ScalarType> gemms;
+  static thread_local int depth = 0;
+  for (const char* level : {"O1", "O2"}) {
+    torch::manual_seed(7);
+    auto net = std::make_shared<SeqNetImpl>();
+    const auto norm_w = net->norm->weight.detach().clone(), norm_b = net->norm->bias.detach().clone();
+    const auto body_w = net->body->weight.detach().clone(), body_b = net->body->bias.detach().clone();
+    const auto head_w = net->head->weight.detach().clone(), head_b = net->head->bias.detach().clone();
+    auto model = amp::initialize(net, amp::Options(level).low_precision_dtype(torch::kBFloat16).keep_fp32({"norm", "head"}).verbosity(0));
+    const auto x = torch::randn({2, 5, 8});
+    gemms.clear();
+    depth = 0;
+    const auto handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              if (std::string(fn.name()) == "aten::matmul") ++depth;
+              return nullptr;
+            },
+            [](const at::RecordFunction& fn, at::ObserverContext*) {
+              if (std::string(fn.name()) != "aten::matmul" || --depth > 0) return;
+              gemms.push_back(fn.outputs()[0].toTensor().scalar_type());
+            })
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
+    const torch::Tensor out = model(x);
+    at::removeCallback(handle);
+    EXPECT_EQ(gemms, (std::vector<c10::ScalarType>{torch::kBFloat16, torch::kFloat})) << level;
+    // By hand: the norm and the head in fp32, the body's GEMM in bf16 (O2: bf16 weights; O1: autocast's casts).
+    const bool o2 = std::string(level) == "O2";
+    const auto input = o2 ? x.to(torch::kBFloat16).to(torch::kFloat) : x;
+    const auto normed = torch::layer_norm(input, {8}, norm_w, norm_b);
+    auto hidden = normed.to(torch::kBFloat16).matmul(body_w.to(torch::kBFloat16).t());
+    hidden += o2 ? body_b.to(torch::kBFloat16) : body_b;
+    auto expected = hidden.to(torch::kFloat).matmul(head_w.t());
+    expected += head_b;
+    EXPECT_TRUE(amp_test::bitwise_equal(out, expected)) << level << ": max diff " << (out - expected).abs().max().item<double>();
+  }
+}
+
 TEST(PrecisionPolicyTest, PatternsFollowFnmatchOverTheWholeName) {
   using amp::detail::glob_match;
   EXPECT_TRUE(glob_match("*.norm", "blocks.0.norm"));
