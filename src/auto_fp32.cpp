@@ -151,3 +151,37 @@ void OptimizerBase::move_to_fp32(size_t model, const std::string& name) {
 }
 
 }  // namespace amp
+
+namespace amp {
+
+OptimizerBase::AutoFp32State OptimizerBase::auto_fp32_state() const {
+  AutoFp32State state;
+  const auto models = this->models();
+  for (size_t k = 0; k < models.size(); ++k) {
+    const auto policy = detail::precision_policy_of(*models[k]);
+    if (!policy) continue;
+    for (const auto& m : policy->kept()) {
+      if (m.reason == "auto_fp32") state.moved.emplace_back(static_cast<int64_t>(k), m.name);
+    }
+  }
+  state.overflows = auto_fp32_overflows_;
+  state.armed = auto_fp32_armed_;
+  return state;
+}
+
+void OptimizerBase::restore_auto_fp32_state(const AutoFp32State& state) {
+  for (const auto& [model, name] : state.moved) {
+    TORCH_CHECK(model >= 0, "amp::Optimizer: auto_fp32 names model ", model, " of a checkpoint; it is corrupt.");
+    move_to_fp32(static_cast<size_t>(model), name);
+  }
+  auto_fp32_overflows_ = static_cast<int>(state.overflows);
+  auto_fp32_armed_ = state.armed;
+  for (const auto& m : models()) {
+    if (auto policy = detail::precision_policy_of(*m)) {
+      if (auto_fp32_armed_) policy->arm_diagnosis();
+      else policy->disarm_diagnosis();
+    }
+  }
+}
+
+}  // namespace amp

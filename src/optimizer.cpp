@@ -307,21 +307,15 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
   for (size_t i = 0; i < masters_->size(); ++i) amp_archive.write("master/" + std::to_string(i), masters_->master()[i]);
   if (lean_) lean_->save(amp_archive);
   // auto_fp32's decisions (src/auto_fp32.cpp), which the load repeats before reading the masters.
-  const auto models = this->models();
-  int64_t moved = 0;
-  for (size_t k = 0; k < models.size(); ++k) {
-    const auto policy = detail::precision_policy_of(*models[k]);
-    if (!policy) continue;
-    for (const auto& m : policy->kept()) {
-      if (m.reason != "auto_fp32") continue;
-      const std::string prefix = "auto_fp32/" + std::to_string(moved++) + "/";
-      amp_archive.write(prefix + "model", c10::IValue(static_cast<int64_t>(k)));
-      amp_archive.write(prefix + "module", c10::IValue(m.name));
-    }
+  const AutoFp32State auto_fp32 = auto_fp32_state();
+  for (size_t j = 0; j < auto_fp32.moved.size(); ++j) {
+    const std::string prefix = "auto_fp32/" + std::to_string(j) + "/";
+    amp_archive.write(prefix + "model", c10::IValue(auto_fp32.moved[j].first));
+    amp_archive.write(prefix + "module", c10::IValue(auto_fp32.moved[j].second));
   }
-  amp_archive.write("auto_fp32/moved", c10::IValue(moved));
-  amp_archive.write("auto_fp32/overflows", c10::IValue(static_cast<int64_t>(auto_fp32_overflows_)));
-  amp_archive.write("auto_fp32/armed", c10::IValue(auto_fp32_armed_));
+  amp_archive.write("auto_fp32/moved", c10::IValue(static_cast<int64_t>(auto_fp32.moved.size())));
+  amp_archive.write("auto_fp32/overflows", c10::IValue(auto_fp32.overflows));
+  amp_archive.write("auto_fp32/armed", c10::IValue(auto_fp32.armed));
   archive.write("amp", amp_archive);
 }
 
@@ -347,24 +341,18 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   if (properties_.enabled) sync_param_groups();
   c10::IValue moved;
   if (amp_archive.try_read("auto_fp32/moved", moved) && moved.isInt()) {  // before the masters, which they change
-    std::vector<std::pair<int64_t, std::string>> modules;
+    AutoFp32State state;
     for (int64_t j = 0; j < moved.toInt(); ++j) {
       c10::IValue name;
       const std::string prefix = "auto_fp32/" + std::to_string(j) + "/";
       TORCH_CHECK(amp_archive.try_read(prefix + "module", name) && name.isString(), "amp::Optimizer::load: the "
                   "checkpoint's amp state has no string '", prefix, "module'; it is corrupt or from another program.");
-      modules.emplace_back(read_int(prefix + "model"), name.toStringRef());
+      state.moved.emplace_back(read_int(prefix + "model"), name.toStringRef());
     }
-    for (const auto& [model, name] : modules) move_to_fp32(static_cast<size_t>(model), name);
-    auto_fp32_overflows_ = static_cast<int>(read_int("auto_fp32/overflows"));
+    state.overflows = read_int("auto_fp32/overflows");
     c10::IValue armed;
-    auto_fp32_armed_ = amp_archive.try_read("auto_fp32/armed", armed) && armed.isBool() && armed.toBool();
-    for (const auto& m : models()) {
-      if (auto policy = detail::precision_policy_of(*m)) {
-        if (auto_fp32_armed_) policy->arm_diagnosis();
-        else policy->disarm_diagnosis();
-      }
-    }
+    state.armed = amp_archive.try_read("auto_fp32/armed", armed) && armed.isBool() && armed.toBool();
+    restore_auto_fp32_state(state);
   }
   c10::IValue saved_format;
   const MasterWeights saved = amp_archive.try_read("lean/format", saved_format) && saved_format.isInt()

@@ -22,6 +22,38 @@ using detail::key_text;
 using detail::quoted_list;
 using detail::type_of;
 
+namespace {
+
+// put_amp's 'auto_fp32' entry: {'models': [int], 'modules': [str], 'overflows': int, 'armed': bool}.
+OptimizerBase::AutoFp32State auto_fp32_state_of(const c10::IValue& value, const std::string& at) {
+  const char* m = "amp::PythonCheckpoint::load_amp: ";
+  TORCH_CHECK(value.isGenericDict(), m, at, " is ", type_of(value), ", not the dict put_amp writes ('models', "
+              "'modules', 'overflows', 'armed').");
+  const auto d = value.toGenericDict();
+  auto field = [&](const char* name) -> c10::IValue {  // Dict::at returns a copy
+    TORCH_CHECK(d.contains(c10::IValue(name)), m, at, " has no '", name, "'.");
+    return d.at(c10::IValue(name));
+  };
+  const c10::IValue models = field("models"), modules = field("modules"), overflows = field("overflows"),
+                    armed = field("armed");
+  TORCH_CHECK(models.isList() && modules.isList() && models.toListRef().size() == modules.toListRef().size(), m, at,
+              "['models'] and ['modules'] are not two lists of one length.");
+  TORCH_CHECK(overflows.isInt() && overflows.toInt() >= 0 && armed.isBool(), m, at, "['overflows'] is not a count "
+              "or ['armed'] not a bool.");
+  OptimizerBase::AutoFp32State state;
+  for (size_t i = 0; i < models.toListRef().size(); ++i) {
+    const c10::IValue &model = models.toListRef()[i], &module = modules.toListRef()[i];
+    TORCH_CHECK(model.isInt() && model.toInt() >= 0 && module.isString(), m, at, " entry ", i, " is not a model "
+                "index and a module name.");
+    state.moved.emplace_back(model.toInt(), module.toStringRef());
+  }
+  state.overflows = overflows.toInt();
+  state.armed = armed.toBool();
+  return state;
+}
+
+}  // namespace
+
 void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) const {
   const std::string what = "entry '" + key_text(key) + "'";
   const char* m = "amp::PythonCheckpoint::load_amp: ";
@@ -51,8 +83,13 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
 
   bool apex = false, grad_scaler = false;
   std::vector<std::string> keys;
+  std::optional<OptimizerBase::AutoFp32State> auto_fp32;  // amp's own key beside the scalers (put_amp)
   for (const auto& item : dict) {
     TORCH_CHECK(item.key().isString(), m, what, " has a key that is ", type_of(item.key()), ".");
+    if (item.key().toStringRef() == "auto_fp32") {
+      auto_fp32 = auto_fp32_state_of(item.value(), what + "['auto_fp32']");
+      continue;
+    }
     keys.push_back(item.key().toStringRef());
     if (keys.back().compare(0, 11, "loss_scaler") == 0) {
       apex = true;
@@ -123,6 +160,13 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
     }
   }
   optimizer.restore_loss_scalers(std::move(scalers));  // optimizers sharing the bank see the restored scales
+  if (auto_fp32) {
+    TORCH_CHECK(auto_fp32->moved.empty() || props.auto_fp32 > 0, m, what, " holds auto_fp32's decisions (",
+                auto_fp32->moved.size(), " module(s) moved to fp32, the first '", auto_fp32->moved.empty() ? "" :
+                auto_fp32->moved.front().second, "'), but this optimizer runs without auto_fp32. Initialize with "
+                "amp::Options(...).auto_fp32(patience) (config auto_fp32) to resume them.");
+    if (props.auto_fp32 > 0) optimizer.restore_auto_fp32_state(*auto_fp32);
+  }
   if (schedule) {
     std::string changes;
     auto note = [&](const char* name, const std::string& was, const std::string& now) {
@@ -167,6 +211,18 @@ void PythonCheckpoint::put_amp(std::string_view key, const OptimizerBase& optimi
     s.insert("loss_scale", scalers[i].loss_scale());
     s.insert("unskipped", scalers[i].unskipped());
     out.insert("loss_scaler" + std::to_string(i), s);
+  }
+  if (optimizer.properties().auto_fp32 > 0) {  // amp's key: Apex's amp.load_state_dict would refuse it
+    const auto state = optimizer.auto_fp32_state();
+    c10::List<int64_t> models;
+    c10::List<std::string> modules;
+    for (const auto& [model, module] : state.moved) models.push_back(model), modules.push_back(module);
+    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    entry.insert("models", models);
+    entry.insert("modules", modules);
+    entry.insert("overflows", state.overflows);
+    entry.insert("armed", state.armed);
+    out.insert("auto_fp32", entry);
   }
   put(key, out);
 }

@@ -650,3 +650,53 @@ TEST(AutoFp32Test, TheDecisionIsSavedAndResumesBitwiseWhicheverIsLoadedFirst) {
   std::filesystem::remove(opt_path);
   std::filesystem::remove(model_path);
 }
+
+// The same decision through a Python checkpoint: put_amp writes it beside Apex's loss scalers, load_amp moves the
+// module back to fp32, and training continues bitwise for the moved module.
+TEST(AutoFp32Test, TheDecisionTravelsInPythonCheckpoints) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  const std::string path = (std::filesystem::temp_directory_path() / "amp_auto_fp32_python.pt").string();
+  const auto make = [](int patience) {
+    auto net = overflowing_net(true);
+    auto init = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1e-3)),
+                                amp::Options(auto_fp32_options("O2")).auto_fp32(patience));
+    return std::make_tuple(net, std::move(init.model), std::move(init.optimizer));
+  };
+  const auto train = [](amp::Optimizer<torch::optim::SGD>& optimizer, amp::Model<torch::nn::Sequential>& model, int from,
+                        int to) {
+    for (int step = from; step < to; ++step) {
+      torch::manual_seed(50 + step);
+      optimizer.zero_grad();
+      amp::scale_loss(overflowing_loss(true, model, torch::randn({16, 4})), optimizer).backward();
+      optimizer.step();
+    }
+  };
+  auto [net, model, optimizer] = make(2);
+  train(optimizer, model, 0, 5);
+  ASSERT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"1 (auto_fp32)"});
+  {
+    amp::PythonCheckpoint out;
+    out.put_model("model", *net);
+    out.put_optimizer("optimizer", optimizer);
+    out.put_amp("amp", optimizer);
+    out.save(path);
+  }
+  train(optimizer, model, 5, 9);
+
+  const auto checkpoint = amp::PythonCheckpoint::load(path);
+  auto [net2, model2, optimizer2] = make(2);
+  checkpoint.load_model(*net2);
+  checkpoint.load_optimizer(optimizer2);
+  checkpoint.load_amp(optimizer2);
+  EXPECT_EQ(amp::fp32_modules(optimizer2), std::vector<std::string>{"1 (auto_fp32)"});
+  EXPECT_EQ(net2[1]->as<torch::nn::LinearImpl>()->weight.scalar_type(), torch::kFloat);
+  train(optimizer2, model2, 5, 9);
+  const auto a = net->parameters(), b = net2->parameters();
+  for (size_t i = 2; i < a.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << i;
+  EXPECT_EQ(optimizer2.skipped_steps() + 3, optimizer.skipped_steps());  // the 3 skips before the save are not state
+
+  auto [net3, model3, optimizer3] = make(0);
+  ASSERT_THROWS_WITH(checkpoint.load_amp(optimizer3), "holds auto_fp32's decisions (1 module(s) moved to fp32, the "
+                     "first '1'), but this optimizer runs without auto_fp32");
+  std::filesystem::remove(path);
+}

@@ -73,6 +73,16 @@ class OptimizerBase {
   const std::vector<LossScaler>& loss_scalers() const noexcept { return *scalers_; }
   /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.
   void restore_loss_scalers(std::vector<LossScaler> scalers);
+  /// Options::auto_fp32's state: the modules it moved to fp32 (model index in initialize's order, qualified name),
+  /// the overflows at the scale's floor counted since the last move, and whether the next forward is diagnosed.
+  struct AutoFp32State {
+    std::vector<std::pair<int64_t, std::string>> moved;
+    int64_t overflows = 0;
+    bool armed = false;
+  };
+  AutoFp32State auto_fp32_state() const;
+  /// Restores auto_fp32_state() (a checkpoint's): moves those modules to fp32 again, as the decision did.
+  void restore_auto_fp32_state(const AutoFp32State& state);
   /// For amp's gradient tools (amp::clip_grad_norm_): returns the defined gradients the next step() will use
   /// (the fp32 masters' at O2), after checking that none is still multiplied by a loss scale; `caller` names
   /// the call in the error.

@@ -107,7 +107,8 @@ class PythonCheckpoint {
   }
   /// Loads the loss scale and its clean-step counter from Apex's `amp.state_dict()` (`loss_scaler<i>`:
   /// `loss_scale`, `unskipped`) or torch.amp's `GradScaler.state_dict()` (`scale`, `_growth_tracker`, ...),
-  /// told apart by their keys.
+  /// told apart by their keys. An 'auto_fp32' entry (put_amp's) moves the modules auto_fp32 had moved back to fp32
+  /// and restores its overflow count, as torch::load of the optimizer does.
   void load_amp(OptimizerBase& optimizer, std::string_view key = "amp") const;
   /// Loads a torch.amp `GradScaler.state_dict()` into an amp::GradScaler (its scale, growth tracker and
   /// schedule), as `scaler.load_state_dict(checkpoint["scaler"])`.
@@ -128,7 +129,9 @@ class PythonCheckpoint {
   void put_optimizer(std::string_view key, Optimizer<Opt>& optimizer) {
     put_optimizer(key, static_cast<OptimizerBase&>(optimizer));
   }
-  /// Puts the loss scalers in Apex's `amp.state_dict()` format, for `amp.load_state_dict`.
+  /// Puts the loss scalers in Apex's `amp.state_dict()` format, for `amp.load_state_dict`. With Options::auto_fp32
+  /// on, the dict also holds amp's 'auto_fp32' entry ({'models', 'modules', 'overflows', 'armed'}: the modules it
+  /// moved to fp32), which Apex's amp.load_state_dict refuses as an unexpected key: pop it there.
   void put_amp(std::string_view key, const OptimizerBase& optimizer);
   /// Puts loss scaler `loss_id` in torch.amp's `GradScaler.state_dict()` format, for `scaler.load_state_dict`.
   void put_grad_scaler(std::string_view key, const OptimizerBase& optimizer, int loss_id = 0);
