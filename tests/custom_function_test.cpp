@@ -114,29 +114,6 @@ struct CustomFnCastMM : torch::autograd::Function<CustomFnCastMM> {
   }
 };
 
-// torch.autocast(device, dtype) without amp's kernels: the build's autocast turned on through the adapter.
-class CustomFnNativeRegion {
- public:
-  CustomFnNativeRegion(c10::DeviceType device, c10::ScalarType dtype)
-      : device_(device), was_enabled_(autocast::is_enabled(device)), was_dtype_(autocast::get_dtype(device)) {
-    autocast::set_dtype(device, dtype);
-    autocast::set_enabled(device, true);
-    autocast::increment_nesting();
-  }
-  ~CustomFnNativeRegion() {
-    if (autocast::decrement_nesting() == 0) autocast::clear_cache();
-    autocast::set_enabled(device_, was_enabled_);
-    autocast::set_dtype(device_, was_dtype_);
-  }
-  CustomFnNativeRegion(const CustomFnNativeRegion&) = delete;
-  CustomFnNativeRegion& operator=(const CustomFnNativeRegion&) = delete;
-
- private:
-  c10::DeviceType device_;
-  bool was_enabled_;
-  c10::ScalarType was_dtype_;
-};
-
 // An autocast region of either kind.
 class CustomFnRegion {
  public:
@@ -147,7 +124,7 @@ class CustomFnRegion {
 
  private:
   std::optional<amp::AutocastGuard> amp_;
-  std::optional<CustomFnNativeRegion> native_;
+  std::optional<autocast::NativeAutocastGuard> native_;  // torch.autocast without amp's kernels
 };
 
 // The autocast nesting count (a region's exit drops the weight-cast cache when it reaches 0).
