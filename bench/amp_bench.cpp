@@ -678,7 +678,7 @@ void versus_python_section() {
 }
 
 // What a cast kernel's dispatch costs per call, on tensors small enough that the op's math is negligible: ops in
-// each of O1's cases (an Apex row amp adds, a Promote row, a row native autocast has, an op in no list) with fp32
+// each of O1's cases (an Apex row amp adds, native promote and bf16 rows, an op in no list) with fp32
 // inputs, so no cast happens, under no autocast, ATen's autocast (amp's kernels registered but inactive), and amp's
 // O1 guard with either list.
 void o1_dispatch_section() {
@@ -688,7 +688,7 @@ void o1_dispatch_section() {
   const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
   const std::vector<std::pair<std::string, std::function<void()>>> ops = {
       {"softmax (Apex row: fp32)", [&] { (void)torch::softmax(a, -1); }},
-      {"cat (Apex row: promote)", [&] { (void)torch::cat({a, b}); }},
+      {"cat (native row: promote)", [&] { (void)torch::cat({a, b}); }},
       {"mm (native row: bf16)", [&] { (void)torch::mm(a, b); }},
       {"relu (no row)", [&] { (void)torch::relu(a); }}};
   for (const auto& [label, op] : ops) {
