@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include "jit_mirror.h"
+
 namespace amp {
 namespace {
 
@@ -25,12 +27,15 @@ bool is_frozen_locked(const torch::nn::Module& module) {
 }  // namespace
 
 bool is_batchnorm(const torch::nn::Module& module) {
+  if (const auto* node = dynamic_cast<const detail::JitModuleNode*>(&module)) return node->is_batchnorm();
   return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) ||
          dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) ||
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module);
 }
 
 bool is_frozen(const torch::nn::Module& module) {
+  // A TorchScript layer's mark lives on its TorchScript object (NOTE [TorchScript mirror]).
+  if (const auto* node = dynamic_cast<const detail::JitModuleNode*>(&module)) return node->frozen();
   std::lock_guard<std::mutex> lock(registry_mutex);
   return is_frozen_locked(module);
 }

@@ -27,14 +27,6 @@ namespace {
 std::mutex initialized_mutex;
 std::vector<std::weak_ptr<torch::nn::Module>> initialized_modules;
 
-bool already_initialized(const torch::nn::Module& module) {
-  std::lock_guard<std::mutex> lock(initialized_mutex);
-  for (const auto& weak : initialized_modules) {
-    if (auto m = weak.lock(); m.get() == &module) return true;
-  }
-  return false;
-}
-
 std::string message_of(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
   return e.what();
@@ -180,6 +172,14 @@ void print_banner(const Options& options, const Properties& properties) {
 }
 
 }  // namespace
+
+bool already_initialized(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(initialized_mutex);
+  for (const auto& weak : initialized_modules) {
+    if (auto m = weak.lock(); m.get() == &module) return true;
+  }
+  return false;
+}
 
 c10::DeviceType check_model(torch::nn::Module& module, const Options& options, const Properties& properties) {
   note_initialize();

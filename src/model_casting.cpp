@@ -1,6 +1,8 @@
 #include "model_casting.h"
 
 #include "amp/batchnorm.h"
+#include "lean_masters.h"
+#include "master_weights.h"
 #include "precision_policy.h"
 
 namespace amp::detail {
@@ -26,6 +28,39 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
     }
     for (const auto& t : m->buffers(/*recurse=*/false)) {
       if (t.is_floating_point() && cast(t)) out.insert(t.unsafeGetTensorImpl());
+    }
+  }
+  return out;
+}
+
+namespace {
+void named_tensors(torch::nn::Module& module, const std::string& prefix,
+                   std::vector<std::pair<std::string, at::Tensor>>& out) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& child : module.named_children()) named_tensors(*child.value(), prefix + child.key() + ".", out);
+}
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  named_tensors(module, "", out);
+  std::unordered_set<const MasterWeights*> refreshed;
+  for (auto& [name, value] : out) {
+    if (auto master = find_master(value)) {
+      auto& [table, index] = *master;
+      if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
+      value = table->master()[index];
+    } else if (auto lean = find_lean(value)) {
+      auto& [table, index] = *lean;
+      table->refresh_changed();
+      value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
+    } else if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) {
+      value = value.to(at::kFloat);
     }
   }
   return out;

@@ -45,6 +45,7 @@
 #include "amp/initialize.h"
 #include "amp/optimizer.h"
 #include "format.h"
+#include "jit_mirror.h"
 #include "libtorch_module_types.h"
 #include "model_casting.h"
 
@@ -181,12 +182,22 @@ const std::map<std::string, Matcher>& libtorch_types() {
   return types;
 }
 
-Matcher matcher_of(const ModuleType& type) {
-  if (type.matches) return type.matches;
-  const auto it = libtorch_types().find(type.name);
-  TORCH_CHECK(it != libtorch_types().end(), "amp::initialize: keep_fp32_types names '", type.name, "', which is not a "
-              "LibTorch module type. Use LibTorch's names (LayerNorm, Embedding, ...) or keep_fp32_type<MyModuleImpl>().");
-  return it->second;
+// `torchscript`: the models are TorchScript mirrors, whose modules go by their class's name ("LayerNorm", a Python
+// class's own name), so a name that is no LibTorch type may still name one of them.
+Matcher matcher_of(const ModuleType& type, bool torchscript) {
+  Matcher cxx = type.matches;
+  if (!cxx) {
+    const auto it = libtorch_types().find(type.name);
+    TORCH_CHECK(it != libtorch_types().end() || torchscript, "amp::initialize: keep_fp32_types names '", type.name,
+                "', which is not a LibTorch module type. Use LibTorch's names (LayerNorm, Embedding, ...) or "
+                "keep_fp32_type<MyModuleImpl>().");
+    if (it != libtorch_types().end()) cxx = it->second;
+  }
+  if (!torchscript) return cxx;
+  return [cxx, name = type.name](const torch::nn::Module& m) {
+    if (const auto* node = dynamic_cast<const JitModuleNode*>(&m)) return node->class_name() == name;
+    return cxx && cxx(m);
+  };
 }
 
 bool keeps_batchnorm(const torch::nn::Module& m, const Properties& p) {
@@ -412,8 +423,11 @@ PrecisionPolicy::Action PrecisionPolicy::decide(const c10::IValue* args, size_t 
 }
 
 void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, const Properties& p) {
+  const bool torchscript = std::any_of(models.begin(), models.end(), [](const torch::nn::Module* m) {
+    return holds_jit_modules(*m);
+  });
   std::vector<Matcher> matchers;
-  for (const auto& type : p.keep_fp32_types) matchers.push_back(matcher_of(type));
+  for (const auto& type : p.keep_fp32_types) matchers.push_back(matcher_of(type, torchscript));
   std::vector<bool> pattern_used(p.keep_fp32.size(), false), type_used(p.keep_fp32_types.size(), false);
   std::vector<std::string> all_names;
   std::vector<std::vector<KeptModule>> kept(models.size());

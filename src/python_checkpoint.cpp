@@ -28,6 +28,7 @@
 #include "format.h"
 #include "lean_masters.h"
 #include "master_weights.h"
+#include "model_casting.h"
 #include "optimizer_formats.h"
 #include "optimizer_state_key.h"
 #include "pickle.h"
@@ -564,25 +565,8 @@ void PythonCheckpoint::erase(std::string_view key) {
 }
 
 void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  named_state(module, "", tensors);
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  std::unordered_set<const detail::MasterWeights*> refreshed;
-  for (const auto& [name, t] : tensors) {
-    at::Tensor value = t;
-    if (auto master = detail::find_master(t)) {
-      auto& [table, index] = *master;
-      if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
-      value = table->master()[index];
-    } else if (auto lean = detail::find_lean(t)) {
-      auto& [table, index] = *lean;
-      table->refresh_changed();
-      value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
-    } else if (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) {
-      value = t.to(at::kFloat);
-    }
-    dict.insert(name, cpu_copy(value));
-  }
+  for (const auto& [name, value] : detail::fp32_state(module)) dict.insert(name, cpu_copy(value));
   put(key, dict);
 }
 

@@ -41,3 +41,4 @@
 #include "amp/python_checkpoint.h"
 #include "amp/scale_loss.h"
 #include "amp/tensorboard.h"
+#include "amp/torchscript.h"

@@ -39,6 +39,8 @@ namespace detail {
 /// Checks the model (fp32 parameters and buffers, not initialized before, dtype computable on its
 /// device), prints the banner at verbosity >= 1 and returns the device the model lives on.
 c10::DeviceType check_model(torch::nn::Module& module, const Options& options, const Properties& properties);
+/// Returns whether `module` went through initialize already.
+bool already_initialized(const torch::nn::Module& module);
 /// Casts parameters and buffers to cast_model_type (BatchNorm kept fp32 when asked) and marks the
 /// model initialized.
 void cast_model(torch::nn::Module& module, const Properties& properties);
@@ -49,6 +51,19 @@ void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, con
 inline Properties quiet(Properties p) {
   p.verbosity = 0;  // one banner per initialize call
   return p;
+}
+
+/// What initialize accepts as an optimizer, checked at compile time where it can be.
+template <class Opt>
+void check_optimizer_type() {
+  static_assert(std::is_base_of_v<torch::optim::Optimizer, Opt>,
+                "amp::initialize: the optimizer must be a torch::optim optimizer (SGD, Adam, AdamW, ...)");
+  static_assert(!std::is_base_of_v<OptimizerBase, Opt>,
+                "amp::initialize: this optimizer is already an amp::Optimizer, returned by an earlier "
+                "amp::initialize. Pass each optimizer through amp::initialize once.");
+  TORCH_CHECK(!(std::is_base_of_v<torch::optim::LBFGS, Opt>),
+              "amp::initialize: LBFGS needs a closure in step(), and amp does not support closure use with "
+              "optimizers (as Apex). Use an optimizer without closures (SGD, Adam, AdamW, RMSprop, Adagrad).");
 }
 
 template <class... Modules, size_t... I>
@@ -63,14 +78,7 @@ std::tuple<Model<Modules>...> make_models(std::tuple<Modules...> models, const P
 /// module (the returned Model shares it); `optimizer` is any torch::optim optimizer, moved in.
 template <class Module, class Opt>
 Initialized<Module, Opt> initialize(Module model, Opt optimizer, const Options& options) {
-  static_assert(std::is_base_of_v<torch::optim::Optimizer, Opt>,
-                "amp::initialize: the optimizer must be a torch::optim optimizer (SGD, Adam, AdamW, ...)");
-  static_assert(!std::is_base_of_v<OptimizerBase, Opt>,
-                "amp::initialize: this optimizer is already an amp::Optimizer, returned by an earlier "
-                "amp::initialize. Pass each optimizer through amp::initialize once.");
-  TORCH_CHECK(!(std::is_base_of_v<torch::optim::LBFGS, Opt>),
-              "amp::initialize: LBFGS needs a closure in step(), and amp does not support closure use with "
-              "optimizers (as Apex). Use an optimizer without closures (SGD, Adam, AdamW, RMSprop, Adagrad).");
+  detail::check_optimizer_type<Opt>();
   const Properties properties = options.resolve();
   auto module = detail::module_pointer(model);
   TORCH_CHECK(module != nullptr, "amp::initialize: the model is empty (a default-constructed holder or null pointer).");

@@ -12,6 +12,10 @@
 #include <utility>
 #include <vector>
 
+namespace torch::jit {
+struct Module;
+}
+
 namespace amp {
 
 class OptimizerBase;
@@ -95,6 +99,10 @@ class PythonCheckpoint {
   /// as the state_dict (`torch.save(model.state_dict(), path)`).
   void load_model(torch::nn::Module& module, std::string_view key = "model") const;
   void load_model(torch::nn::Module& module, std::string_view key, const PythonCheckpointLoadOptions& options) const;
+  /// The same for a TorchScript module (amp/torchscript.h), before or after amp::initialize: a Python
+  /// `model.state_dict()` loads into the scripted or traced module by the same qualified names.
+  void load_model(torch::jit::Module& module, std::string_view key = "model") const;
+  void load_model(torch::jit::Module& module, std::string_view key, const PythonCheckpointLoadOptions& options) const;
   /// Loads an `optimizer.state_dict()` (SGD, Adam, AdamW, RMSprop or Adagrad, the type the optimizer
   /// has) into `optimizer`: per-parameter state, at O2 into the fp32 masters' state, and each group's
   /// hyperparameters (the file's win, as in Python).
@@ -122,6 +130,7 @@ class PythonCheckpoint {
   /// Puts `module`'s state_dict, in fp32 as Apex's O2 state_dict hook returns it: the fp32 master's
   /// value where a parameter has one, else the tensor converted from float16/bfloat16.
   void put_model(std::string_view key, torch::nn::Module& module);
+  void put_model(std::string_view key, torch::jit::Module& module);
   /// Puts `optimizer`'s state in `optimizer.state_dict()`'s format, for `optimizer.load_state_dict`.
   void put_optimizer(std::string_view key, OptimizerBase& optimizer);
   void put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer);
