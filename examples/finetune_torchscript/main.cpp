@@ -20,7 +20,7 @@
 
 int main(int argc, char** argv) {
   std::string data, model_path = "pretrained_resnet.pt", out_path = "finetuned_resnet.pt";
-  int epochs = 4;
+  int epochs = 6;
   double lr = 0.02;
   amp::ProgramFlags flags("finetune_torchscript: fine-tune a TorchScript model saved by Python, BatchNorm frozen");
   flags.add("data", &data, "digits.csv from scikit-learn (the file pretrain.py read)")

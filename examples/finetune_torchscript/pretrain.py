@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Python's half of examples/finetune_torchscript: define a small ResNet in Python, pretrain it in fp32 on digits
-0-4 and save it with torch.jit.script, as a pretrained model comes out of a Python codebase.
+0-4, give it a fresh head for the new task and save it with torch.jit.script, as a pretrained model comes out of a
+Python codebase.
 
   pretrain.py DIGITS_CSV OUT.pt [--epochs N]
 
@@ -83,6 +84,7 @@ def main():
     with torch.no_grad():
         accuracy = (net(vx).argmax(1) == vy).float().mean().item()
     print(f"pretrained in Python (fp32) on digits 0-4: {100 * accuracy:.2f}% validation accuracy")
+    net.head = nn.Linear(32, 5)  # a fresh head for the new task (digits 5-9); the body keeps what it learned
     torch.jit.script(net.train()).save(args.out)
     print(f"saved with torch.jit.script: {args.out}")
 
