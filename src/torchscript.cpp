@@ -173,6 +173,9 @@ std::shared_ptr<torch::nn::Module> jit_mirror(const torch::jit::Module& model) {
 std::pair<std::shared_ptr<torch::nn::Module>, c10::DeviceType> begin_initialize(const torch::jit::Module& model,
                                                                                 const Options& options,
                                                                                 const Properties& properties) {
+  TORCH_CHECK(properties.auto_fp32 == 0, "amp::initialize: auto_fp32 (", properties.auto_fp32, ") does not take "
+              "TorchScript models yet: its diagnosis watches the ops of torch::nn::Module layers. Name the modules to "
+              "keep in fp32 with keep_fp32 (config keep_fp32 = ...), or set auto_fp32 0.");
   auto mirror = jit_mirror_node(model);
   TORCH_CHECK(!mirror->parameters().empty(), "amp::initialize: the TorchScript module (", mirror->type_name(),
               ") has no parameters, so amp has nothing to cast or train. A module saved after torch.jit.freeze or "
@@ -301,11 +304,13 @@ void Model<torch::jit::Module>::train(bool on) {
   std::string traced;
   for (const auto& item : mirror_->named_modules("", /*include_self=*/true)) {
     const auto* node = dynamic_cast<const detail::JitModuleNode*>(item.value().get());
-    if (node && node->traced_training() == std::optional<bool>(true)) traced += (traced.empty() ? "'" : ", '") + item.key() + "'";
+    if (node && node->traced_training() == std::optional<bool>(true)) {
+      traced += (traced.empty() ? "'" : ", '") + (item.key().empty() ? std::string("<the module itself>") : item.key()) + "'";
+    }
   }
   if (traced.empty()) return;
   warned_traced_batchnorm_ = true;
-  TORCH_WARN("amp::Model::eval: BatchNorm layer(s) ", traced, "' of this TorchScript module were traced in training "
+  TORCH_WARN("amp::Model::eval: BatchNorm layer(s) ", traced, " of this TorchScript module were traced in training "
              "mode: their graphs normalize with batch statistics and update the running statistics even in eval mode. "
              "For evaluation, trace the model in eval mode or script it.");
 }

@@ -254,6 +254,41 @@ TEST(TorchScriptTest, FreezingALayerTracedInTrainingModeThrows) {
   for (const auto& p : net.parameters()) EXPECT_TRUE(p.requires_grad());
 }
 
+namespace {
+// Collects TORCH_WARN messages while it lives.
+class TsWarnings : public c10::WarningHandler {
+ public:
+  TsWarnings() : guard_(this) {}
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
+#endif
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+}  // namespace
+
+TEST(TorchScriptTest, EvalWarnsOnceAboutLayersTracedInTrainingMode) {
+  SKIP_WITHOUT_MODELS();
+  auto model = amp::initialize(torch::jit::load(model_path("resnet_traced_train.pt")), amp::Options("O0").verbosity(0));
+  TsWarnings warnings;
+  model.eval();
+  model.train();
+  model.eval();
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("BatchNorm layer(s) 'bn', 'layer1.bn1', 'layer1.bn2', 'layer2.bn1', 'layer2.bn2', "
+                                      "'layer2.down.1' of this TorchScript module were traced in training mode"),
+            std::string::npos)
+      << warnings.messages[0];
+  // A module traced in eval mode: nothing to warn about.
+  auto eval_traced = amp::initialize(torch::jit::load(model_path("resnet_traced.pt")), amp::Options("O0").verbosity(0));
+  eval_traced.eval();
+  EXPECT_EQ(warnings.messages.size(), 1u);
+}
+
 TEST(TorchScriptTest, LoopOfSubmodulesKeepsFp32IslandsByQualifiedNameAndType) {
   SKIP_WITHOUT_MODELS();
   for (const bool by_type : {false, true}) {
@@ -325,6 +360,9 @@ TEST(TorchScriptTest, MisuseGetsClearErrors) {
     ASSERT_THROWS_WITH(amp::initialize(frozen, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)), "has no parameters");
     ASSERT_THROWS_WITH(amp::initialize(frozen, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)), "torch.jit.freeze");
   }
+  ASSERT_THROWS_WITH(amp::initialize(torch::jit::load(model_path("dict.pt")),
+                                     amp::Options("O2").low_precision_dtype(torch::kBFloat16).auto_fp32(8).verbosity(0)),
+                     "auto_fp32 (8) does not take TorchScript models yet");
   {
     torch::jit::Module half = torch::jit::load(model_path("half.pt"));
     torch::optim::SGD sgd(amp::parameters(half), torch::optim::SGDOptions(0.1));

@@ -5,11 +5,16 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <memory>
 #include <utility>
 
 #include "amp/model.h"
 #include "amp/parallel/process_group.h"
+
+namespace torch::jit {
+struct Module;
+}
 
 namespace amp::parallel {
 
@@ -107,6 +112,10 @@ class [[nodiscard]] NoSyncGuard {
 ///   optimizer.step();
 template <class Module>
 class DistributedDataParallel {
+  static_assert(!std::is_same_v<Module, torch::jit::Module>,
+                "amp::parallel::make_distributed does not take TorchScript models (amp::Model<torch::jit::Module>) "
+                "yet: train a TorchScript model on one process, or define the network as a torch::nn::Module.");
+
  public:
   DistributedDataParallel(Model<Module> model, ProcessGroup group, DistributedDataParallelOptions options = {})
       : model_(std::move(model)),
