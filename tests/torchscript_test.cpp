@@ -152,7 +152,11 @@ void expect_matches(const TsRun& run, const std::string& key) {
       worst = std::max(worst, max_abs_diff(ours, expected));
     }
   }
-  if (!same_kernels()) EXPECT_LE(worst, fp32 ? 1e-4 : 5e-2) << "LibTorch " << TORCH_VERSION << " against Python's wheel";
+  if (!same_kernels()) {
+    std::cout << "[ measured ] " << key << ": LibTorch " << TORCH_VERSION << " against Python's wheel, largest parameter "
+              << "difference " << worst << std::endl;
+    EXPECT_LE(worst, fp32 ? 1e-4 : 5e-2) << "LibTorch " << TORCH_VERSION << " against Python's wheel";
+  }
 }
 
 // The frozen layers' statistics, as Python pretrained them.
@@ -267,7 +271,11 @@ class TsWarnings : public c10::WarningHandler {
   std::vector<std::string> messages;
 
  private:
+#if TORCH_VERSION_MAJOR >= 2
   c10::WarningUtils::WarningHandlerGuard guard_;
+#else
+  c10::Warning::WarningHandlerGuard guard_;
+#endif
 };
 }  // namespace
 
