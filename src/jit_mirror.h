@@ -54,7 +54,7 @@ class JitModuleNode : public torch::nn::Module {
     size_t slot;
     const c10::TensorImpl* tensor;
   };
-  void collect_slots(const std::string& prefix, std::vector<Slot>& out) const;
+  JitModuleNode(const torch::jit::Module& module, bool root, std::string type_name);
 
   torch::jit::Module module_;
   std::string type_name_;

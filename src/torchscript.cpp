@@ -99,11 +99,12 @@ class OpByOpGuard {
 }  // namespace
 
 JitModuleNode::JitModuleNode(const torch::jit::Module& module, bool root)
-    : torch::nn::Module(demangled_type_name(module)), module_(module), type_name_(demangled_type_name(module)) {
-  static const std::string batchnorm = "__torch__.torch.nn.modules.batchnorm.BatchNorm";
-  is_batchnorm_ = type_name_.size() == batchnorm.size() + 2 && type_name_.compare(0, batchnorm.size(), batchnorm) == 0 &&
-                  (type_name_.substr(batchnorm.size()) == "1d" || type_name_.substr(batchnorm.size()) == "2d" ||
-                   type_name_.substr(batchnorm.size()) == "3d");
+    : JitModuleNode(module, root, demangled_type_name(module)) {}
+
+JitModuleNode::JitModuleNode(const torch::jit::Module& module, bool root, std::string type_name)
+    : torch::nn::Module(type_name), module_(module), type_name_(std::move(type_name)) {
+  const std::string batchnorm = "__torch__.torch.nn.modules.batchnorm.", name = class_name();
+  is_batchnorm_ = type_name_ == batchnorm + name && (name == "BatchNorm1d" || name == "BatchNorm2d" || name == "BatchNorm3d");
   if (is_batchnorm_) traced_training_ = baked_training(module);
   torch::nn::Module::train(module.is_training());  // before children exist: this node's flag alone
   for (const auto& p : module.named_parameters(/*recurse=*/false)) register_parameter(p.name, p.value, p.value.requires_grad());

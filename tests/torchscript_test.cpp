@@ -184,6 +184,26 @@ TEST(TorchScriptTest, ScriptedModelTrainsAsPythonAtEveryLevelWithFrozenBatchNorm
   }
 }
 
+TEST(TorchScriptTest, ApexListsAtO1TrainCloseToTorchAutocast) {
+  SKIP_WITHOUT_MODELS();
+  // Apex's lists (the default) differ from torch.autocast's only in ops this network does not run in a way that
+  // matters here; the steps stay within bf16 rounding of the native lists' reference.
+  const TsRun run = train_jit("resnet_scripted.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  const auto ref = reference().get("O1_bf16").toGenericDict();
+  const auto ref_losses = ref.at("losses").toList();
+  for (size_t i = 0; i < run.losses.size(); ++i) {
+    EXPECT_NEAR(run.losses[i], ref_losses.get(i).toDouble(), 1e-2 * ref_losses.get(i).toDouble()) << "step " << i;
+  }
+  double worst = 0.0;
+  for (const auto& item : ref.at("state").toGenericDict()) {
+    worst = std::max(worst, max_abs_diff(run.state.at(item.key().toStringRef()), item.value().toTensor()));
+  }
+  std::cout << "[ measured ] O1 bf16, Apex's lists against torch.autocast's: largest parameter difference " << worst
+            << std::endl;
+  EXPECT_LE(worst, 5e-2);
+  expect_statistics_unchanged(run);
+}
+
 TEST(TorchScriptTest, TracedModelTrainsAsPython) {
   SKIP_WITHOUT_MODELS();
   // O1 is left out: a traced graph calls aten::_convolution, which no autocast list holds (its own test below).
@@ -349,6 +369,13 @@ TEST(TorchScriptTest, OutputsInsideDictsTuplesAndListsAreCast) {
     EXPECT_EQ(out.at("logits").toTensor().scalar_type(), torch::kFloat);
     EXPECT_EQ(out.at("features").toTensor().scalar_type(), torch::kFloat);
   }
+  // The OptLevel overloads reach the TorchScript ones too.
+  auto o0 = amp::initialize(torch::jit::load(model_path("dict.pt")), amp::OptLevel::O0);
+  EXPECT_EQ(o0(torch::randn({2, 16})).toGenericDict().at("logits").toTensor().scalar_type(), torch::kFloat);
+  torch::jit::Module trained = torch::jit::load(model_path("dict.pt"));
+  torch::optim::SGD sgd(amp::parameters(trained), torch::optim::SGDOptions(0.1));
+  auto [model, optimizer] = amp::initialize(trained, std::move(sgd), amp::OptLevel::O0);
+  EXPECT_EQ(optimizer.properties().opt_level, amp::OptLevel::O0);
   // The cast itself, on every container an IValue output can be.
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
   dict.insert("a", torch::ones({2}, torch::kBFloat16));
@@ -488,6 +515,53 @@ TEST(TorchScriptTest, SavedModuleRunsInPythonWithFp32Weights) {
   const std::string command = ts_python() + " '" + (dir / "check.py").string() + "' '" + (dir / "finetuned.pt").string() +
                               "' '" + model_path("data.pt") + "' '" + (dir / "cpp_logits.pt").string() + "' 2>&1";
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
+}
+
+TEST(TorchScriptTest, LeanMastersWithAFusedOptimizerSaveTheirFp32Values) {
+  SKIP_WITHOUT_MODELS();
+  torch::jit::Module net = torch::jit::load(model_path("resnet_scripted.pt"));
+  amp::freeze_batchnorm(net);
+  amp::optim::FusedSGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16)
+                                                                    .master_weights_format(amp::MasterWeights::kSplit)
+                                                                    .verbosity(0));
+  model.train();
+  std::vector<double> losses;
+  for (int i = 0; i < 4; ++i) {
+    optimizer.zero_grad();
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({data_x()}).toTensor(), data_y());
+    losses.push_back(loss.item<double>());
+    {
+      auto scaled = amp::scale_loss(loss, optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  }
+  EXPECT_LT(losses.back(), losses.front());
+  EXPECT_EQ(net.attr("fc").toModule().attr("weight").toTensor().scalar_type(), torch::kBFloat16);
+  // The fp32 values the split format keeps (bf16 weight + low 16 bits), in the saved module and in put_model's dict.
+  const auto values = amp::detail::fp32_state(*amp::detail::jit_mirror(net));
+  const fs::path dir = ts_dir() / "lean";
+  fs::create_directories(dir);
+  model.save((dir / "module.pt").string());
+  amp::PythonCheckpoint out;
+  out.put_model("model", net);
+  out.save((dir / "state.pt").string());
+  const auto saved = torch::jit::load((dir / "module.pt").string());
+  const auto state = amp::PythonCheckpoint::load((dir / "state.pt").string()).get("model").toGenericDict();
+  const auto saved_state = [&] {
+    std::map<std::string, torch::Tensor> m;
+    for (const auto& p : saved.named_parameters()) m[p.name] = p.value;
+    return m;
+  }();
+  int differs_from_bf16 = 0;
+  for (const auto& [name, value] : values) {
+    EXPECT_TRUE(amp_test::bitwise_equal(state.at(name).toTensor(), value)) << name;
+    if (!saved_state.count(name)) continue;
+    EXPECT_TRUE(amp_test::bitwise_equal(saved_state.at(name), value)) << name;
+    differs_from_bf16 += !torch::equal(value, value.to(torch::kBFloat16).to(torch::kFloat));
+  }
+  EXPECT_GT(differs_from_bf16, 0) << "the saved values are the fp32 ones, not the bf16 weights";
 }
 
 TEST(TorchScriptTest, PythonStateDictLoadsIntoTheInitializedModule) {
