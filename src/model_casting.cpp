@@ -34,21 +34,26 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
 }
 
 namespace {
-void named_tensors(torch::nn::Module& module, const std::string& prefix,
-                   std::vector<std::pair<std::string, at::Tensor>>& out) {
+void collect_tensors(torch::nn::Module& module, const std::string& prefix,
+                     std::vector<std::pair<std::string, at::Tensor>>& out) {
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
     if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
   }
   for (const auto& item : module.named_buffers(/*recurse=*/false)) {
     if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
   }
-  for (const auto& child : module.named_children()) named_tensors(*child.value(), prefix + child.key() + ".", out);
+  for (const auto& child : module.named_children()) collect_tensors(*child.value(), prefix + child.key() + ".", out);
 }
 }  // namespace
 
-std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
+std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module& module) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  named_tensors(module, "", out);
+  collect_tensors(module, "", out);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
+  auto out = named_tensors(module);
   std::unordered_set<const MasterWeights*> refreshed;
   for (auto& [name, value] : out) {
     if (auto master = find_master(value)) {

@@ -20,6 +20,10 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
 /// Returns whether `properties` cast the model to a low-precision dtype.
 bool casts_model_to_low_precision(const Properties& properties);
 
+/// Returns the module's parameters and buffers by qualified name, in Python's state_dict order (each module's own
+/// parameters, then its buffers, then its children).
+std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module& module);
+
 /// Returns the module's parameters and buffers as a Python state_dict orders them, each with its fp32 value where
 /// amp keeps one: a parameter's fp32 master (O2), the value a lean master format keeps, else low-precision tensors
 /// cast to fp32 (Apex's O2 state_dict hook). Not copied: a tensor already fp32 is the model's own.

@@ -59,19 +59,6 @@ using detail::quoted_list;
 using detail::state_key;
 using detail::type_of;
 
-// The module's parameters and buffers under their qualified names, in Python's state_dict order
-// (each module's own parameters, then its buffers, then its children).
-void named_state(torch::nn::Module& module, const std::string& prefix,
-                 std::vector<std::pair<std::string, at::Tensor>>& out) {
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
-  }
-  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
-    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
-  }
-  for (const auto& child : module.named_children()) named_state(*child.value(), prefix + child.key() + ".", out);
-}
-
 // One parameter's state, read and checked, ready to be installed.
 struct PendingState {
   at::Tensor param;  // the tensor in param_groups (the fp32 master at O2)
@@ -317,8 +304,7 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
     }
   }
 
-  std::vector<std::pair<std::string, at::Tensor>> targets;
-  named_state(module, "", targets);
+  const std::vector<std::pair<std::string, at::Tensor>> targets = detail::named_tensors(module);
   std::unordered_map<std::string, size_t> target_index;
   for (size_t i = 0; i < targets.size(); ++i) target_index.emplace(targets[i].first, i);
 
