@@ -1,10 +1,11 @@
 // amp's benchmarks: what each level costs and buys, and what amp's own machinery costs.
-//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|o1_profile|o1_dispatch|versus_python|masters|policy] [--reps 7] [--csv FILE]
+//   amp_bench [--section all|steps|overhead|unscale|fused|clip|lamb|checkpoint|o1|o1_profile|o1_dispatch|versus_python|masters|policy|torchscript] [--reps 7] [--csv FILE]
 // Every number is the median of --reps repetitions after warm-up; each repetition runs enough steps
 // to last ~0.3 s. Prints markdown tables and, with --csv, one CSV row per measurement.
 
 #include <amp/amp.h>
 #include <torch/torch.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -813,12 +814,106 @@ void policy_section() {
   std::printf("\n");
 }
 
+// bench::Cnn's network written in TorchScript (functional ops on the module's own parameters and buffers), as
+// torch::jit::load would return it, with bench::Cnn's initial weights.
+torch::jit::Module jit_cnn(bench::Cnn& twin) {
+  torch::jit::Module m("__torch__.JitCnn");
+  m.register_attribute("training", c10::BoolType::get(), true);
+  for (const auto& p : twin->named_parameters()) {
+    std::string name = p.key();
+    std::replace(name.begin(), name.end(), '.', '_');
+    m.register_parameter(name, p.value().detach().clone().requires_grad_(true), false);
+  }
+  for (const auto& b : twin->named_buffers()) {
+    std::string name = b.key();
+    std::replace(name.begin(), name.end(), '.', '_');
+    m.register_buffer(name, b.value().detach().clone());
+  }
+  m.define(R"(
+def forward(self, x):
+    h = torch.conv2d(x, self.conv1_weight, self.conv1_bias, [1, 1], [1, 1])
+    h = torch.batch_norm(h, self.bn1_weight, self.bn1_bias, self.bn1_running_mean, self.bn1_running_var, self.training, 0.1, 1e-5, False)
+    h = torch.max_pool2d(torch.relu(h), [2, 2])
+    h = torch.conv2d(h, self.conv2_weight, self.conv2_bias, [1, 1], [1, 1])
+    h = torch.batch_norm(h, self.bn2_weight, self.bn2_bias, self.bn2_running_mean, self.bn2_running_var, self.training, 0.1, 1e-5, False)
+    h = torch.max_pool2d(torch.relu(h), [2, 2])
+    return torch.linear(torch.flatten(h, 1), self.fc_weight, self.fc_bias)
+)");
+  m.train();
+  return m;
+}
+
+void torchscript_section() {
+  std::printf("## TorchScript models\n\nbench::Cnn (batch 32, 3x32x32) as a torch::nn::Module and as its TorchScript "
+              "twin (one flat module, so its BatchNorm is cast at O2 like any parameter); SGD with momentum; a step is "
+              "zero_grad, forward, cross-entropy, backward, step. amp's forward runs the graph op by op (NOTE "
+              "[TorchScript runs op by op]); the plain rows show what the graph executor's optimization is worth here. "
+              "Alternating repetitions; ratio to the nn::Module's plain fp32 step.\n\n"
+              "| model | config | ms/step | / nn::Module fp32 |\n|---|---|---|---|\n");
+  torch::manual_seed(0);
+  const auto x = bench::input_for("cnn");
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+  auto sgd_options = torch::optim::SGDOptions(0.01).momentum(0.9);
+  bench::Cnn net;
+  torch::optim::SGD net_sgd(net->parameters(), sgd_options);
+  auto plain_jit = [&](bool optimize) {
+    torch::jit::Module m = jit_cnn(net);
+    auto sgd = std::make_shared<torch::optim::SGD>(amp::parameters(m), sgd_options);
+    return [m, sgd, optimize, &x, &y]() mutable {
+      const bool previous = torch::jit::getGraphExecutorOptimize();
+      torch::jit::setGraphExecutorOptimize(optimize);
+      sgd->zero_grad();
+      torch::nn::functional::cross_entropy(m.forward({x}).toTensor(), y).backward();
+      sgd->step();
+      torch::jit::setGraphExecutorOptimize(previous);
+    };
+  };
+  auto amp_jit = [&](const amp::Options& options) {
+    torch::jit::Module m = jit_cnn(net);
+    auto init = std::make_shared<amp::Initialized<torch::jit::Module, torch::optim::SGD>>(
+        amp::initialize(m, torch::optim::SGD(amp::parameters(m), sgd_options), amp::Options(options).verbosity(0)));
+    return [init, &x, &y] {
+      init->optimizer.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(init->model(x).toTensor(), y);
+      {
+        auto scaled_loss = amp::scale_loss(loss, init->optimizer);
+        scaled_loss.backward();
+      }
+      init->optimizer.step();
+    };
+  };
+  bench::Cnn amp_net;
+  auto amp_module = std::make_shared<amp::Initialized<bench::Cnn, torch::optim::SGD>>(amp::initialize(
+      amp_net, torch::optim::SGD(amp_net->parameters(), sgd_options), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)));
+  const std::vector<std::pair<std::string, std::function<void()>>> rows = {
+      {"nn::Module | plain fp32", [&] {
+         net_sgd.zero_grad();
+         torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+         net_sgd.step();
+       }},
+      {"TorchScript | plain fp32, executor optimizing", plain_jit(true)},
+      {"TorchScript | plain fp32, op by op", plain_jit(false)},
+      {"TorchScript | amp O0", amp_jit(amp::Options("O0"))},
+      {"TorchScript | amp O1 bf16", amp_jit(amp::Options("O1").low_precision_dtype(torch::kBFloat16))},
+      {"TorchScript | amp O2 bf16", amp_jit(amp::Options("O2").low_precision_dtype(torch::kBFloat16))},
+      {"nn::Module | amp O2 bf16", [amp_module, &x, &y] { bench::amp_step(amp_module->model, amp_module->optimizer, x, y); }},
+  };
+  std::vector<std::function<void()>> fs;
+  for (const auto& row : rows) fs.push_back(row.second);
+  const auto t = time_alternating(fs);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::printf("| %s | %.3f | %.2fx |\n", rows[i].first.c_str(), 1e3 * t[i], t[i] / t[0]);
+    record("torchscript", "cnn", rows[i].first, "ms_per_step", 1e3 * t[i]);
+  }
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | o1_profile | o1_dispatch | versus_python | masters | policy").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | o1_profile | o1_dispatch | versus_python | masters | policy | torchscript").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -855,6 +950,7 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "o1_dispatch") o1_dispatch_section();
     if (section == "all" || section == "masters") masters_section(meter);
     if (section == "all" || section == "policy") policy_section();
+    if (section == "all" || section == "torchscript") torchscript_section();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;
