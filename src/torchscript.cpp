@@ -10,8 +10,9 @@
 // own thread (setGraphExecutorOptimize is thread local; the JIT's global autocast switch is left alone): the graph
 // then runs each op through the dispatcher with eager autograd, so autocast (O1), the precision policy and amp's
 // cast kernels act exactly as on a torch::nn::Module, and a step equals Python's eager step on the same scripted
-// module (tests/torchscript_test.cpp). CPU fusers do nothing a default build would do here; on CUDA the NVFuser /
-// NNC fusion groups are not formed without optimization either.
+// module (tests/torchscript_test.cpp). Without optimization the executor forms no differentiable graphs and no
+// fusion groups; on the CPU that costs nothing measurable (amp_bench --section torchscript: the bench CNN's plain
+// step op by op was faster than optimized). Not yet measured on a GPU, where fusion groups can matter.
 
 #include "amp/torchscript.h"
 
@@ -21,6 +22,7 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 
 #include <algorithm>
+#include <cctype>
 #include <mutex>
 #include <utility>
 
