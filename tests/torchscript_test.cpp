@@ -48,22 +48,22 @@ const fs::path& ts_dir() {
     if (ts_dir().empty()) GTEST_SKIP() << "these tests need Python with the torch wheel (set AMP_PYTHON)"; \
   } while (0)
 
-std::string model_path(const std::string& name) { return (ts_dir() / name).string(); }
+std::string ts_model_path(const std::string& name) { return (ts_dir() / name).string(); }
 
-const amp::PythonCheckpoint& data() {
-  static const amp::PythonCheckpoint d = amp::PythonCheckpoint::load(model_path("data.pt"));
+const amp::PythonCheckpoint& ts_data() {
+  static const amp::PythonCheckpoint d = amp::PythonCheckpoint::load(ts_model_path("data.pt"));
   return d;
 }
-const amp::PythonCheckpoint& reference() {
-  static const amp::PythonCheckpoint r = amp::PythonCheckpoint::load(model_path("reference.pt"));
+const amp::PythonCheckpoint& ts_reference() {
+  static const amp::PythonCheckpoint r = amp::PythonCheckpoint::load(ts_model_path("reference.pt"));
   return r;
 }
-torch::Tensor data_x() { return data().get("x").toTensor(); }
-torch::Tensor data_y() { return data().get("y").toTensor(); }
+torch::Tensor ts_x() { return ts_data().get("x").toTensor(); }
+torch::Tensor ts_y() { return ts_data().get("y").toTensor(); }
 
 // Python's wheel is the LibTorch this test runs on: the same kernels, so the same bits.
-bool same_kernels() {
-  const std::string python_torch = reference().get("torch_version").toStringRef();
+bool ts_same_kernels() {
+  const std::string python_torch = ts_reference().get("torch_version").toStringRef();
   return python_torch.substr(0, python_torch.find('+')) == TORCH_VERSION;
 }
 
@@ -72,11 +72,11 @@ struct TsRun {
   std::map<std::string, torch::Tensor> state;  // fp32 values (masters at O2), by qualified name
 };
 
-constexpr int kSteps = 4;  // tests/python/torchscript.py's STEPS
+constexpr int kTsSteps = 4;  // tests/python/torchscript.py's STEPS
 
 // Fine-tunes `file` with frozen BatchNorm as Python's reference does: SGD(lr 0.05, momentum 0.9), cross entropy.
-TsRun train_jit(const std::string& file, const amp::Options& options, int steps = kSteps) {
-  torch::jit::Module net = torch::jit::load(model_path(file));
+TsRun ts_train(const std::string& file, const amp::Options& options, int steps = kTsSteps) {
+  torch::jit::Module net = torch::jit::load(ts_model_path(file));
   amp::freeze_batchnorm(net);
   torch::optim::SGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
@@ -84,9 +84,9 @@ TsRun train_jit(const std::string& file, const amp::Options& options, int steps 
   TsRun run;
   for (int i = 0; i < steps; ++i) {
     optimizer.zero_grad();
-    const torch::Tensor logits = model({data_x()}).toTensor();
+    const torch::Tensor logits = model({ts_x()}).toTensor();
     EXPECT_EQ(logits.scalar_type(), torch::kFloat);
-    const torch::Tensor loss = torch::nn::functional::cross_entropy(logits, data_y());
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(logits, ts_y());
     run.losses.push_back(loss.item<double>());
     {
       auto scaled = amp::scale_loss(loss, optimizer);
@@ -120,20 +120,20 @@ std::vector<TsCase> ts_cases() {
   return cases;
 }
 
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+double ts_max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
 }
 
 // Compares a run with Python's: bitwise where the kernels are the wheel's, else within rounding.
-void expect_matches(const TsRun& run, const std::string& key) {
-  const auto ref = reference().get(key).toGenericDict();
+void ts_expect_matches(const TsRun& run, const std::string& key) {
+  const auto ref = ts_reference().get(key).toGenericDict();
   const auto ref_losses = ref.at("losses").toList();
   const auto ref_state = ref.at("state").toGenericDict();
   const bool fp32 = key == "O0";
   ASSERT_EQ(run.losses.size(), ref_losses.size());
   for (size_t i = 0; i < run.losses.size(); ++i) {
     const double expected = ref_losses.get(i).toDouble();
-    if (same_kernels()) {
+    if (ts_same_kernels()) {
       EXPECT_EQ(run.losses[i], expected) << "loss of step " << i;
     } else {
       EXPECT_NEAR(run.losses[i], expected, (fp32 ? 1e-5 : 1e-2) * std::abs(expected)) << "loss of step " << i;
@@ -146,13 +146,13 @@ void expect_matches(const TsRun& run, const std::string& key) {
     const torch::Tensor expected = item.value().toTensor();
     ASSERT_TRUE(run.state.count(name)) << name;
     const torch::Tensor ours = run.state.at(name).to(expected.scalar_type());  // O3: fp32 upcast of bf16, exact back
-    if (same_kernels()) {
-      EXPECT_TRUE(amp_test::bitwise_equal(ours, expected)) << name << " differs by " << max_abs_diff(ours, expected);
+    if (ts_same_kernels()) {
+      EXPECT_TRUE(amp_test::bitwise_equal(ours, expected)) << name << " differs by " << ts_max_abs_diff(ours, expected);
     } else if (expected.is_floating_point()) {
-      worst = std::max(worst, max_abs_diff(ours, expected));
+      worst = std::max(worst, ts_max_abs_diff(ours, expected));
     }
   }
-  if (!same_kernels()) {
+  if (!ts_same_kernels()) {
     std::cout << "[ measured ] " << key << ": LibTorch " << TORCH_VERSION << " against Python's wheel, largest parameter "
               << "difference " << worst << std::endl;
     EXPECT_LE(worst, fp32 ? 1e-4 : 5e-2) << "LibTorch " << TORCH_VERSION << " against Python's wheel";
@@ -160,8 +160,8 @@ void expect_matches(const TsRun& run, const std::string& key) {
 }
 
 // The frozen layers' statistics, as Python pretrained them.
-void expect_statistics_unchanged(const TsRun& run) {
-  const auto pretrained = data().get("state").toGenericDict();
+void ts_expect_statistics_unchanged(const TsRun& run) {
+  const auto pretrained = ts_data().get("state").toGenericDict();
   int checked = 0;
   for (const auto& item : pretrained) {
     const std::string name = item.key().toStringRef();
@@ -178,9 +178,9 @@ TEST(TorchScriptTest, ScriptedModelTrainsAsPythonAtEveryLevelWithFrozenBatchNorm
   SKIP_WITHOUT_MODELS();
   for (const auto& c : ts_cases()) {
     SCOPED_TRACE(c.name);
-    const TsRun run = train_jit("resnet_scripted.pt", c.options);
-    expect_matches(run, c.name);
-    expect_statistics_unchanged(run);
+    const TsRun run = ts_train("resnet_scripted.pt", c.options);
+    ts_expect_matches(run, c.name);
+    ts_expect_statistics_unchanged(run);
   }
 }
 
@@ -188,20 +188,20 @@ TEST(TorchScriptTest, ApexListsAtO1TrainCloseToTorchAutocast) {
   SKIP_WITHOUT_MODELS();
   // Apex's lists (the default) differ from torch.autocast's only in ops this network does not run in a way that
   // matters here; the steps stay within bf16 rounding of the native lists' reference.
-  const TsRun run = train_jit("resnet_scripted.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0));
-  const auto ref = reference().get("O1_bf16").toGenericDict();
+  const TsRun run = ts_train("resnet_scripted.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  const auto ref = ts_reference().get("O1_bf16").toGenericDict();
   const auto ref_losses = ref.at("losses").toList();
   for (size_t i = 0; i < run.losses.size(); ++i) {
     EXPECT_NEAR(run.losses[i], ref_losses.get(i).toDouble(), 1e-2 * ref_losses.get(i).toDouble()) << "step " << i;
   }
   double worst = 0.0;
   for (const auto& item : ref.at("state").toGenericDict()) {
-    worst = std::max(worst, max_abs_diff(run.state.at(item.key().toStringRef()), item.value().toTensor()));
+    worst = std::max(worst, ts_max_abs_diff(run.state.at(item.key().toStringRef()), item.value().toTensor()));
   }
   std::cout << "[ measured ] O1 bf16, Apex's lists against torch.autocast's: largest parameter difference " << worst
             << std::endl;
   EXPECT_LE(worst, 5e-2);
-  expect_statistics_unchanged(run);
+  ts_expect_statistics_unchanged(run);
 }
 
 TEST(TorchScriptTest, TracedModelTrainsAsPython) {
@@ -210,31 +210,31 @@ TEST(TorchScriptTest, TracedModelTrainsAsPython) {
   for (const auto& c : ts_cases()) {
     if (c.name.rfind("O1", 0) == 0 || c.dtype == torch::kHalf) continue;
     SCOPED_TRACE(c.name);
-    const TsRun run = train_jit("resnet_traced.pt", c.options);
-    expect_matches(run, c.name);
-    expect_statistics_unchanged(run);
+    const TsRun run = ts_train("resnet_traced.pt", c.options);
+    ts_expect_matches(run, c.name);
+    ts_expect_statistics_unchanged(run);
   }
 }
 
 TEST(TorchScriptTest, TracedModelAtO1RunsItsConvolutionsAsTracedUnderTorchAutocast) {
   SKIP_WITHOUT_MODELS();
-  const TsRun run = train_jit("resnet_traced.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).cast_lists(amp::CastLists::kNative).verbosity(0));
-  expect_matches(run, "traced/O1_bf16");
+  const TsRun run = ts_train("resnet_traced.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).cast_lists(amp::CastLists::kNative).verbosity(0));
+  ts_expect_matches(run, "traced/O1_bf16");
 }
 
 TEST(TorchScriptTest, WarmJitExecutorCannotMistypeTheBackward) {
   SKIP_WITHOUT_MODELS();
   // The module runs optimized first, as plain TorchScript (profiled, differentiable graphs built, the JIT's autocast
   // pass on); amp's O1 steps afterwards still equal Python's eager autocast steps.
-  torch::jit::Module warm = torch::jit::load(model_path("resnet_scripted.pt"));
-  for (int i = 0; i < 3; ++i) warm.forward({data_x()}).toTensor().sum().backward();
-  const TsRun run = train_jit("resnet_scripted.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).cast_lists(amp::CastLists::kNative).verbosity(0));
-  expect_matches(run, "O1_bf16");
+  torch::jit::Module warm = torch::jit::load(ts_model_path("resnet_scripted.pt"));
+  for (int i = 0; i < 3; ++i) warm.forward({ts_x()}).toTensor().sum().backward();
+  const TsRun run = ts_train("resnet_scripted.pt", amp::Options("O1").low_precision_dtype(torch::kBFloat16).cast_lists(amp::CastLists::kNative).verbosity(0));
+  ts_expect_matches(run, "O1_bf16");
 }
 
 TEST(TorchScriptTest, FrozenBatchNormStaysFrozenThroughTrainAndEval) {
   SKIP_WITHOUT_MODELS();
-  torch::jit::Module net = torch::jit::load(model_path("resnet_scripted.pt"));
+  torch::jit::Module net = torch::jit::load(ts_model_path("resnet_scripted.pt"));
   amp::freeze_batchnorm(net);
   for (const auto& p : net.named_parameters()) {
     EXPECT_EQ(p.value.requires_grad(), p.name.find("bn") == std::string::npos && p.name.find("down.1") == std::string::npos)
@@ -270,7 +270,7 @@ TEST(TorchScriptTest, FrozenBatchNormStaysFrozenThroughTrainAndEval) {
 
 TEST(TorchScriptTest, FreezingALayerTracedInTrainingModeThrows) {
   SKIP_WITHOUT_MODELS();
-  torch::jit::Module net = torch::jit::load(model_path("resnet_traced_train.pt"));
+  torch::jit::Module net = torch::jit::load(ts_model_path("resnet_traced_train.pt"));
   ASSERT_THROWS_WITH(amp::freeze_batchnorm(net), "BatchNorm layer 'bn' was traced in training mode");
   ASSERT_THROWS_WITH(amp::freeze_batchnorm(net), "model.eval() before torch.jit.trace");
   // Nothing was changed: every layer still trains.
@@ -301,7 +301,7 @@ class TsWarnings : public c10::WarningHandler {
 
 TEST(TorchScriptTest, EvalWarnsOnceAboutLayersTracedInTrainingMode) {
   SKIP_WITHOUT_MODELS();
-  auto model = amp::initialize(torch::jit::load(model_path("resnet_traced_train.pt")), amp::Options("O0").verbosity(0));
+  auto model = amp::initialize(torch::jit::load(ts_model_path("resnet_traced_train.pt")), amp::Options("O0").verbosity(0));
   TsWarnings warnings;
   model.eval();
   model.train();
@@ -312,7 +312,7 @@ TEST(TorchScriptTest, EvalWarnsOnceAboutLayersTracedInTrainingMode) {
             std::string::npos)
       << warnings.messages[0];
   // A module traced in eval mode: nothing to warn about.
-  auto eval_traced = amp::initialize(torch::jit::load(model_path("resnet_traced.pt")), amp::Options("O0").verbosity(0));
+  auto eval_traced = amp::initialize(torch::jit::load(ts_model_path("resnet_traced.pt")), amp::Options("O0").verbosity(0));
   eval_traced.eval();
   EXPECT_EQ(warnings.messages.size(), 1u);
 }
@@ -321,7 +321,7 @@ TEST(TorchScriptTest, LoopOfSubmodulesKeepsFp32IslandsByQualifiedNameAndType) {
   SKIP_WITHOUT_MODELS();
   for (const bool by_type : {false, true}) {
     SCOPED_TRACE(by_type ? "keep_fp32_types LayerNorm" : "keep_fp32 blocks.*.norm");
-    torch::jit::Module net = torch::jit::load(model_path("loop.pt"));
+    torch::jit::Module net = torch::jit::load(ts_model_path("loop.pt"));
     torch::optim::Adam adam(amp::parameters(net), torch::optim::AdamOptions(1e-3));
     amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
     if (by_type) {
@@ -352,7 +352,7 @@ TEST(TorchScriptTest, LoopOfSubmodulesKeepsFp32IslandsByQualifiedNameAndType) {
     }
     EXPECT_LT(last, first);
   }
-  torch::jit::Module net = torch::jit::load(model_path("loop.pt"));
+  torch::jit::Module net = torch::jit::load(ts_model_path("loop.pt"));
   ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).keep_fp32({"block.*.norm"}).verbosity(0)),
                      "keep_fp32 pattern 'block.*.norm' matches no module");
   ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).keep_fp32_types({amp::ModuleType{"GroupNorm"}}).verbosity(0)),
@@ -363,16 +363,16 @@ TEST(TorchScriptTest, OutputsInsideDictsTuplesAndListsAreCast) {
   SKIP_WITHOUT_MODELS();
   for (const char* level : {"O1", "O2", "O3"}) {
     SCOPED_TRACE(level);
-    auto model = amp::initialize(torch::jit::load(model_path("dict.pt")),
+    auto model = amp::initialize(torch::jit::load(ts_model_path("dict.pt")),
                                  amp::Options(level).low_precision_dtype(torch::kBFloat16).verbosity(0));
     const auto out = model(torch::randn({2, 16})).toGenericDict();
     EXPECT_EQ(out.at("logits").toTensor().scalar_type(), torch::kFloat);
     EXPECT_EQ(out.at("features").toTensor().scalar_type(), torch::kFloat);
   }
   // The OptLevel overloads reach the TorchScript ones too.
-  auto o0 = amp::initialize(torch::jit::load(model_path("dict.pt")), amp::OptLevel::O0);
+  auto o0 = amp::initialize(torch::jit::load(ts_model_path("dict.pt")), amp::OptLevel::O0);
   EXPECT_EQ(o0(torch::randn({2, 16})).toGenericDict().at("logits").toTensor().scalar_type(), torch::kFloat);
-  torch::jit::Module trained = torch::jit::load(model_path("dict.pt"));
+  torch::jit::Module trained = torch::jit::load(ts_model_path("dict.pt"));
   torch::optim::SGD sgd(amp::parameters(trained), torch::optim::SGDOptions(0.1));
   auto [model, optimizer] = amp::initialize(trained, std::move(sgd), amp::OptLevel::O0);
   EXPECT_EQ(optimizer.properties().opt_level, amp::OptLevel::O0);
@@ -391,33 +391,33 @@ TEST(TorchScriptTest, OutputsInsideDictsTuplesAndListsAreCast) {
 TEST(TorchScriptTest, MisuseGetsClearErrors) {
   SKIP_WITHOUT_MODELS();
   {
-    torch::jit::Module frozen = torch::jit::load(model_path("frozen.pt"));
+    torch::jit::Module frozen = torch::jit::load(ts_model_path("frozen.pt"));
     ASSERT_THROWS_WITH(amp::initialize(frozen, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)), "has no parameters");
     ASSERT_THROWS_WITH(amp::initialize(frozen, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)), "torch.jit.freeze");
   }
-  ASSERT_THROWS_WITH(amp::initialize(torch::jit::load(model_path("dict.pt")),
+  ASSERT_THROWS_WITH(amp::initialize(torch::jit::load(ts_model_path("dict.pt")),
                                      amp::Options("O2").low_precision_dtype(torch::kBFloat16).auto_fp32(8).verbosity(0)),
                      "auto_fp32 (8) does not take TorchScript models yet");
   {
-    torch::jit::Module half = torch::jit::load(model_path("half.pt"));
+    torch::jit::Module half = torch::jit::load(ts_model_path("half.pt"));
     torch::optim::SGD sgd(amp::parameters(half), torch::optim::SGDOptions(0.1));
     ASSERT_THROWS_WITH(amp::initialize(half, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                        "parameter 'body.weight' is torch.float16: the module was saved after .half()");
   }
   {
-    torch::jit::Module no_grad = torch::jit::load(model_path("no_grad.pt"));
+    torch::jit::Module no_grad = torch::jit::load(ts_model_path("no_grad.pt"));
     torch::optim::SGD sgd(amp::parameters(no_grad), torch::optim::SGDOptions(0.1));
     ASSERT_THROWS_WITH(amp::initialize(no_grad, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                        "none of the optimizer's 4 parameters requires grad");
   }
   {
-    torch::jit::Module net = torch::jit::load(model_path("dict.pt"));
+    torch::jit::Module net = torch::jit::load(ts_model_path("dict.pt"));
     torch::optim::SGD sgd(std::vector<torch::Tensor>{torch::zeros({4, 32}, torch::requires_grad())}, torch::optim::SGDOptions(0.1));
     ASSERT_THROWS_WITH(amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)),
                        "is not a parameter of the model");
   }
   {
-    torch::jit::Module net = torch::jit::load(model_path("dict.pt"));
+    torch::jit::Module net = torch::jit::load(ts_model_path("dict.pt"));
     torch::optim::SGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.1));
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
     torch::optim::SGD again(amp::parameters(net), torch::optim::SGDOptions(0.1));
@@ -444,7 +444,7 @@ TEST(TorchScriptTest, OptimizerCheckpointAndSavedModuleResumeBitwise) {
   };
   auto step = [&](auto& model, auto& optimizer) {
     optimizer.zero_grad();
-    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({data_x()}).toTensor(), data_y());
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({ts_x()}).toTensor(), ts_y());
     {
       auto scaled = amp::scale_loss(loss, optimizer);
       scaled.backward();
@@ -452,11 +452,11 @@ TEST(TorchScriptTest, OptimizerCheckpointAndSavedModuleResumeBitwise) {
     optimizer.step();
     return loss.item<double>();
   };
-  auto straight = make(model_path("resnet_scripted.pt"));
+  auto straight = make(ts_model_path("resnet_scripted.pt"));
   std::vector<double> straight_losses;
   for (int i = 0; i < 4; ++i) straight_losses.push_back(step(straight.model, straight.optimizer));
 
-  auto first = make(model_path("resnet_scripted.pt"));
+  auto first = make(ts_model_path("resnet_scripted.pt"));
   step(first.model, first.optimizer);
   step(first.model, first.optimizer);
   first.model.save((dir / "module.pt").string());
@@ -475,13 +475,13 @@ TEST(TorchScriptTest, SavedModuleRunsInPythonWithFp32Weights) {
   const fs::path dir = ts_dir() / "handback";
   fs::create_directories(dir);
   const TsRun run = [&] {
-    torch::jit::Module net = torch::jit::load(model_path("resnet_scripted.pt"));
+    torch::jit::Module net = torch::jit::load(ts_model_path("resnet_scripted.pt"));
     amp::freeze_batchnorm(net);
     torch::optim::SGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05).momentum(0.9));
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
     for (int i = 0; i < 2; ++i) {
       optimizer.zero_grad();
-      auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model({data_x()}).toTensor(), data_y()), optimizer);
+      auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model({ts_x()}).toTensor(), ts_y()), optimizer);
       scaled.backward();
       optimizer.step();
     }
@@ -497,7 +497,7 @@ TEST(TorchScriptTest, SavedModuleRunsInPythonWithFp32Weights) {
     EXPECT_TRUE(amp_test::bitwise_equal(p.value, run.state.at(p.name))) << p.name;
   }
   saved.eval();
-  const torch::Tensor logits = saved.forward({data_x()}).toTensor();
+  const torch::Tensor logits = saved.forward({ts_x()}).toTensor();
   amp::PythonCheckpoint expected;
   expected.put("logits", logits);
   expected.save((dir / "cpp_logits.pt").string());
@@ -513,13 +513,13 @@ TEST(TorchScriptTest, SavedModuleRunsInPythonWithFp32Weights) {
       "sys.exit(0 if torch.allclose(out, ref, rtol=0, atol=1e-5) else 1)\n";
   std::ofstream((dir / "check.py").string()) << script;
   const std::string command = ts_python() + " '" + (dir / "check.py").string() + "' '" + (dir / "finetuned.pt").string() +
-                              "' '" + model_path("data.pt") + "' '" + (dir / "cpp_logits.pt").string() + "' 2>&1";
+                              "' '" + ts_model_path("data.pt") + "' '" + (dir / "cpp_logits.pt").string() + "' 2>&1";
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
 }
 
 TEST(TorchScriptTest, LeanMastersWithAFusedOptimizerSaveTheirFp32Values) {
   SKIP_WITHOUT_MODELS();
-  torch::jit::Module net = torch::jit::load(model_path("resnet_scripted.pt"));
+  torch::jit::Module net = torch::jit::load(ts_model_path("resnet_scripted.pt"));
   amp::freeze_batchnorm(net);
   amp::optim::FusedSGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16)
@@ -529,7 +529,7 @@ TEST(TorchScriptTest, LeanMastersWithAFusedOptimizerSaveTheirFp32Values) {
   std::vector<double> losses;
   for (int i = 0; i < 4; ++i) {
     optimizer.zero_grad();
-    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({data_x()}).toTensor(), data_y());
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({ts_x()}).toTensor(), ts_y());
     losses.push_back(loss.item<double>());
     {
       auto scaled = amp::scale_loss(loss, optimizer);
@@ -566,15 +566,15 @@ TEST(TorchScriptTest, LeanMastersWithAFusedOptimizerSaveTheirFp32Values) {
 
 TEST(TorchScriptTest, PythonStateDictLoadsIntoTheInitializedModule) {
   SKIP_WITHOUT_MODELS();
-  torch::jit::Module net = torch::jit::load(model_path("resnet_scripted.pt"));
+  torch::jit::Module net = torch::jit::load(ts_model_path("resnet_scripted.pt"));
   {
     torch::NoGradGuard no_grad;
     for (auto p : net.parameters()) p.zero_();  // not the pretrained values any more
   }
   torch::optim::SGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05));
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
-  data().load_model(*model, "state");
-  const auto pretrained = data().get("state").toGenericDict();
+  ts_data().load_model(*model, "state");
+  const auto pretrained = ts_data().get("state").toGenericDict();
   const auto masters = amp::detail::fp32_state(*amp::detail::jit_mirror(net));
   ASSERT_EQ(masters.size(), pretrained.size());
   for (const auto& [name, value] : masters) {
