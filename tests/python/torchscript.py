@@ -12,11 +12,12 @@ Models (all pretrained for a few fp32 steps here, so BatchNorm statistics are no
   frozen.pt            torch.jit.freeze'd (no parameters left), half.pt (saved after .half()),
   no_grad.pt           parameters saved with requires_grad False
 
-reference.pt holds, per case "<model>/<level>_<dtype>", the parameters after STEPS steps (Python state_dict order)
-and the losses, of Python's eager step on the same network with BatchNorm frozen, each level written out as its
-own loop: O0 fp32; O1 torch.autocast + a dynamic loss scale (65536, halved and the step skipped on inf/NaN);
-O2 model in low precision but BatchNorm, fp32 master weights, inputs cast, logits cast to fp32; O3 everything in
-low precision but the frozen BatchNorm, loss scale 1.
+reference.pt holds, per case "<level>_<dtype>" ("O0"; "traced/O1_bf16" for the traced module), the parameters
+after STEPS steps (Python state_dict order; O2's fp32 masters) and the losses, of Python's eager step on the network
+Python scripted, with BatchNorm frozen, each level written out as its own loop: O0 fp32; O1 torch.autocast + a
+dynamic loss scale (65536, halved and the step skipped on inf/NaN); O2 model in low precision but BatchNorm, fp32
+master weights, inputs cast, logits cast to fp32; O3 everything in low precision but the frozen BatchNorm, loss
+scale 1. The optimizer is LibTorch's SGD written op for op (CppSGD), since Python's differs at O3.
 """
 import copy
 import os
