@@ -26,9 +26,19 @@ std::string ts_python() {
   return env && *env ? env : "python3";
 }
 
-// The models and references, made once per process; empty when Python with torch is missing.
+// A directory removed when the process ends.
+struct TsDirectory {
+  fs::path path;
+  ~TsDirectory() {
+    std::error_code ignored;
+    if (!path.empty()) fs::remove_all(path, ignored);
+  }
+};
+
+// The models and references, made once per process; empty when Python with torch is missing or failed (its
+// python.log is then kept).
 const fs::path& ts_dir() {
-  static const fs::path dir = [] {
+  static const TsDirectory dir{[] {
     if (std::system((ts_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
     const fs::path d = fs::path(::testing::TempDir()) / ("amp_torchscript_" + std::to_string(::getpid()));
     fs::create_directories(d);
@@ -39,8 +49,8 @@ const fs::path& ts_dir() {
       return fs::path();
     }
     return d;
-  }();
-  return dir;
+  }()};
+  return dir.path;
 }
 
 #define SKIP_WITHOUT_MODELS()                                                                            \
