@@ -66,7 +66,7 @@ class JitModuleNode : public torch::nn::Module {
 /// The mirror of `module`: the live one if amp made one already, else a new one.
 std::shared_ptr<JitModuleNode> jit_mirror_node(const torch::jit::Module& module);
 
-/// Whether any module under `root` (itself included) is a TorchScript mirror node.
+/// Whether `root` is a TorchScript mirror (a mirror is a whole tree: its root tells).
 bool holds_jit_modules(const torch::nn::Module& root);
 
 }  // namespace amp::detail

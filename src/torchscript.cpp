@@ -142,12 +142,14 @@ bool JitModuleNode::frozen() const {
 }
 
 void JitModuleNode::mark_frozen() {
-  if (frozen()) return;
   std::lock_guard<std::mutex> lock(frozen_mutex);
   frozen_objects.erase(std::remove_if(frozen_objects.begin(), frozen_objects.end(),
                                       [](const auto& e) { return e.second.expired(); }),
                        frozen_objects.end());
-  frozen_objects.emplace_back(module_._ivalue().get(), c10::weak_intrusive_ptr<c10::ivalue::Object>(module_._ivalue()));
+  const auto* object = module_._ivalue().get();
+  if (std::none_of(frozen_objects.begin(), frozen_objects.end(), [&](const auto& e) { return e.first == object; })) {
+    frozen_objects.emplace_back(object, c10::weak_intrusive_ptr<c10::ivalue::Object>(module_._ivalue()));
+  }
 }
 
 std::optional<std::string> JitModuleNode::replaced_tensor() const {

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // Reads scikit-learn's digits.csv (64 pixel values 0..16, then the label, per line).
@@ -44,4 +45,15 @@ inline std::string load_digits(const std::string& path, torch::Tensor& images, t
   if (!path.empty() && read_digits(path, images, labels)) return path;
   generate_digits(1797, images, labels);
   return "generated";
+}
+
+/// Digits 0-4 (`low`) or 5-9 relabelled 0-4, in file order: the first 80% to train, the rest to validate
+/// (examples/finetune_torchscript/pretrain.py splits them the same way). Returns (x, y, val_x, val_y).
+inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> split_digits(const torch::Tensor& images,
+                                                                                           const torch::Tensor& labels,
+                                                                                           bool low) {
+  const auto mask = low ? labels.lt(5) : labels.ge(5);
+  const auto x = images.index({mask}), y = labels.index({mask}) - (low ? 0 : 5);
+  const int64_t n = x.size(0) * 4 / 5;
+  return {x.narrow(0, 0, n), y.narrow(0, 0, n), x.narrow(0, n, x.size(0) - n), y.narrow(0, n, y.size(0) - n)};
 }

@@ -84,16 +84,10 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     torch::Tensor images, labels;
     std::cout << "data: " << load_digits(data, images, labels) << "\n";
-    auto split = [&](bool low) {
-      auto mask = low ? labels.lt(5) : labels.ge(5);
-      auto x = images.index({mask}), y = labels.index({mask}) - (low ? 0 : 5);
-      const int64_t n = x.size(0) * 4 / 5;
-      return std::make_tuple(x.narrow(0, 0, n), y.narrow(0, 0, n), x.narrow(0, n, x.size(0) - n), y.narrow(0, n, y.size(0) - n));
-    };
 
     // 1. Pretrain in plain fp32 LibTorch and save the backbone.
     {
-      auto [x, y, vx, vy] = split(true);
+      auto [x, y, vx, vy] = split_digits(images, labels, /*low=*/true);
       Classifier net(Backbone(), 5);
       torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       const double accuracy = fit(net, sgd, x, y, vx, vy, pretrain_epochs);
@@ -102,7 +96,7 @@ int main(int argc, char** argv) {
     }
 
     // 2. Reload, freeze BatchNorm, fine-tune a new head (and the convolutions) with amp.
-    auto [x, y, vx, vy] = split(false);
+    auto [x, y, vx, vy] = split_digits(images, labels, /*low=*/false);
     Backbone backbone;
     torch::load(backbone, pretrained);
     std::vector<torch::Tensor> statistics;

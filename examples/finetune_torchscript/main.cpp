@@ -14,6 +14,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <tuple>
 
 #include "../common/digits.h"
 #include "../common/report_error.h"
@@ -34,12 +35,8 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     torch::Tensor images, labels;
     std::cout << "data: " << load_digits(data, images, labels) << "\n";
-    // Digits 5-9 as classes 0-4, split as pretrain.py splits them: the first 80% train, the rest validate.
-    const auto mask = labels.ge(5);
-    const auto x_all = images.index({mask}), y_all = labels.index({mask}) - 5;
-    const int64_t n = x_all.size(0) * 4 / 5;
-    const auto x = x_all.narrow(0, 0, n), y = y_all.narrow(0, 0, n);
-    const auto val_x = x_all.narrow(0, n, x_all.size(0) - n), val_y = y_all.narrow(0, n, y_all.size(0) - n);
+    torch::Tensor x, y, val_x, val_y;  // digits 5-9, split as pretrain.py splits them (captured below: no binding)
+    std::tie(x, y, val_x, val_y) = split_digits(images, labels, /*low=*/false);
 
     torch::jit::Module net = torch::jit::load(model_path);
     std::vector<torch::Tensor> statistics;
