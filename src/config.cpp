@@ -96,6 +96,21 @@ MasterWeights parse_value(const std::string& v, ValueOf<MasterWeights>) {
   throw std::invalid_argument("expected copy, split, stochastic_rounding or kahan");
 }
 
+// The fp8 key turns FP8 on or off (Options::fp8(bool)); the fp8_* keys below set its recipe.
+bool parse_value(const std::string& v, ValueOf<Fp8Options>) { return parse_bool(v); }
+
+Fp8Options::Format parse_fp8_format(const std::string& v) {
+  if (v == "hybrid") return Fp8Options::Format::kHybrid;
+  if (v == "e4m3") return Fp8Options::Format::kE4M3;
+  throw std::invalid_argument("expected hybrid or e4m3");
+}
+
+Fp8Options::Scaling parse_fp8_scaling(const std::string& v) {
+  if (v == "dynamic") return Fp8Options::Scaling::kDynamic;
+  if (v == "delayed") return Fp8Options::Scaling::kDelayed;
+  throw std::invalid_argument("expected dynamic or delayed");
+}
+
 // A comma-separated list ("head, *.norm"): each item trimmed, none empty.
 std::vector<std::string> parse_list(const std::string& v) {
   std::vector<std::string> out;
@@ -151,6 +166,19 @@ const std::vector<Key>& amp_keys() {
    }},
       AMP_OPTION_FIELDS(AMP_CONFIG_KEY)
 #undef AMP_CONFIG_KEY
+      {"fp8_format", "hybrid | e4m3: FP8 formats: e4m3 forward and e5m2 gradients (hybrid, default), or e4m3 for all",
+       [](Options& o, const std::string& v) { o.fp8_format(parse_fp8_format(v)); }},
+      {"fp8_scaling", "dynamic | delayed: FP8 scales from this step's amax (default), or from the amax history",
+       [](Options& o, const std::string& v) { o.fp8_scaling(parse_fp8_scaling(v)); }},
+      {"fp8_amax_history_len", "steps of amax history delayed FP8 scaling keeps (default 1024)",
+       [](Options& o, const std::string& v) { o.fp8_amax_history_len(parse_small_int(v)); }},
+      {"fp8_amax_compute_algo", "max | most_recent: the history's amax delayed FP8 scaling uses (default max)",
+       [](Options& o, const std::string& v) {
+         if (v != "max" && v != "most_recent") throw std::invalid_argument("expected max or most_recent");
+         o.fp8_amax_compute_algo(v);
+       }},
+      {"fp8_margin", "FP8 scales are divided by 2^margin (default 0)",
+       [](Options& o, const std::string& v) { o.fp8_margin(parse_small_int(v)); }},
   };
   return keys;
 }

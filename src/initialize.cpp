@@ -13,6 +13,7 @@
 #include <set>
 
 #include "cpu_features.h"
+#include "format.h"
 #include "lean_masters.h"
 #include "master_weights.h"
 #include "model_casting.h"
@@ -26,11 +27,6 @@ namespace {
 // would lose its fp32 values silently).
 std::mutex initialized_mutex;
 std::vector<std::weak_ptr<torch::nn::Module>> initialized_modules;
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
-  return e.what();
-}
 
 bool uses_low_precision(const Properties& p) {
   return p.enabled && (p.patch_torch_functions || casts_model_to_low_precision(p));

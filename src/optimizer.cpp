@@ -14,6 +14,7 @@
 
 #include "amp/opt_level.h"
 #include "format.h"
+#include "fp8.h"
 #include "lean_masters.h"
 #include "master_weights.h"
 #include "multi_tensor.h"
@@ -121,8 +122,10 @@ bool OptimizerBase::begin_step() {
       std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
               << detail::format_float(loss_scaler(skip_loss_id_).loss_scale());
     if (last_overflow_ && !last_overflow_->parameters.empty()) std::cout << " (non-finite gradients: " << describe_parameters(last_overflow_->parameters) << ")";
+    if (last_overflow_ && !last_overflow_->fp8_layers.empty()) std::cout << " (FP8 layers with a non-finite amax: " << describe_parameters(last_overflow_->fp8_layers) << ")";
     std::cout << std::endl;
     }
+    for (const auto& fp8 : fp8_states()) fp8->end_step(/*taken=*/false);  // the history never sees this step
     // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
     zero_all_grads(/*set_to_none=*/true);
     ++skipped_steps_;
@@ -142,6 +145,16 @@ void OptimizerBase::end_step() {
   } else {
     masters_->copy_to_model();
   }
+  for (const auto& fp8 : fp8_states()) fp8->end_step(/*taken=*/true);
+}
+
+std::vector<std::shared_ptr<detail::Fp8State>> OptimizerBase::fp8_states() const {
+  std::vector<std::shared_ptr<detail::Fp8State>> out;
+  if (!properties_.fp8) return out;
+  for (const auto& model : models()) {
+    if (const auto policy = detail::precision_policy_of(*model); policy && policy->fp8()) out.push_back(policy->fp8());
+  }
+  return out;
 }
 
 void OptimizerBase::zero_all_grads(bool set_to_none) {
@@ -264,6 +277,9 @@ void OptimizerBase::record_overflow(int loss_id, double loss_scale) {
   report.loss_id = loss_id;
   report.loss_scale = loss_scale;
   for (auto& [order, name] : bad) report.parameters.push_back(std::move(name));
+  for (const auto& fp8 : fp8_states()) {
+    for (auto& name : fp8->non_finite_layers()) report.fp8_layers.push_back(std::move(name));
+  }
   last_overflow_ = std::move(report);
 }
 
@@ -316,6 +332,9 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
   amp_archive.write("auto_fp32/moved", c10::IValue(static_cast<int64_t>(auto_fp32.moved.size())));
   amp_archive.write("auto_fp32/overflows", c10::IValue(auto_fp32.overflows));
   amp_archive.write("auto_fp32/armed", c10::IValue(auto_fp32.armed));
+  const auto fp8 = fp8_states();  // Options::fp8's scales and amax histories, one model after the other
+  amp_archive.write("fp8/models", c10::IValue(static_cast<int64_t>(fp8.size())));
+  for (size_t k = 0; k < fp8.size(); ++k) fp8[k]->save(amp_archive, "fp8/" + std::to_string(k) + "/");
   archive.write("amp", amp_archive);
 }
 
@@ -402,8 +421,20 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   for (size_t i = 0; i < scalers.size(); ++i) {
     scalers[i].load(scaler_states[i].scale, scaler_states[i].unskipped, scaler_states[i].hysteresis_left);
   }
+  const auto fp8 = fp8_states();
+  c10::IValue fp8_models;
+  const int64_t saved_fp8 = amp_archive.try_read("fp8/models", fp8_models) && fp8_models.isInt() ? fp8_models.toInt() : 0;
+  TORCH_CHECK(saved_fp8 == static_cast<int64_t>(fp8.size()), "amp::Optimizer::load: the checkpoint holds the FP8 "
+              "scaling state of ", saved_fp8, " model(s), this optimizer trains ", fp8.size(), " model(s) with FP8 "
+              "layers. Resume with fp8 ", saved_fp8 > 0 ? "on (config: fp8 = true)" : "off",
+              " as the checkpoint was saved, or start the new recipe from the weights alone (amp::load_weights).");
+  std::vector<std::function<void()>> restore_fp8;
+  for (size_t k = 0; k < fp8.size(); ++k) {
+    restore_fp8.push_back(fp8[k]->load(amp_archive, "fp8/" + std::to_string(k) + "/", "amp::Optimizer::load: the checkpoint"));
+  }
   // Last check, and the first change: the lean masters' weights and aux (LeanMasters::load checks before writing).
   if (lean_) lean_->load(amp_archive, "amp::Optimizer::load");
+  for (const auto& restore : restore_fp8) restore();
   // Everything validated: now change state.
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
   skipped_steps_ = skipped_steps;

@@ -29,6 +29,11 @@ inline std::string option_text(const std::vector<ModuleType>& types) {
   for (const auto& t : types) out += (out.size() > 1 ? ", " : "") + t.name;
   return out + "]";
 }
+inline std::string option_text(const Fp8Options& o) {
+  return std::string("Fp8Options(format=") + to_string(o.format()) + ", scaling=" + to_string(o.scaling()) +
+         ", amax_history_len=" + std::to_string(o.amax_history_len()) + ", amax_compute_algo=" +
+         o.amax_compute_algo() + ", margin=" + std::to_string(o.margin()) + ")";
+}
 template <class T>
 std::string option_text(const std::optional<T>& value) {
   return value ? option_text(*value) : "None";

@@ -1,8 +1,11 @@
 #include "amp/options.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+
+#include <torch/version.h>
 
 #include "format.h"
 #include "option_text.h"
@@ -215,11 +218,84 @@ Properties Options::resolve() const {
     }
     p.auto_fp32 = *auto_fp32_;
   }
+  if (!fp8_ && !fp8_fields_.empty()) {
+    fail(fp8_fields_.front() + " is set, but fp8 is off, so it would change nothing. Turn FP8 on (config: fp8 = true; "
+         "code: Options::fp8()), or remove " + fp8_fields_.front() + ".");
+  }
+  if (fp8_) {  // after the level, dtype and auto_fp32, which it depends on
+    const Fp8Options& f = *fp8_;
+    if (f.amax_history_len() < 1) {
+      fail("fp8 amax_history_len is the number of steps of amax history delayed scaling keeps, so it must be at "
+           "least 1, got " + std::to_string(f.amax_history_len()) + ". Transformer Engine's default is 1024.");
+    }
+    if (f.amax_compute_algo() != "max" && f.amax_compute_algo() != "most_recent") {
+      fail("fp8 amax_compute_algo must be \"max\" or \"most_recent\" (Transformer Engine's names), got \"" +
+           f.amax_compute_algo() + "\".");
+    }
+    if (f.margin() < 0 || f.margin() > 64) {
+      fail("fp8 margin divides the scales by 2^margin, so it must be in [0, 64], got " + std::to_string(f.margin()) +
+           ". The default is 0.");
+    }
+    if (!p.enabled || !p.cast_model_type || !is_low_precision(*p.cast_model_type)) {
+      fail("fp8 runs the Linear layers' GEMMs in FP8 on top of a model cast to bfloat16, so it needs opt_level O2 or "
+           "O3; got opt_level " + level + (p.enabled ? "" : " with enabled false") + ". Use O2 (fp32 master weights) "
+           "with low_precision_dtype bfloat16.");
+    }
+    if (p.low_precision_dtype != c10::ScalarType::BFloat16) {
+      fail("fp8 computes everything outside the FP8 GEMMs in bfloat16 (Transformer Engine's and torchao's recipes), "
+           "got low_precision_dtype " + dtype_name(p.low_precision_dtype) + ". Set low_precision_dtype bfloat16 "
+           "(code: low_precision_dtype(torch::kBFloat16)).");
+    }
+    if (p.auto_fp32 > 0) {
+      fail("fp8 and auto_fp32 (" + std::to_string(p.auto_fp32) + ") don't go together: a module moved to fp32 during "
+           "training would leave FP8 midway. Name the modules to keep with keep_fp32 and set auto_fp32 0.");
+    }
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
+    fail(std::string("fp8 needs FP8 dtypes and at::_scaled_mm, which LibTorch has from 2.1 on; this build is ") +
+         TORCH_VERSION + ". Build amp against LibTorch 2.1 or newer, or remove fp8.");
+#endif
+    p.fp8 = f;
+  }
   if (verbosity_) {
     if (*verbosity_ < 0) fail("verbosity must be 0 (silent) or more, got " + std::to_string(*verbosity_) + ".");
     p.verbosity = *verbosity_;
   }
   return p;
+}
+
+Options& Options::fp8(bool on) {
+  if (on) {
+    fp8_ = fp8_recipe_;
+  } else {  // an explicit off (a command line over a config file) drops the recipe with it
+    fp8_.reset();
+    fp8_recipe_ = Fp8Options();
+    fp8_fields_.clear();
+  }
+  return *this;
+}
+
+template <class F>
+Options& Options::set_fp8_field(const char* key, F&& set) {
+  set(fp8_recipe_);
+  if (fp8_) set(*fp8_);
+  if (std::find(fp8_fields_.begin(), fp8_fields_.end(), key) == fp8_fields_.end()) fp8_fields_.push_back(key);
+  return *this;
+}
+
+Options& Options::fp8_format(Fp8Options::Format value) {
+  return set_fp8_field("fp8_format", [&](Fp8Options& f) { f.format(value); });
+}
+Options& Options::fp8_scaling(Fp8Options::Scaling value) {
+  return set_fp8_field("fp8_scaling", [&](Fp8Options& f) { f.scaling(value); });
+}
+Options& Options::fp8_amax_history_len(int value) {
+  return set_fp8_field("fp8_amax_history_len", [&](Fp8Options& f) { f.amax_history_len(value); });
+}
+Options& Options::fp8_amax_compute_algo(std::string value) {
+  return set_fp8_field("fp8_amax_compute_algo", [&](Fp8Options& f) { f.amax_compute_algo(value); });
+}
+Options& Options::fp8_margin(int value) {
+  return set_fp8_field("fp8_margin", [&](Fp8Options& f) { f.margin(value); });
 }
 
 std::string Options::describe_overrides() const {

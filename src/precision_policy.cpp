@@ -45,6 +45,7 @@
 #include "amp/initialize.h"
 #include "amp/optimizer.h"
 #include "format.h"
+#include "fp8.h"
 #include "jit_mirror.h"
 #include "libtorch_module_types.h"
 #include "model_casting.h"
@@ -113,6 +114,8 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
   PrecisionPolicy* policy = current_policy.get();
   const auto& schema = op.schema();
   if (!policy || schema.is_mutable()) return op.redispatchBoxed(keys, stack);
+  // An FP8 layer's GEMM (NOTE [FP8 through the policy's dispatch key] in src/fp8.cpp) runs below the key, whole.
+  if (policy->fp8() && policy->fp8()->run(op, stack)) return;
   const size_t n = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - n);
   if (&schema == &batch_norm_op().schema() && args[5].toBool()) {  // one schema object per operator  // (input, weight, bias, running_mean, running_var, training, ...)
@@ -220,6 +223,10 @@ PrecisionPolicy::PrecisionPolicy(const Properties& properties, std::vector<KeptM
   }
   active_ = properties.enabled && !island_.empty() && (per_op_ || cast_model_);
   if (active_) register_policy_fallback();
+  if (properties.enabled && properties.fp8) {
+    fp8_ = std::make_shared<Fp8State>(properties, root, [this](const at::Tensor& t) { return in_island(t.unsafeGetTensorImpl()); });
+    if (!fp8_->layers().empty()) register_policy_fallback();
+  }
 }
 
 bool PrecisionPolicy::engaged() {
@@ -247,7 +254,7 @@ bool PrecisionPolicy::engaged() {
       }
     }
   }
-  return active_ || diagnosing() || !batch_norm_kernels_.empty();
+  return active_ || diagnosing() || !batch_norm_kernels_.empty() || (fp8_ && !fp8_->layers().empty());
 }
 
 void PrecisionPolicy::keep(torch::nn::Module& module, const std::string& name, const std::string& reason) {
@@ -477,6 +484,7 @@ void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, con
         if (m.reason != "keep_batchnorm_fp32") islands += (islands.empty() ? "" : ", ") + m.name + " (" + m.reason + ")";
       }
       if (!islands.empty()) std::cout << "Kept in fp32 (fp32 islands): " << islands << std::endl;
+      if (const auto& fp8 = policy->fp8()) describe_fp8_layers(*fp8, std::cout);
     }
     policies.emplace_back(models[k]->shared_from_this(), std::move(policy));
   }

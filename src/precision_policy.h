@@ -38,6 +38,8 @@ struct KeptModule {
   std::weak_ptr<torch::nn::Module> module;
 };
 
+class Fp8State;
+
 class PrecisionPolicy {
  public:
   PrecisionPolicy(const Properties& properties, std::vector<KeptModule> kept, torch::nn::Module& root);
@@ -57,6 +59,8 @@ class PrecisionPolicy {
   /// Makes `module` (qualified `name`) an fp32 island for `reason` (auto_fp32): its tensors join the island
   /// (the caller made them fp32) and its ops run in fp32 from the next forward.
   void keep(torch::nn::Module& module, const std::string& name, const std::string& reason);
+  /// The model's FP8 layers (Options::fp8), or null.
+  const std::shared_ptr<Fp8State>& fp8() const noexcept { return fp8_; }
   /// The root module the policy belongs to (null once it is gone).
   std::shared_ptr<torch::nn::Module> root() const { return root_.lock(); }
 
@@ -92,6 +96,7 @@ class PrecisionPolicy {
   std::weak_ptr<torch::nn::Module> root_;
   uint64_t batch_norm_epoch_ = 0;                      // replace_batch_norm's registrations seen
   std::unordered_map<const c10::TensorImpl*, BatchNormKernel> batch_norm_kernels_;  // this model's layers
+  std::shared_ptr<Fp8State> fp8_;  // Options::fp8's layers and scales
   struct Diagnosis;
   std::shared_ptr<Diagnosis> diagnosis_;  // shared with the backward hooks of the diagnosed forward
 };

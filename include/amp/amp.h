@@ -23,6 +23,7 @@
 #include "amp/clip_grad.h"
 #include "amp/config.h"
 #include "amp/custom_function.h"
+#include "amp/fp8.h"
 #include "amp/fused_optimizers.h"
 #include "amp/grad_scaler.h"
 #include "amp/initialize.h"

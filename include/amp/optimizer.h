@@ -20,6 +20,7 @@
 
 namespace amp::detail {
 class FoundInf;
+class Fp8State;
 }
 
 namespace amp {
@@ -87,6 +88,8 @@ class OptimizerBase {
   /// (the fp32 masters' at O2), after checking that none is still multiplied by a loss scale; `caller` names
   /// the call in the error.
   std::vector<at::Tensor> grads_for_step(const char* caller);
+  /// The FP8 state (Options::fp8) of each model this optimizer trains, in initialize's order.
+  std::vector<std::shared_ptr<detail::Fp8State>> fp8_states() const;
 
  protected:
   OptimizerBase() = default;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "amp/cast_policy.h"
+#include "amp/fp8.h"
 #include "amp/loss_scale.h"
 #include "amp/master_weights.h"
 #include "amp/precision_policy.h"
@@ -61,7 +62,11 @@
   X(int, growth_interval, 2000, "clean steps in a row before the scale grows (default 2000; Apex's scale_window)") \
   X(int, hysteresis, 1,                                                                                          \
     "overflows before the scale backs off (default 1, as Apex; k > 1 is DeepSpeed's delayed shift: every "       \
-    "overflow skips its step, the scale backs off at the k-th since the last growth)")
+    "overflow skips its step, the scale backs off at the k-th since the last growth)")                            \
+  /* Options::fp8; the recipe's own keys (fp8_format, ...) are Options' fp8_* setters. */                        \
+  X(std::optional<Fp8Options>, fp8, std::nullopt,                                                                \
+    "true | false: runs the GEMMs of Linear layers whose dimensions are multiples of 16 in FP8 with per-tensor "  \
+    "scales (O2/O3 with bfloat16; docs/fp8.md)")
 
 namespace amp::detail {
 

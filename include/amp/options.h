@@ -4,8 +4,10 @@
 #include <c10/core/ScalarType.h>
 
 #include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "amp/loss_scale.h"
 #include "amp/opt_level.h"
@@ -44,6 +46,17 @@ class Options {
     keep_fp32_types_->push_back(ModuleType::of<ModuleImpl>());
     return *this;
   }
+  /// Turns FP8 Linear layers on with the default recipe (amp/fp8.h); fp8(Fp8Options) above takes a recipe.
+  Options& fp8() { return fp8(Fp8Options()); }
+  /// Turns FP8 on with the recipe the fp8_* setters built (config `fp8 = true`), or off, dropping the recipe.
+  Options& fp8(bool on);
+  // The recipe one field at a time, as the config keys fp8_format, fp8_scaling, ... set it; they need fp8 on.
+  Options& fp8_format(Fp8Options::Format value);
+  Options& fp8_scaling(Fp8Options::Scaling value);
+  Options& fp8_amax_history_len(int value);
+  Options& fp8_amax_compute_algo(std::string value);
+  Options& fp8_margin(int value);
+
   /// Replaces the opt level, keeping the overrides.
   Options& opt_level(OptLevel value) { level_ = value; return *this; }
 
@@ -63,6 +76,10 @@ class Options {
 #define AMP_OPTIONS_OVERRIDE(type, name, default_value, help) std::optional<detail::unoptional_t<type>> name##_;
   AMP_OPTION_FIELDS(AMP_OPTIONS_OVERRIDE)
 #undef AMP_OPTIONS_OVERRIDE
+  template <class F>
+  Options& set_fp8_field(const char* key, F&& set);
+  Fp8Options fp8_recipe_;                 // what the fp8_* setters built, applied by fp8(true)
+  std::vector<std::string> fp8_fields_;   // the fp8_* setters called, for resolve's check
 };
 
 }  // namespace amp

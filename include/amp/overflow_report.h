@@ -16,6 +16,7 @@ struct OverflowReport {
   int loss_id = 0;
   double loss_scale = 0.0;               // the scale that overflowed
   std::vector<std::string> parameters;   // qualified names ("encoder.0.weight"), model order
+  std::vector<std::string> fp8_layers;   // FP8 layers (Options::fp8) whose input, weight or gradient amax was inf/NaN
 };
 
 }  // namespace amp
