@@ -99,15 +99,15 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
                             bool record) {
     const std::shared_ptr<Fp8State> state = runtime->state.lock();
     const int64_t base = runtime->layer * 3;
-    const int64_t in = weight.size(1), out = weight.size(0);
-    const at::Tensor x = input.reshape({-1, in});
+    const at::Tensor x = input.reshape({-1, weight.size(1)});
     const at::Tensor x_amax = amax_of(x), w_amax = amax_of(weight);
     const at::Tensor x_scale = state->forward_scale(base + Fp8State::kInput, x_amax);
     const at::Tensor w_scale = state->forward_scale(base + Fp8State::kWeight, w_amax);
     const at::Tensor x8 = quantize(x, x_scale, state->fp8_dtype(Fp8State::kInput), state->fp8_max(Fp8State::kInput));
     const at::Tensor w8 = quantize(weight, w_scale, state->fp8_dtype(Fp8State::kWeight), state->fp8_max(Fp8State::kWeight));
     std::optional<at::Tensor> b;
-    if (bias.defined()) b = bias.to(out_dtype);
+    const bool has_bias = bias.numel() > 0;  // no bias: an empty tensor (see run())
+    if (has_bias) b = bias.to(out_dtype);
     at::Tensor y = at::_scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), b, std::nullopt, out_dtype);
     if (record) {
       state->record_amax(base + Fp8State::kInput, x_amax);
@@ -115,13 +115,12 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     }
     ctx->save_for_backward({x8, w8, x_scale, w_scale});
     ctx->saved_data["runtime"] = c10::IValue::make_capsule(runtime);
-    ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : out_dtype);
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
     ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    std::vector<int64_t> shape = input.sizes().vec();
-    shape.back() = out;
-    return y.view(shape);
+    ctx->saved_data["input_shape"] = input.sizes().vec();
+    return y;  // [M, out]: run() views it as the input's shape outside, where in-place ops on it may follow
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -132,7 +131,7 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const std::shared_ptr<Fp8State> state = runtime->state.lock();
     TORCH_CHECK(state, "amp fp8: the backward of an FP8 Linear ran after its model was destroyed.");
     const int64_t slot = runtime->layer * 3 + Fp8State::kGrad;
-    const at::Tensor g = grads[0].reshape({-1, w8.size(0)});
+    const at::Tensor& g = grads[0];
     const at::Tensor g_amax = amax_of(g);
     const at::Tensor g_scale = state->forward_scale(slot, g_amax);
     state->record_amax(slot, g_amax);
@@ -143,8 +142,6 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     // grad input [M, in] = g [M, out] @ w [out, in]
     at::Tensor grad_input = at::_scaled_mm(g8, column_major(w8), g_inv, w_scale.reciprocal(), std::nullopt,
                                            std::nullopt, input_dtype);
-    std::vector<int64_t> shape = grads[0].sizes().vec();
-    shape.back() = w8.size(1);
     // grad weight [out, in] = g^T [out, M] @ x [M, in]
     const at::Tensor grad_weight = at::_scaled_mm(pad16(g8.t().contiguous(), 1), column_major(pad16(x8, 0)), g_inv,
                                                   x_scale.reciprocal(), std::nullopt, std::nullopt, weight_dtype);
@@ -152,7 +149,8 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     if (ctx->saved_data["has_bias"].toBool()) {
       grad_bias = g.sum(0).to(static_cast<c10::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
     }
-    return {grad_input.view(shape), grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_input.view(ctx->saved_data["input_shape"].toIntVector()), grad_weight, grad_bias, at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -442,8 +440,13 @@ bool Fp8State::run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   // Training forwards feed the amax history; evaluation (under NoGradGuard) reads it only.
   const bool training = at::GradMode::is_enabled() && (input.requires_grad() || w.requires_grad());
+  // A custom function's tensor arguments must be defined: no bias travels as an empty tensor.
+  if (!bias.defined()) bias = at::empty({0}, w.options().requires_grad(false));
   at::Tensor out = Fp8Linear::apply(input, w, bias, c10::make_intrusive<Fp8Runtime>(weak_from_this(), it->second),
                                     out_dtype_, training);
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = w.size(0);
+  out = out.view(shape);
   torch::jit::drop(*stack, n);
   torch::jit::push(*stack, std::move(out));
   return true;

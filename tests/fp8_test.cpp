@@ -174,7 +174,7 @@ TEST_P(Fp8GemmTest, ForwardAndBothBackwardGemmsMatchPythonBitwise) {
   }
   const auto format = c.format == "hybrid" ? amp::Fp8Options::Format::kHybrid : amp::Fp8Options::Format::kE4M3;
   auto model = amp::initialize(lin, f8_options(amp::Fp8Options().format(format)));
-  const torch::Tensor x = f8_ref("gemm/" + c.shape + "/x").requires_grad_(true);
+  const torch::Tensor x = f8_ref("gemm/" + c.shape + "/x").clone().requires_grad_(true);
   const torch::Tensor y = model(x);
   y.backward(f8_ref("gemm/" + c.shape + "/g"));
   const std::string key = "gemm/" + c.shape + "/" + c.format;
@@ -399,9 +399,16 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
   refuse(f8_options(f8_delayed(5)), "holds an FP8 amax history of 3 steps, but this run's amax_history_len is 5");
   refuse(amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0),
          "holds the FP8 scaling state of 1 model(s), this optimizer trains 0 model(s) with FP8 layers. Resume with fp8 on");
-  refuse(f8_options(f8_delayed(3)).keep_fp32({"fc1"}),
-         "holds the FP8 state of the layers fc1, fc2, but this model's FP8 layers are fc2");
   fs::remove_all(dir);
+  // Another model's layers: checked before anything changes.
+  const auto fp8 = optimizer.fp8_states()[0];
+  try {
+    fp8->restore_state(fp8->state_tensors(), {"encoder.fc"}, "the checkpoint");
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(message(e).find("the checkpoint holds the FP8 state of the layers encoder.fc, but this model's FP8 "
+                              "layers are fc1, fc2. Resume with the model"), std::string::npos) << message(e);
+  }
 }
 
 TEST(Fp8Test, TwoOptimizersOverOneModelCommitEachStepOnce) {
