@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "amp/amp.h"
+#include "fp8.h"
 #include "lean_masters.h"
 #include "optimizer_state_key.h"
 
@@ -1018,6 +1019,47 @@ void scenario_policy(const ProcessGroup& group) {
   }
 }
 
+// FP8 with delayed scaling under amp::parallel: each rank sees other rows, but every rank commits the max over the
+// ranks of each step's amaxes, so scales, histories and weights stay bit-identical; fc1's input history holds the
+// global batch's amax.
+void scenario_fp8(const ProcessGroup& group) {
+  if (!amp::detail::fp8_supported_by_build()) {
+    report(true, "fp8: skipped, this LibTorch build has no FP8");
+    return;
+  }
+  torch::manual_seed(3);
+  auto net = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
+                                   torch::nn::ReLU(), torch::nn::Linear(32, 5));
+  auto [model, optimizer] = amp::initialize(
+      net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
+          .fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)));
+  auto ddp = amp::parallel::make_distributed(model, group);
+  const auto fp8 = optimizer.fp8_states().at(0);
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(7000 + step);
+    torch::Tensor x = torch::randn({16, 16});
+    x.narrow(0, 8, 8).mul_(3.0);  // rank 1's rows are wider
+    const torch::Tensor y = torch::randint(5, {16}, torch::kLong);
+    const int64_t start = group.rank() * 8;
+    optimizer.zero_grad();
+    {
+      auto scaled = amp::scale_loss(loss_of(ddp(x.narrow(0, start, 8)), y.narrow(0, start, 8)), optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+    const auto state = fp8->state_tensors();
+    std::vector<torch::Tensor> tensors;
+    for (const auto& [name, t] : state) tensors.push_back(t);
+    report(same_on_all_ranks(group, tensors), "fp8 step " + std::to_string(step) + ": scales and amax history identical");
+    const float global = x.to(torch::kBFloat16).abs().max().to(torch::kFloat).item<float>();
+    const float committed = state[1].second[0][step].item<float>();  // history[slot fc1 input][column step]
+    report(committed == global, "fp8 step " + std::to_string(step) + ": fc1's input amax is the global batch's",
+           "committed " + str(committed) + ", global " + str(global));
+  }
+  report(same_on_all_ranks(group, net->parameters()), "fp8: weights identical on both ranks");
+}
+
 void scenario_mismatch(const ProcessGroup& group) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
@@ -1087,6 +1129,8 @@ int main(int argc, char** argv) {
       scenario_checkpoint(group);
     } else if (scenario == "lean") {
       scenario_lean(group);
+    } else if (scenario == "fp8") {
+      scenario_fp8(group);
     } else if (scenario == "policy") {
       scenario_policy(group);
     } else if (scenario == "clip") {

@@ -25,6 +25,8 @@
 #include <unordered_set>
 
 #include "collectives.h"
+#include "fp8.h"
+#include "precision_policy.h"
 #include "lean_masters.h"
 #include "master_weights.h"
 
@@ -124,6 +126,7 @@ struct DistributedCore::Impl {
   std::shared_ptr<torch::nn::Module> module;
   ProcessGroup group;
   const GroupState& state;
+  std::weak_ptr<amp::detail::Fp8State> fp8;  // its amax reducer is ours while we live
   DistributedDataParallelOptions options;
   AverageSettings average;
   int64_t bucket_bytes = 0;
@@ -441,6 +444,20 @@ DistributedCore::DistributedCore(std::shared_ptr<torch::nn::Module> module, Proc
   }
   for (auto& [table, index] : lean) table->mark_synced(index);
 
+  // Delayed FP8 scaling: every rank commits the same amax history, the max over the ranks of each step's amaxes
+  // (Transformer Engine reduces its amaxes over the data-parallel group the same way). Dynamic scaling scales each
+  // rank's tensors by their own amax, as torchao's tensorwise recipe under DDP.
+  if (const auto policy = amp::detail::precision_policy_of(*d.module); policy && policy->fp8() &&
+      policy->fp8()->options().scaling() == amp::Fp8Options::Scaling::kDelayed) {
+    d.fp8 = policy->fp8();
+    policy->fp8()->set_amax_reducer([state = d.state](at::Tensor& amax) {
+      std::vector<at::Tensor> tensors{amax};
+      c10d::AllreduceOptions max;
+      max.reduceOp = c10d::ReduceOp::MAX;
+      wait(state.group->allreduce(tensors, max), state, "amp fp8 (reducing the step's amaxes over the ranks)");
+    });
+  }
+
   // Our hook first, then the Reducer's on the same accumulators (post hooks run in registration order).
   for (size_t i = 0; i < d.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(d.params[i]);
@@ -495,6 +512,7 @@ DistributedCore::~DistributedCore() {
   if (!impl_) return;
   try {
     impl_->reducer.reset();
+    if (const auto fp8 = impl_->fp8.lock()) fp8->set_amax_reducer(nullptr);
     for (size_t i = 0; i < impl_->accumulators.size(); ++i) impl_->accumulators[i]->del_post_hook(impl_->hook_keys[i]);
   } catch (...) {
     // A destructor never throws; the hooks die with the accumulators anyway.
