@@ -5,6 +5,7 @@
 // '_growth_tracker'}), read into and written from amp's loss scalers and amp::GradScaler.
 
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -13,6 +14,7 @@
 #include "amp/grad_scaler.h"
 #include "amp/optimizer.h"
 #include "format.h"
+#include "fp8.h"
 #include "python_values.h"
 
 namespace amp {
@@ -52,6 +54,42 @@ OptimizerBase::AutoFp32State auto_fp32_state_of(const c10::IValue& value, const 
   return state;
 }
 
+// put_amp's 'fp8' entry: one dict per model with FP8 layers, {'layers': [str], 'scales', 'history', 'history_amax',
+// 'position': Tensor}. Checks it against the optimizer's FP8 layers; returns the functions that restore it.
+std::vector<std::function<void()>> fp8_restorers(const c10::IValue& value, const OptimizerBase& optimizer,
+                                                 const std::string& at) {
+  const char* m = "amp::PythonCheckpoint::load_amp: ";
+  const auto states = optimizer.fp8_states();
+  TORCH_CHECK(value.isList(), m, at, " is ", type_of(value), ", not the list of dicts put_amp writes.");
+  const auto list = value.toListRef();
+  TORCH_CHECK(list.size() == states.size(), m, at, " holds the FP8 scaling state of ", list.size(), " model(s), this "
+              "optimizer trains ", states.size(), " model(s) with FP8 layers. Resume with fp8 ",
+              list.empty() ? "off" : "on (config: fp8 = true)", " as the checkpoint was saved.");
+  std::vector<std::function<void()>> out;
+  for (size_t k = 0; k < list.size(); ++k) {
+    const std::string here = at + "[" + std::to_string(k) + "]";
+    TORCH_CHECK(list[k].isGenericDict(), m, here, " is ", type_of(list[k]), ", not a dict.");
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::vector<std::string> layers;
+    for (const auto& item : list[k].toGenericDict()) {
+      TORCH_CHECK(item.key().isString(), m, here, " has a key that is ", type_of(item.key()), ".");
+      const std::string& name = item.key().toStringRef();
+      if (name == "layers") {
+        TORCH_CHECK(item.value().isList(), m, here, "['layers'] is ", type_of(item.value()), ", not a list of str.");
+        for (const auto& v : item.value().toListRef()) {
+          TORCH_CHECK(v.isString(), m, here, "['layers'] holds ", type_of(v), ", not only str.");
+          layers.push_back(v.toStringRef());
+        }
+      } else {
+        TORCH_CHECK(item.value().isTensor(), m, here, "['", name, "'] is ", type_of(item.value()), ", not a tensor.");
+        tensors.emplace_back(name, item.value().toTensor());
+      }
+    }
+    out.push_back(states[k]->restore_state(tensors, layers, std::string(m) + here));
+  }
+  return out;
+}
+
 }  // namespace
 
 void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) const {
@@ -83,11 +121,16 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
 
   bool apex = false, grad_scaler = false;
   std::vector<std::string> keys;
-  std::optional<OptimizerBase::AutoFp32State> auto_fp32;  // amp's own key beside the scalers (put_amp)
+  std::optional<OptimizerBase::AutoFp32State> auto_fp32;  // amp's own keys beside the scalers (put_amp)
+  std::optional<c10::IValue> fp8_entry;
   for (const auto& item : dict) {
     TORCH_CHECK(item.key().isString(), m, what, " has a key that is ", type_of(item.key()), ".");
     if (item.key().toStringRef() == "auto_fp32") {
       auto_fp32 = auto_fp32_state_of(item.value(), what + "['auto_fp32']");
+      continue;
+    }
+    if (item.key().toStringRef() == "fp8") {
+      fp8_entry = item.value();
       continue;
     }
     keys.push_back(item.key().toStringRef());
@@ -159,7 +202,11 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
       TORCH_CHECK(false, m, what, " (loss scaler ", i, "): ", e.what());
     }
   }
+  // Without an 'fp8' entry (an Apex or pre-FP8 checkpoint), FP8 layers start their scales afresh.
+  const std::vector<std::function<void()>> restore_fp8 =
+      fp8_entry ? fp8_restorers(*fp8_entry, optimizer, what + "['fp8']") : std::vector<std::function<void()>>{};
   optimizer.restore_loss_scalers(std::move(scalers));  // optimizers sharing the bank see the restored scales
+  for (const auto& restore : restore_fp8) restore();
   if (auto_fp32) {
     TORCH_CHECK(auto_fp32->moved.empty() || props.auto_fp32 > 0, m, what, " holds auto_fp32's decisions (",
                 auto_fp32->moved.size(), " module(s) moved to fp32, the first '", auto_fp32->moved.empty() ? "" :
@@ -223,6 +270,16 @@ void PythonCheckpoint::put_amp(std::string_view key, const OptimizerBase& optimi
     entry.insert("overflows", state.overflows);
     entry.insert("armed", state.armed);
     out.insert("auto_fp32", entry);
+  }
+  if (const auto states = optimizer.fp8_states(); !states.empty()) {  // amp's key: FP8 scales and amax histories
+    c10::impl::GenericList models(c10::AnyType::get());
+    for (const auto& state : states) {
+      c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+      entry.insert("layers", c10::List<std::string>(state->names()));
+      for (const auto& [name, tensor] : state->state_tensors()) entry.insert(name, tensor);
+      models.push_back(entry);
+    }
+    out.insert("fp8", models);
   }
   put(key, out);
 }

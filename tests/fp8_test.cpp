@@ -411,6 +411,51 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
   }
 }
 
+TEST(Fp8Test, PythonCheckpointsCarryTheScalesAndHistories) {
+  SKIP_WITHOUT_FP8();
+  const auto options = f8_options(f8_delayed(3));
+  F8Run straight = f8_train(options);
+  const fs::path path = fs::path(::testing::TempDir()) / ("amp_fp8_py_" + std::to_string(::getpid()) + ".pt");
+  {
+    F8Mlp net = f8_mlp();
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
+    for (int step = 0; step < 4; ++step) f8_step(model, optimizer, step);
+    amp::PythonCheckpoint out;
+    out.put_model("model", *net);
+    out.put_optimizer("optimizer", optimizer);
+    out.put_amp("amp", optimizer);
+    out.save(path.string());
+  }
+  const amp::PythonCheckpoint in = amp::PythonCheckpoint::load(path.string());
+  const c10::IValue fp8 = in.get("amp").toGenericDict().at("fp8");
+  ASSERT_TRUE(fp8.isList());
+  EXPECT_EQ(fp8.toListRef().at(0).toGenericDict().at("layers").toListRef().size(), 2u);
+  F8Mlp net;
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
+  in.load_model(*net, "model");
+  in.load_optimizer(optimizer, "optimizer");
+  in.load_amp(optimizer, "amp");
+  EXPECT_EQ(f8_scales(optimizer), straight.scales[3]);
+  for (int step = 4; step < kF8Steps; ++step) {
+    EXPECT_EQ(f8_step(model, optimizer, step), straight.losses[step]);
+    EXPECT_EQ(f8_scales(optimizer), straight.scales[step]);
+  }
+  // Into a run without fp8: refused, naming the fix.
+  F8Mlp plain_net;
+  auto [plain, plain_opt] = amp::initialize(plain_net, torch::optim::SGD(plain_net->parameters(), 0.05),
+                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  try {
+    in.load_amp(plain_opt, "amp");
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(message(e).find("entry 'amp'['fp8'] holds the FP8 scaling state of 1 model(s), this optimizer trains 0 "
+                              "model(s) with FP8 layers. Resume with fp8 on"), std::string::npos) << message(e);
+  }
+  fs::remove(path);
+}
+
 TEST(Fp8Test, TwoOptimizersOverOneModelCommitEachStepOnce) {
   SKIP_WITHOUT_FP8();
   F8Mlp net = f8_mlp();

@@ -116,7 +116,8 @@ class PythonCheckpoint {
   /// Loads the loss scale and its clean-step counter from Apex's `amp.state_dict()` (`loss_scaler<i>`:
   /// `loss_scale`, `unskipped`) or torch.amp's `GradScaler.state_dict()` (`scale`, `_growth_tracker`, ...),
   /// told apart by their keys. An 'auto_fp32' entry (put_amp's) moves the modules auto_fp32 had moved back to fp32
-  /// and restores its overflow count, as torch::load of the optimizer does.
+  /// and restores its overflow count, as torch::load of the optimizer does; an 'fp8' entry restores the FP8 layers'
+  /// scales and amax histories (without one, an FP8 run starts them afresh).
   void load_amp(OptimizerBase& optimizer, std::string_view key = "amp") const;
   /// Loads a torch.amp `GradScaler.state_dict()` into an amp::GradScaler (its scale, growth tracker and
   /// schedule), as `scaler.load_state_dict(checkpoint["scaler"])`.
@@ -140,7 +141,9 @@ class PythonCheckpoint {
   }
   /// Puts the loss scalers in Apex's `amp.state_dict()` format, for `amp.load_state_dict`. With Options::auto_fp32
   /// on, the dict also holds amp's 'auto_fp32' entry ({'models', 'modules', 'overflows', 'armed'}: the modules it
-  /// moved to fp32), which Apex's amp.load_state_dict refuses as an unexpected key: pop it there.
+  /// moved to fp32), which Apex's amp.load_state_dict refuses as an unexpected key: pop it there. With Options::fp8,
+  /// an 'fp8' entry holds, per model, {'layers': [str], 'scales', 'history', 'history_amax', 'position'} (tensors;
+  /// slot 3 * layer + 0/1/2 is the layer's input/weight/grad), likewise amp's own.
   void put_amp(std::string_view key, const OptimizerBase& optimizer);
   /// Puts loss scaler `loss_id` in torch.amp's `GradScaler.state_dict()` format, for `scaler.load_state_dict`.
   void put_grad_scaler(std::string_view key, const OptimizerBase& optimizer, int loss_id = 0);
