@@ -21,18 +21,24 @@
 
 namespace {
 
+// `hidden` > 0 adds a Linear layer of that width before the classifier: FP8 (fp8 = true) runs it, while the
+// 10-way classifier, whose dimensions are no multiple of 16, stays bf16.
 struct DigitsNetImpl : torch::nn::Module {
-  DigitsNetImpl()
+  explicit DigitsNetImpl(int64_t hidden = 0)
       : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3).padding(1)))),
         bn1(register_module("bn1", torch::nn::BatchNorm2d(16))),
         conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 3).padding(1)))),
         bn2(register_module("bn2", torch::nn::BatchNorm2d(32))),
-        fc(register_module("fc", torch::nn::Linear(32 * 4 * 4, 10))) {}
+        fc(register_module("fc", torch::nn::Linear(hidden > 0 ? hidden : 32 * 4 * 4, 10))) {
+    if (hidden > 0) fc_hidden = register_module("fc_hidden", torch::nn::Linear(32 * 4 * 4, hidden));
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = torch::relu(bn1(conv1(x)));
-    h = torch::max_pool2d(torch::relu(bn2(conv2(h))), 2);
-    return fc(h.flatten(1));
+    h = torch::max_pool2d(torch::relu(bn2(conv2(h))), 2).flatten(1);
+    if (fc_hidden) h = torch::relu(fc_hidden(h));
+    return fc(h);
   }
+  torch::nn::Linear fc_hidden{nullptr};
   torch::nn::Conv2d conv1;
   torch::nn::BatchNorm2d bn1;
   torch::nn::Conv2d conv2;
@@ -81,6 +87,7 @@ int main(int argc, char** argv) {
   bool resume = false;
   bool fused = false;
   double clip_grad_norm = 0.0;
+  int64_t hidden = 0;
   std::string resume_python;
   std::string save_python;
   amp::ProgramFlags flags("train: a digits classifier trained with amp at the opt level from --config");
@@ -95,6 +102,8 @@ int main(int argc, char** argv) {
            "torch::optim::SGD; the same numbers, faster")
       .add("clip_grad_norm", &clip_grad_norm, "clip the gradients' total norm to this value after amp unscaled them "
            "(amp::clip_grad_norm_; the fp32 masters' at O2); 0: no clipping")
+      .add("hidden", &hidden, "width of a hidden Linear layer before the classifier (0: none); fp8 needs one, a "
+           "multiple of 16")
       .add("metrics", &metrics, "CSV file with one row per epoch (appended to on --resume)")
       .add("resume_python", &resume_python, "continue a Python run: a torch.save'd dict with 'model', 'optimizer', "
            "'amp' (Apex) or 'scaler' (GradScaler), 'epoch'")
@@ -130,7 +139,8 @@ int main(int argc, char** argv) {
     const int64_t steps_per_epoch = (n_train + batch_size - 1) / batch_size;
     std::cout << "data: " << source << ", " << n_train << " train / " << val_x.size(0) << " validation images\n";
 
-    DigitsNet net;
+    if (hidden < 0) throw std::invalid_argument("train: --hidden must be 0 (no hidden layer) or a width, got " + std::to_string(hidden));
+    DigitsNet net(hidden);
     const auto sgd_options = torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4);
     // The rest is written once for either optimizer type (amp::initialize keeps the type).
     auto train = [&](auto sgd) {
