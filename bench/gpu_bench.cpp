@@ -2,7 +2,7 @@
 // O1/O2 step against the same step written by hand in LibTorch. Run by scripts/gpu-check.sh, which adds the
 // Python torch.amp + GradScaler twin (bench/python_amp.py --device cuda) on the same torch.
 //   amp_gpu_bench [--device cuda] [--steps 20] [--reps 3] [--csv FILE] [--models gpu_cnn,gpu_transformer] [--batch N]
-//                 [--configs all|"O0 fp32,O1 bf16,..."]
+//                 [--configs all|"O0 fp32,O1 bf16,..."] [--section levels|fp8|all] [--fp8-steps 100]
 // --device cpu (with tiny --steps, --batch and bf16 --configs) checks the program's logic without a GPU; its figures mean nothing.
 // Steps per second: the median of --reps timed runs of --steps steps each, synchronized at both ends, amp's
 // and the hand-written loop's runs taking turns. Peak
@@ -27,6 +27,7 @@
 #include <sstream>
 
 #include "../examples/common/memory_meter.h"
+#include "fp8_task.h"
 #include "models.h"
 #include "training_steps.h"
 
@@ -159,11 +160,59 @@ void bench_model(Settings& s, const std::string& name) {
   }
 }
 
+// FP8 Linear layers (Options::fp8) on GpuTransformer: O2 bf16 against O2 bf16 + fp8 (dynamic, delayed), step time
+// in turns, peak memory, and the held-out loss after `fp8_steps` steps of bench/fp8_task.h's task.
+void bench_fp8(Settings& s, int fp8_steps) {
+  const int64_t batch = s.batch > 0 ? s.batch : bench::batch_of("gpu_transformer");
+  const int64_t seq = s.batch > 0 ? 16 : 256;  // a small --batch is a logic check: short sequences too
+  const auto base = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const std::vector<std::pair<std::string, amp::Options>> configs = {
+      {"O2 bf16", base},
+      {"O2 bf16 + fp8 dynamic", amp::Options(base).fp8()},
+      {"O2 bf16 + fp8 delayed", amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed))},
+  };
+  std::printf("\n## FP8 Linear layers on %s\n\nGpuTransformer (4 blocks, d 512, ff 2048; batch %lld x %lld tokens; its "
+              "Linear layers in FP8 but the 10-way head), SGD with momentum; held-out loss after %d steps of "
+              "bench/fp8_task.h's task.%s\n\n| config | ms/step | / O2 bf16 | peak MiB | held-out loss |\n"
+              "|---|---|---|---|---|\n", s.device.str().c_str(), static_cast<long long>(batch),
+              static_cast<long long>(seq), fp8_steps,
+              s.device.is_cpu() ? " On a CPU, at::_scaled_mm is emulated: these figures are emulated FP8." : "");
+  std::vector<double> losses, peaks;
+  std::vector<std::function<void()>> steps;
+  std::vector<std::shared_ptr<void>> keep;
+  for (const auto& [name, options] : configs) {
+    torch::manual_seed(0);
+    losses.push_back(
+        bench::train_transformer_task(bench::GpuTransformer(), options, fp8_steps, s.device, batch, seq).held_out_loss);
+    torch::manual_seed(0);
+    bench::GpuTransformer net;
+    net->to(s.device);
+    auto run = std::make_shared<amp::Initialized<bench::GpuTransformer, torch::optim::SGD>>(amp::initialize(
+        net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)), options));
+    const auto [x, y] = bench::transformer_task_batch(7, batch, seq, 512, s.device);
+    auto step = [run, x = x, y = y] { bench::amp_step(run->model, run->optimizer, x, y); };
+    step();
+    peaks.push_back(peak_bytes_of(s, step));
+    steps.push_back(step);
+    keep.push_back(run);
+  }
+  const auto t = seconds_per_step(s, steps);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    std::printf("| %s | %.3f | %.2fx | %.0f | %.4f |\n", configs[i].first.c_str(), 1e3 * t[i], t[i] / t[0],
+                peaks[i] / (1 << 20), losses[i]);
+    record(s, "gpu_transformer", configs[i].first, "fp8_ms_per_step", 1e3 * t[i]);
+    record(s, "gpu_transformer", configs[i].first, "fp8_peak_MiB", peaks[i] / (1 << 20));
+    record(s, "gpu_transformer", configs[i].first, "fp8_held_out_loss", losses[i]);
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Settings s;
-  std::string device = "cuda", csv_path, models = "gpu_cnn,gpu_transformer";
+  std::string device = "cuda", csv_path, models = "gpu_cnn,gpu_transformer", section = "levels";
+  int fp8_steps = 100;
   amp::ProgramFlags flags("amp_gpu_bench: amp's levels and overhead on a GPU, as a markdown table");
   flags.add("device", &device, "cuda, or cpu to check the program's logic without a GPU")
       .add("steps", &s.steps, "steps per timed run")
@@ -171,7 +220,9 @@ int main(int argc, char** argv) {
       .add("models", &models, "comma-separated: gpu_cnn, gpu_transformer")
       .add("batch", &s.batch, "a smaller batch than the model's (logic checks on a CPU)")
       .add("configs", &s.configs, "all, or comma-separated: O0 fp32, O1 fp16, O2 fp16, O3 fp16, O1 bf16, O2 bf16, O3 bf16")
-      .add("csv", &csv_path, "also write one CSV row per measurement to this file");
+      .add("csv", &csv_path, "also write one CSV row per measurement to this file")
+      .add("section", &section, "levels (the opt levels' table), fp8 (FP8 Linear layers on gpu_transformer), or all")
+      .add("fp8_steps", &fp8_steps, "training steps before the fp8 section's held-out loss");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
     TORCH_CHECK(device == "cuda" || device == "cpu", "amp_gpu_bench: --device must be cuda or cpu, got '", device, "'");
@@ -190,6 +241,13 @@ int main(int argc, char** argv) {
     at::globalContext().setAllowTF32CuBLAS(false);
     at::globalContext().setAllowTF32CuDNN(false);
     at::globalContext().setBenchmarkCuDNN(true);
+    TORCH_CHECK(fp8_steps >= 1, "amp_gpu_bench: --fp8-steps must be at least 1, got ", fp8_steps);
+    TORCH_CHECK(section == "levels" || section == "fp8" || section == "all",
+                "amp_gpu_bench: --section must be levels, fp8 or all, got '", section, "'");
+    if (section == "fp8") {
+      bench_fp8(s, fp8_steps);
+      return 0;
+    }
     std::printf("## amp on %s\n\n- LibTorch %s; %d CUDA device(s); TF32 off; cuDNN autotuning on\n- SGD with momentum; "
                 "median of %d runs of %d steps; peak: caching allocator's allocated bytes over one step\n\n",
                 device.c_str(), TORCH_VERSION, static_cast<int>(torch::cuda::device_count()), s.reps, s.steps);
@@ -201,6 +259,7 @@ int main(int argc, char** argv) {
       else if (name == "gpu_transformer") bench_model<bench::GpuTransformer>(s, name);
       else TORCH_CHECK(false, "amp_gpu_bench: unknown model '", name, "' in --models; use gpu_cnn and/or gpu_transformer");
     }
+    if (section == "all") bench_fp8(s, fp8_steps);
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;
