@@ -29,14 +29,14 @@ struct TaskResult {
   std::vector<double> losses;  // per step
 };
 
-// Trains `net` `steps` steps at `options` with SGD (lr 0.05, momentum 0.9); returns the held-out loss.
+// Trains `net` `steps` steps at `options` with SGD (lr 0.01, momentum 0.9); returns the held-out loss.
 template <class Net>
 TaskResult train_transformer_task(Net net, const amp::Options& options, int steps, torch::Device device = torch::kCPU,
                                   int64_t batch = 16, int64_t seq = 64) {
   net->to(device);
   const int64_t width = net->head->weight.size(1);
   auto [model, optimizer] = amp::initialize(
-      net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)), options);
+      net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)), options);
   TaskResult result;
   for (int step = 0; step < steps; ++step) {
     const auto [x, y] = transformer_task_batch(step, batch, seq, width, device);

