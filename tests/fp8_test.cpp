@@ -1,6 +1,7 @@
 // FP8 Linear layers (amp/fp8.h): each GEMM and whole training runs against tests/python/fp8.py, the same recipe
 // written with torch._scaled_mm (computed at test time); the amax history, resume and misuse on the C++ side.
 
+#include <torch/script.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -223,6 +224,34 @@ TEST_P(Fp8TrainingTest, LossesScalesAndMastersMatchPythonBitwise) {
   }
   // The delayed histories were used: the scales moved between steps.
   EXPECT_NE(run.scales.front(), run.scales.back());
+}
+
+// A TorchScript model's Linear layers (aten::linear in its graph) run the same FP8 GEMMs: Python scripted the
+// network whose eager FP8 run is the reference.
+TEST(Fp8Test, TorchScriptLinearsTrainAsTheEagerReference) {
+  SKIP_WITHOUT_REFERENCE();
+  torch::jit::Module net = torch::jit::load((f8_reference_path().parent_path() / "mlp_scripted.pt").string());
+  torch::optim::SGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto [model, optimizer] = amp::initialize(net, std::move(sgd), f8_options());
+  std::vector<std::string> names;
+  for (const auto& l : amp::fp8_layers(optimizer)) names.push_back(l.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"fc1", "fc2"}));
+  model.train();
+  const torch::Tensor losses = f8_ref("train/dynamic/losses"), scales = f8_ref("train/dynamic/scales");
+  for (int step = 0; step < kF8Steps; ++step) {
+    optimizer.zero_grad();
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({f8_x(step)}).toTensor(), f8_y(step));
+    EXPECT_EQ(loss.item<double>(), losses[step].item<double>()) << "step " << step;
+    {
+      auto scaled = amp::scale_loss(loss, optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+    EXPECT_EQ(f8_floats(f8_scales(optimizer)), f8_floats(scales[step])) << "step " << step;
+  }
+  for (const auto& [name, value] : amp::detail::fp32_state(*amp::detail::jit_mirror(net))) {
+    EXPECT_TRUE(bitwise_equal(value, f8_ref("train/dynamic/master/" + name))) << name;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -10,6 +10,8 @@ bias, grad input g @ w, grad weight g^T @ x with the batch padded to a multiple 
 of amax_history_len committed amaxes per tensor, commits after each taken step, and scales the first step by its
 own amax. Each scale is multiplied by (amax * 0 + 1), which makes it NaN for a non-finite tensor.
 
+mlp_scripted.pt is the MLP below, torch.jit.script'ed with the training cases' initial weights.
+
 fp8.pt holds:
   torch_version
   gemm/...          one Linear(32, 48) forward and backward, 2-d (addmm) and 3-d (matmul, bias added after) inputs,
@@ -183,16 +185,21 @@ def gemm_cases(out):
             out[key + "/scales"] = recipe.report()
 
 
-class Mlp(nn.Module):
+class PlainMlp(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(32, 64)
         self.fc2 = nn.Linear(64, 64)
         self.head = nn.Linear(64, 10)  # 10: no multiple of 16, stays bf16
 
+    def forward(self, x):
+        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Mlp(PlainMlp):
+    """PlainMlp with amp's FP8 GEMMs in fc1 and fc2 (PlainMlp is what the C++ side runs, scripted or not)."""
+
     def forward(self, x, recipe=None):
-        if recipe is None:
-            return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
         x = F.relu(fp8_linear(x, self.fc1, recipe, 0))
         x = F.relu(fp8_linear(x, self.fc2, recipe, 1))
         return self.head(x)
@@ -271,6 +278,9 @@ def main(directory):
     gemm_cases(out)
     torch.manual_seed(2)
     init = Mlp().state_dict()
+    scripted = PlainMlp()
+    scripted.load_state_dict(init)
+    torch.jit.script(scripted).save(os.path.join(directory, "mlp_scripted.pt"))
     for n, t in init.items():
         out[f"train/init/{n}"] = t.clone()
     xs = [torch.randn(24, 32) * (1.0 + step) for step in range(STEPS)]
