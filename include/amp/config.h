@@ -5,7 +5,9 @@
 // keep_batchnorm_fp32, master_weights, loss_scale ("dynamic" or a number), low_precision_dtype
 // ("float16" | "bfloat16"), cast_model_outputs, num_losses, min_loss_scale, max_loss_scale, verbosity,
 // and the loss scaler's init_scale, growth_factor, backoff_factor, growth_interval, hysteresis
-// (torch.amp.GradScaler's names). Flags use dashes (--opt-level O2 --init-scale 1024 --config FILE)
+// (torch.amp.GradScaler's names); amp's own keys (cast_lists, keep_fp32, keep_fp32_types, auto_fp32,
+// cast_frozen_batchnorm, master_weights_format, fp8 and its recipe: fp8_format, fp8_scaling,
+// fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin). Flags use dashes (--opt-level O2 --init-scale 1024 --config FILE)
 // and override the file. Unknown keys, bad values and duplicates throw std::invalid_argument naming
 // the key, the value, and the file and line.
 //
