@@ -101,8 +101,8 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const int64_t base = runtime->layer * 3;
     const at::Tensor x = input.reshape({-1, weight.size(1)});
     const at::Tensor x_amax = amax_of(x), w_amax = amax_of(weight);
-    const at::Tensor x_scale = state->forward_scale(base + Fp8State::kInput, x_amax);
-    const at::Tensor w_scale = state->forward_scale(base + Fp8State::kWeight, w_amax);
+    const at::Tensor x_scale = state->scale_for(base + Fp8State::kInput, x_amax);
+    const at::Tensor w_scale = state->scale_for(base + Fp8State::kWeight, w_amax);
     const at::Tensor x8 = quantize(x, x_scale, state->fp8_dtype(Fp8State::kInput), state->fp8_max(Fp8State::kInput));
     const at::Tensor w8 = quantize(weight, w_scale, state->fp8_dtype(Fp8State::kWeight), state->fp8_max(Fp8State::kWeight));
     std::optional<at::Tensor> b;
@@ -133,7 +133,7 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const int64_t slot = runtime->layer * 3 + Fp8State::kGrad;
     const at::Tensor& g = grads[0];
     const at::Tensor g_amax = amax_of(g);
-    const at::Tensor g_scale = state->forward_scale(slot, g_amax);
+    const at::Tensor g_scale = state->scale_for(slot, g_amax);
     state->record_amax(slot, g_amax);
     const at::Tensor g8 = quantize(g, g_scale, state->fp8_dtype(Fp8State::kGrad), state->fp8_max(Fp8State::kGrad));
     const at::Tensor g_inv = g_scale.reciprocal();
@@ -168,7 +168,6 @@ const c10::TensorImpl* transposed_weight(const at::Tensor& t) {
 }
 
 #endif  // AMP_HAS_FP8
-
 
 // Runs one small FP8 GEMM on `device`, so that a device without FP8 kernels (CUDA before SM 8.9) is refused at
 // initialize, not in the first forward.
@@ -243,7 +242,7 @@ at::Tensor Fp8State::scale_from(const at::Tensor& amax, double max) const {
   return at::full({}, max, amax.options()).div(amax.clamp_min(kAmaxFloor)).div(std::ldexp(1.0, options_.margin()));
 }
 
-at::Tensor Fp8State::forward_scale(int64_t slot, const at::Tensor& amax) {
+at::Tensor Fp8State::scale_for(int64_t slot, const at::Tensor& amax) {
   const double max = fp8_max(static_cast<Kind>(slot % 3));
   at::Tensor scale = scale_from(amax, max);
   if (options_.scaling() == Fp8Options::Scaling::kDelayed) {

@@ -36,7 +36,7 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
     at::Tensor weight;  // the Linear's weight (the model's parameter), [out, in]
   };
 
-  /// Chooses the FP8 layers among `root`'s Linear modules: those not in `fp32` (the policy's islands) whose
+  /// Chooses the FP8 layers among `root`'s Linear modules: those whose weight is not `in_island` and whose
   /// dimensions are multiples of 16; the others are listed by skipped().
   Fp8State(const Properties& properties, torch::nn::Module& root,
            const std::function<bool(const at::Tensor&)>& in_island);
@@ -58,6 +58,7 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
 
   /// The layers whose amax in this step is inf/NaN (the overflow report), in model order.
   std::vector<std::string> non_finite_layers() const;
+  /// The layers' scales as amp::fp8_layers reports them.
   std::vector<Fp8LayerState> report() const;
 
   // The state that resumes bitwise: scales, the amax history and its position.
@@ -68,12 +69,17 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
                              const std::string& where);
   /// The same state by name, for Python checkpoints: "scales", "history", "history_amax", "position".
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+  /// Checks state_tensors()-shaped `state` saved for the layers `layer_names`; returns what restores it.
   std::function<void()> restore_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
                                       const std::vector<std::string>& layer_names, const std::string& where);
+  /// The FP8 layers' qualified names, in model order.
   std::vector<std::string> names() const;
 
   // For the GEMMs (src/fp8.cpp).
-  at::Tensor forward_scale(int64_t slot, const at::Tensor& amax);
+  /// The scale for `slot`'s tensor whose amax is `amax` (dynamic: from it; delayed: from the history), NaN for a
+  /// non-finite amax (NOTE [FP8 scales never hide an overflow]).
+  at::Tensor scale_for(int64_t slot, const at::Tensor& amax);
+  /// Adds `amax` to this step's amaxes (their max per slot).
   void record_amax(int64_t slot, const at::Tensor& amax);
   c10::ScalarType fp8_dtype(Kind kind) const;
   double fp8_max(Kind kind) const;

@@ -296,6 +296,19 @@ TEST(Fp8Test, LayersAreTheLinearsWithDimensionsMultipleOf16AndTheBannerListsTheO
   EXPECT_EQ(bf16_out(f8_x(0)).scalar_type(), torch::kBFloat16);
 }
 
+TEST(Fp8Test, O3TrainsWithFp8LayersAndNoMasters) {
+  SKIP_WITHOUT_FP8();
+  F8Mlp net = f8_mlp();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto [model, optimizer] = amp::initialize(
+      net, std::move(sgd), amp::Options("O3").low_precision_dtype(torch::kBFloat16).fp8(f8_delayed()).verbosity(0));
+  const torch::Tensor before = net->fc1->weight.detach().clone();
+  for (int step = 0; step < 3; ++step) EXPECT_TRUE(std::isfinite(f8_step(model, optimizer, step)));
+  EXPECT_EQ(net->fc1->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_FALSE(torch::equal(net->fc1->weight, before));
+  for (double s : f8_scales(optimizer)) EXPECT_TRUE(std::isfinite(s) && s != 1.0) << s;
+}
+
 TEST(Fp8Test, KeepFp32TakesALinearOutOfFp8) {
   SKIP_WITHOUT_FP8();
   F8Mlp net = f8_mlp();
