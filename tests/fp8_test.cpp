@@ -228,7 +228,7 @@ TEST_P(Fp8TrainingTest, LossesScalesAndMastersMatchPythonBitwise) {
 
 // A TorchScript model's Linear layers (aten::linear in its graph) run the same FP8 GEMMs: Python scripted the
 // network whose eager FP8 run is the reference.
-TEST(Fp8Test, TorchScriptLinearsTrainAsTheEagerReference) {
+TEST(Fp8TorchScriptTest, LinearsTrainAsTheEagerReference) {
   SKIP_WITHOUT_REFERENCE();
   torch::jit::Module net = torch::jit::load((f8_reference_path().parent_path() / "mlp_scripted.pt").string());
   torch::optim::SGD sgd(amp::parameters(net), torch::optim::SGDOptions(0.05).momentum(0.9));
