@@ -309,6 +309,22 @@ TEST(Fp8Test, O3TrainsWithFp8LayersAndNoMasters) {
   for (double s : f8_scales(optimizer)) EXPECT_TRUE(std::isfinite(s) && s != 1.0) << s;
 }
 
+// After PyTorch's test_scaled_matmul_cuda.py zero-input and bias cases: an all-zero input (amax 0) gets a large
+// finite scale (the 1e-12 floor, as torchao), quantizes to zeros, and the layer returns its bias exactly.
+TEST(Fp8Test, AnAllZeroInputGivesTheBiasExactlyAndFiniteScales) {
+  SKIP_WITHOUT_FP8();
+  torch::manual_seed(5);
+  torch::nn::Linear lin(32, 16);
+  auto model = amp::initialize(lin, f8_options().cast_model_outputs(torch::kBFloat16));
+  const torch::Tensor x = torch::zeros({4, 32}, torch::requires_grad());
+  const torch::Tensor y = model(x);
+  EXPECT_TRUE(torch::equal(y, lin->bias.detach().expand({4, 16})));
+  y.sum().backward();
+  EXPECT_TRUE(torch::isfinite(lin->weight.grad()).all().item<bool>());
+  EXPECT_TRUE(torch::equal(lin->weight.grad(), torch::zeros_like(lin->weight.grad())));  // dw = g^T @ 0
+  EXPECT_TRUE(torch::isfinite(x.grad()).all().item<bool>());
+}
+
 TEST(Fp8Test, KeepFp32TakesALinearOutOfFp8) {
   SKIP_WITHOUT_FP8();
   F8Mlp net = f8_mlp();
