@@ -80,16 +80,17 @@ at::Tensor amax_of(const at::Tensor& t) { return t.abs().amax().to(at::kFloat); 
 // `b` of _scaled_mm must be column-major on CUDA: the transpose of a contiguous tensor.
 at::Tensor column_major(const at::Tensor& t) { return t.t().contiguous().t(); }
 
-// Pads dimension `dim` (the inner dimension of the grad-weight GEMM: the batch's rows) to a multiple of 16, as
-// _scaled_mm needs on CUDA; zero rows add nothing to the products.
+// Pads dimension `dim` (the inner dimension of the grad-weight GEMM: the batch's rows) of an FP8 tensor to a
+// multiple of 16, as _scaled_mm needs on CUDA; zero rows add nothing to the products. Done on the bytes (0x00 is
+// +0 in e4m3 and e5m2), which every backend can fill and copy.
 at::Tensor pad16(const at::Tensor& t, int64_t dim) {
   const int64_t n = t.size(dim), padded = (n + 15) / 16 * 16;
   if (n == padded) return t;
   std::vector<int64_t> sizes = t.sizes().vec();
   sizes[dim] = padded;
-  at::Tensor out = at::zeros(sizes, t.options());
-  out.narrow(dim, 0, n).copy_(t);
-  return out;
+  at::Tensor out = at::zeros(sizes, t.options().dtype(at::kByte));
+  out.narrow(dim, 0, n).copy_(t.view(at::kByte));
+  return out.view(t.scalar_type());
 }
 
 class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
