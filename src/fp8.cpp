@@ -50,16 +50,17 @@ namespace {
 
 constexpr double kE4M3Max = 448.0;
 constexpr double kE5M2Max = 57344.0;
-constexpr double kAmaxFloor = 1e-12;
-const std::string kRootName = "(model)";  // a model that is itself a Linear  // torchao's EPS: an all-zero tensor gets a large finite scale
+constexpr double kAmaxFloor = 1e-12;  // torchao's EPS: an all-zero tensor gets a large finite scale
+const std::string kRootName = "(model)";  // a model that is itself a Linear
 
-// The Linear layers of a model, LibTorch's and TorchScript's.
-const at::Tensor* linear_weight(const torch::nn::Module& m) {
+// The weight of a Linear layer, LibTorch's or TorchScript's; undefined for any other module.
+at::Tensor linear_weight(const torch::nn::Module& m) {
   const bool linear = dynamic_cast<const torch::nn::LinearImpl*>(&m) != nullptr ||
                       (dynamic_cast<const JitModuleNode*>(&m) && static_cast<const JitModuleNode&>(m).class_name() == "Linear");
-  if (!linear) return nullptr;
-  const at::Tensor* w = m.named_parameters(/*recurse=*/false).find("weight");
-  return w && w->dim() == 2 ? w : nullptr;
+  if (!linear) return {};
+  const auto parameters = m.named_parameters(/*recurse=*/false);  // held: find() points into it
+  const at::Tensor* w = parameters.find("weight");
+  return w && w->dim() == 2 ? *w : at::Tensor();
 }
 
 #if AMP_HAS_FP8
@@ -196,14 +197,15 @@ void probe(const c10::Device& device) {
 Fp8State::Fp8State(const Properties& p, torch::nn::Module& root, const std::function<bool(const at::Tensor&)>& in_island)
     : options_(*p.fp8), out_dtype_(p.low_precision_dtype) {
   for (const auto& item : root.named_modules("", /*include_self=*/true)) {
-    const at::Tensor* w = linear_weight(*item.value());
-    if (!w || in_island(*w)) continue;
-    if (w->size(0) % 16 != 0 || w->size(1) % 16 != 0) {
-      skipped_.push_back((item.key().empty() ? kRootName : item.key()) + " [" + std::to_string(w->size(0)) + " x " + std::to_string(w->size(1)) + "]");
+    const at::Tensor w = linear_weight(*item.value());
+    if (!w.defined() || in_island(w)) continue;
+    const std::string name = item.key().empty() ? kRootName : item.key();
+    if (w.size(0) % 16 != 0 || w.size(1) % 16 != 0) {
+      skipped_.push_back(name + " [" + std::to_string(w.size(0)) + " x " + std::to_string(w.size(1)) + "]");
       continue;
     }
-    by_weight_.emplace(w->unsafeGetTensorImpl(), static_cast<int64_t>(layers_.size()));
-    layers_.push_back({item.key().empty() ? kRootName : item.key(), *w});
+    by_weight_.emplace(w.unsafeGetTensorImpl(), static_cast<int64_t>(layers_.size()));
+    layers_.push_back({name, w});
   }
   if (layers_.empty()) {
     std::string skipped;
