@@ -26,9 +26,9 @@
 
 #include "collectives.h"
 #include "fp8.h"
-#include "precision_policy.h"
 #include "lean_masters.h"
 #include "master_weights.h"
+#include "precision_policy.h"
 
 // NOTE [How gradients are reduced]
 // The reduction hangs off each trainable parameter's gradient accumulator (the AccumulateGrad node), as
