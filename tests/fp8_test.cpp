@@ -24,8 +24,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using namespace amp_test;
-
 const char* const kFp8Py = AMP_SOURCE_DIR "/tests/python/fp8.py";
 constexpr int kF8Steps = 6;  // tests/python/fp8.py's STEPS
 
@@ -180,10 +178,10 @@ TEST_P(Fp8GemmTest, ForwardAndBothBackwardGemmsMatchPythonBitwise) {
   const torch::Tensor y = model(x);
   y.backward(f8_ref("gemm/" + c.shape + "/g"));
   const std::string key = "gemm/" + c.shape + "/" + c.format;
-  EXPECT_TRUE(bitwise_equal(y, f8_ref(key + "/y")));
-  EXPECT_TRUE(bitwise_equal(x.grad(), f8_ref(key + "/grad_input")));
-  EXPECT_TRUE(bitwise_equal(lin->weight.grad().to(torch::kFloat), f8_ref(key + "/grad_weight")));
-  EXPECT_TRUE(bitwise_equal(lin->bias.grad().to(torch::kFloat), f8_ref(key + "/grad_bias")));
+  EXPECT_TRUE(amp_test::bitwise_equal(y, f8_ref(key + "/y")));
+  EXPECT_TRUE(amp_test::bitwise_equal(x.grad(), f8_ref(key + "/grad_input")));
+  EXPECT_TRUE(amp_test::bitwise_equal(lin->weight.grad().to(torch::kFloat), f8_ref(key + "/grad_weight")));
+  EXPECT_TRUE(amp_test::bitwise_equal(lin->bias.grad().to(torch::kFloat), f8_ref(key + "/grad_bias")));
   // Not a vacuous pass: FP8 differs from the bf16 GEMM it replaces.
   torch::Tensor bf16;
   {
@@ -220,7 +218,7 @@ TEST_P(Fp8TrainingTest, LossesScalesAndMastersMatchPythonBitwise) {
     EXPECT_EQ(f8_floats(run.scales[step]), f8_floats(scales[step])) << "step " << step;
   }
   for (const auto& [name, value] : run.masters) {
-    EXPECT_TRUE(bitwise_equal(value, f8_ref(key + "/master/" + name))) << name;
+    EXPECT_TRUE(amp_test::bitwise_equal(value, f8_ref(key + "/master/" + name))) << name;
   }
   // The delayed histories were used: the scales moved between steps.
   EXPECT_NE(run.scales.front(), run.scales.back());
@@ -250,7 +248,7 @@ TEST(Fp8TorchScriptTest, LinearsTrainAsTheEagerReference) {
     EXPECT_EQ(f8_floats(f8_scales(optimizer)), f8_floats(scales[step])) << "step " << step;
   }
   for (const auto& [name, value] : amp::detail::fp32_state(*amp::detail::jit_mirror(net))) {
-    EXPECT_TRUE(bitwise_equal(value, f8_ref("train/dynamic/master/" + name))) << name;
+    EXPECT_TRUE(amp_test::bitwise_equal(value, f8_ref("train/dynamic/master/" + name))) << name;
   }
 }
 
@@ -383,9 +381,9 @@ TEST(Fp8Test, ASkippedStepLeavesNoTraceInTheHistory) {
   f8_step(model_b, opt_b, 2);
   EXPECT_EQ(f8_scales(opt_a), f8_scales(opt_b));
   auto sa = amp::detail::fp32_state(*a), sb = amp::detail::fp32_state(*b);
-  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(bitwise_equal(sa[i].second, sb[i].second)) << sa[i].first;
+  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(sa[i].second, sb[i].second)) << sa[i].first;
   const auto state_a = opt_a.fp8_states()[0]->state_tensors(), state_b = opt_b.fp8_states()[0]->state_tensors();
-  for (size_t i = 0; i < state_a.size(); ++i) EXPECT_TRUE(bitwise_equal(state_a[i].second, state_b[i].second)) << state_a[i].first;
+  for (size_t i = 0; i < state_a.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(state_a[i].second, state_b[i].second)) << state_a[i].first;
 }
 
 TEST(Fp8Test, TheOverflowReportNamesTheFp8LayersWhoseAmaxWentNonFinite) {
@@ -441,7 +439,7 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
     EXPECT_EQ(f8_scales(optimizer), straight.scales[step]);
   }
   for (const auto& [name, value] : amp::detail::fp32_state(*net)) {
-    EXPECT_TRUE(bitwise_equal(value, straight.masters[name])) << name;
+    EXPECT_TRUE(amp_test::bitwise_equal(value, straight.masters[name])) << name;
   }
   // A resume must use the recipe the checkpoint was saved with.
   auto refuse = [&](const amp::Options& other, const std::string& expected) {
@@ -452,7 +450,7 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
       torch::load(o, (dir / "optimizer.pt").string());
       ADD_FAILURE() << "expected: " << expected;
     } catch (const c10::Error& e) {
-      EXPECT_NE(message(e).find(expected), std::string::npos) << message(e);
+      EXPECT_NE(amp_test::message(e).find(expected), std::string::npos) << amp_test::message(e);
     }
   };
   refuse(f8_options(f8_delayed(5)), "holds an FP8 amax history of 3 steps, but this run's amax_history_len is 5");
@@ -465,8 +463,8 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
     fp8->restore_state(fp8->state_tensors(), {"encoder.fc"}, "the checkpoint");
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(message(e).find("the checkpoint holds the FP8 state of the layers encoder.fc, but this model's FP8 "
-                              "layers are fc1, fc2. Resume with the model"), std::string::npos) << message(e);
+    EXPECT_NE(amp_test::message(e).find("the checkpoint holds the FP8 state of the layers encoder.fc, but this model's FP8 "
+                              "layers are fc1, fc2. Resume with the model"), std::string::npos) << amp_test::message(e);
   }
 }
 
@@ -509,8 +507,8 @@ TEST(Fp8Test, PythonCheckpointsCarryTheScalesAndHistories) {
     in.load_amp(plain_opt, "amp");
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(message(e).find("entry 'amp'['fp8'] holds the FP8 scaling state of 1 model(s), this optimizer trains 0 "
-                              "model(s) with FP8 layers. Resume with fp8 on"), std::string::npos) << message(e);
+    EXPECT_NE(amp_test::message(e).find("entry 'amp'['fp8'] holds the FP8 scaling state of 1 model(s), this optimizer trains 0 "
+                              "model(s) with FP8 layers. Resume with fp8 on"), std::string::npos) << amp_test::message(e);
   }
   fs::remove(path);
 }
@@ -573,7 +571,7 @@ void f8_expect_error(const amp::Options& options, const std::string& expected) {
     options.resolve();
     ADD_FAILURE() << "expected an error containing: " << expected;
   } catch (const std::exception& e) {
-    EXPECT_NE(message(e).find(expected), std::string::npos) << message(e);
+    EXPECT_NE(amp_test::message(e).find(expected), std::string::npos) << amp_test::message(e);
   }
 }
 
@@ -640,11 +638,11 @@ TEST(Fp8OptionsTest, ConfigKeysSetTheRecipe) {
 TEST(Fp8Test, AModelWithoutAnFp8CapableLinearIsRefused) {
   SKIP_WITHOUT_FP8();
   try {
-    amp::initialize(Mlp(8, 16, 4), f8_options());
+    amp::initialize(amp_test::Mlp(8, 16, 4), f8_options());
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(message(e).find("fp8 is on, but the model has no Linear layer FP8 can run: the dimensions of fc1 [16 x 8], "
-                              "fc2 [4 x 16] are not multiples of 16"), std::string::npos) << message(e);
+    EXPECT_NE(amp_test::message(e).find("fp8 is on, but the model has no Linear layer FP8 can run: the dimensions of fc1 [16 x 8], "
+                              "fc2 [4 x 16] are not multiples of 16"), std::string::npos) << amp_test::message(e);
   }
 }
 
