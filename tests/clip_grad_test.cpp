@@ -56,13 +56,8 @@ struct ClipRun {
 // Python torch.nn.utils.clip_grad_norm_ on the same gradients, for every level x dtype and norm type.
 const char* const kClipScript = AMP_SOURCE_DIR "/tests/python/clip_grad.py";
 
-std::string clip_python() {
-  const char* env = std::getenv("AMP_PYTHON");
-  return env && *env ? env : "python3";
-}
-
 bool clip_have_python() {
-  static const bool have = std::system((clip_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
+  static const bool have = std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
   return have;
 }
 
@@ -115,7 +110,7 @@ TEST(ClipGradPythonTest, EqualsTorchClipGradNormAtEveryLevelAndDtype) {
   out.put("cases", grads_of);
   out.put("max_norm", max_norm_of);
   out.save((dir / "cases.pt").string());
-  const std::string command = clip_python() + " '" + kClipScript + "' '" + dir.string() + "' 2>&1";
+  const std::string command = amp_test::python_interpreter() + " '" + kClipScript + "' '" + dir.string() + "' 2>&1";
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
   const auto reference = amp::PythonCheckpoint::load((dir / "reference.pt").string());
 

@@ -27,19 +27,14 @@ namespace {
 const char* const kFp8Py = AMP_SOURCE_DIR "/tests/python/fp8.py";
 constexpr int kF8Steps = 6;  // tests/python/fp8.py's STEPS
 
-std::string f8_python() {
-  const char* env = std::getenv("AMP_PYTHON");
-  return env && *env ? env : "python3";
-}
-
 // fp8.pt, made once per process; empty when Python with torch is missing or failed.
 const fs::path& f8_reference_path() {
   static const fs::path path = [] {
     if (!amp::detail::fp8_supported_by_build()) return fs::path();
-    if (std::system((f8_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
+    if (std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
     const fs::path d = fs::path(::testing::TempDir()) / ("amp_fp8_" + std::to_string(::getpid()));
     fs::create_directories(d);
-    const std::string command = f8_python() + " '" + kFp8Py + "' '" + d.string() + "' > '" +
+    const std::string command = amp_test::python_interpreter() + " '" + kFp8Py + "' '" + d.string() + "' > '" +
                                 (d / "python.log").string() + "' 2>&1";
     if (std::system(command.c_str()) != 0) {
       ADD_FAILURE() << command << " failed; see " << (d / "python.log");

@@ -24,11 +24,6 @@ namespace fs = std::filesystem;
 using amp::optim::FusedLAMB;
 using amp::optim::FusedLAMBOptions;
 
-std::string lamb_python() {
-  const char* env = std::getenv("AMP_PYTHON");
-  return env && *env ? env : "python3";
-}
-
 // Forces a fused route for one scope.
 struct LambRouteGuard {
   explicit LambRouteGuard(amp::optim::detail::FusedRoute route) { amp::optim::detail::force_fused_route(route); }
@@ -65,7 +60,7 @@ LambCase lamb_case(int steps) {
 }  // namespace
 
 TEST(FusedLAMBPythonTest, MatchesAReferenceFromThePaperAndApexsKernel) {
-  if (std::system((lamb_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
+  if (std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
     GTEST_SKIP() << "this check needs Python with the torch wheel (set AMP_PYTHON)";
   }
   constexpr int kSteps = 6;
@@ -134,7 +129,7 @@ TEST(FusedLAMBPythonTest, MatchesAReferenceFromThePaperAndApexsKernel) {
     out.put("max_grad_norm", 1.0);
     out.save((dir / "lamb_cases.pt").string());
     const std::string command =
-        lamb_python() + " '" AMP_SOURCE_DIR "/tests/python/lamb.py' '" + dir.string() + "' 2>&1";
+        amp_test::python_interpreter() + " '" AMP_SOURCE_DIR "/tests/python/lamb.py' '" + dir.string() + "' 2>&1";
     ASSERT_EQ(std::system(command.c_str()), 0) << command;
     const auto reference = amp::PythonCheckpoint::load((dir / "lamb_reference.pt").string());
     const auto ref_params = reference.get("params").toTensorList();
@@ -367,7 +362,7 @@ TEST(FusedLAMBTest, GroupsSchedulersAndGradScalerInStepUnscale) {
 }
 
 TEST(FusedLAMBPythonTest, PythonCheckpointsHaveApexsStateDictLayout) {
-  if (std::system((lamb_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
+  if (std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
     GTEST_SKIP() << "this check needs Python with the torch wheel (set AMP_PYTHON)";
   }
   torch::manual_seed(2);
@@ -389,7 +384,7 @@ TEST(FusedLAMBPythonTest, PythonCheckpointsHaveApexsStateDictLayout) {
   out.put_optimizer("optimizer", lamb);
   out.save((dir / "lamb_cpp.pt").string());
   const std::string command =
-      lamb_python() + " '" AMP_SOURCE_DIR "/tests/python/lamb.py' roundtrip '" + dir.string() + "' 2>&1";
+      amp_test::python_interpreter() + " '" AMP_SOURCE_DIR "/tests/python/lamb.py' roundtrip '" + dir.string() + "' 2>&1";
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
   const auto& state_a = static_cast<const amp::optim::FusedLAMBParamState&>(
       *lamb.state().at(amp::detail::state_key(lamb.state(), a)));

@@ -249,8 +249,7 @@ TEST(PickleTest, WriterRoundTripsThroughTheReader) {
 }
 
 TEST(PickleTest, PicklesWrittenByPythonAtEveryProtocol) {
-  const char* python = std::getenv("AMP_PYTHON");
-  const std::string interpreter = python && *python ? python : "python3";
+  const std::string interpreter = amp_test::python_interpreter();
   if (std::system((interpreter + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
     GTEST_SKIP() << interpreter << " with torch is needed for Python's side of this test";
   }

@@ -24,18 +24,12 @@ using amp_test::dtype_label;
 
 const char* const kScript = AMP_SOURCE_DIR "/tests/python/python_checkpoint.py";
 
-// The interpreter: $AMP_PYTHON, else python3 from PATH (the one whose torch wheel amp builds against).
-std::string python() {
-  const char* env = std::getenv("AMP_PYTHON");
-  return env && *env ? env : "python3";
-}
-
 // Returns why Python with torch cannot run here, or an empty string.
 const std::string& python_missing() {
   static const std::string why = [] {
-    const std::string command = python() + " -c 'import torch' > /dev/null 2>&1";
+    const std::string command = amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1";
     if (std::system(command.c_str()) == 0) return std::string();
-    return "'" + python() + " -c \"import torch\"' failed: these tests need Python with the torch wheel "
+    return "'" + amp_test::python_interpreter() + " -c \"import torch\"' failed: these tests need Python with the torch wheel "
            "(set AMP_PYTHON to its interpreter)";
   }();
   return why;
@@ -48,7 +42,7 @@ const std::string& python_missing() {
 
 // Runs the Python side; fails the test with its output if it fails.
 ::testing::AssertionResult run_python(const std::string& args) {
-  const std::string command = python() + " '" + kScript + "' " + args + " 2>&1";
+  const std::string command = amp_test::python_interpreter() + " '" + kScript + "' " + args + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   if (!pipe) return ::testing::AssertionFailure() << "cannot run " << command;
   std::string output;

@@ -1,10 +1,17 @@
 #include "support.h"
 
+#include <cstdlib>
+
 namespace amp_test {
 
 std::string message(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
   return e.what();
+}
+
+std::string python_interpreter() {
+  const char* env = std::getenv("AMP_PYTHON");
+  return env && *env ? env : "python3";
 }
 
 bool cpu_computes(c10::ScalarType dtype) {

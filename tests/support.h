@@ -105,6 +105,10 @@ class LevelTest : public ::testing::TestWithParam<LevelCase> {
 
 std::string message(const std::exception& e);
 
+/// The Python that computes references at test time: $AMP_PYTHON, else python3 from PATH (the one whose torch
+/// wheel amp builds against).
+std::string python_interpreter();
+
 /// Returns whether the two tensors have the same dtype, shape and bits.
 bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b);
 

@@ -21,11 +21,6 @@ namespace {
 
 const char* const kTorchScriptPy = AMP_SOURCE_DIR "/tests/python/torchscript.py";
 
-std::string ts_python() {
-  const char* env = std::getenv("AMP_PYTHON");
-  return env && *env ? env : "python3";
-}
-
 // A directory removed when the process ends.
 struct TsDirectory {
   fs::path path;
@@ -39,10 +34,10 @@ struct TsDirectory {
 // python.log is then kept).
 const fs::path& ts_dir() {
   static const TsDirectory dir{[] {
-    if (std::system((ts_python() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
+    if (std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
     const fs::path d = fs::path(::testing::TempDir()) / ("amp_torchscript_" + std::to_string(::getpid()));
     fs::create_directories(d);
-    const std::string command = ts_python() + " '" + kTorchScriptPy + "' '" + d.string() + "' > '" +
+    const std::string command = amp_test::python_interpreter() + " '" + kTorchScriptPy + "' '" + d.string() + "' > '" +
                                 (d / "python.log").string() + "' 2>&1";
     if (std::system(command.c_str()) != 0) {
       ADD_FAILURE() << command << " failed; see " << (d / "python.log");
@@ -526,7 +521,7 @@ TEST(TorchScriptTest, SavedModuleRunsInPythonWithFp32Weights) {
       "print('max difference', (out - ref).abs().max().item())\n"
       "sys.exit(0 if torch.allclose(out, ref, rtol=0, atol=1e-5) else 1)\n";
   std::ofstream((dir / "check.py").string()) << script;
-  const std::string command = ts_python() + " '" + (dir / "check.py").string() + "' '" + (dir / "finetuned.pt").string() +
+  const std::string command = amp_test::python_interpreter() + " '" + (dir / "check.py").string() + "' '" + (dir / "finetuned.pt").string() +
                               "' '" + ts_model_path("data.pt") + "' '" + (dir / "cpp_logits.pt").string() + "' 2>&1";
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
 }

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpp_sgd import CppSGD
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAXIMA = {E4M3: 448.0, E5M2: 57344.0}
 STEPS = 6
@@ -205,25 +207,6 @@ class Mlp(PlainMlp):
         return self.head(x)
 
 
-class CppSGD:
-    """LibTorch's torch::optim::SGD (momentum, no dampening or decay), op for op (see tests/python/torchscript.py)."""
-
-    def __init__(self, params):
-        self.params = list(params)
-        self.bufs = [None] * len(self.params)
-
-    @torch.no_grad()
-    def step(self):
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            if self.bufs[i] is None:
-                self.bufs[i] = p.grad.detach().clone()
-            else:
-                torch.ops.aten.mul_.Scalar(self.bufs[i], MOMENTUM).add_(p.grad, alpha=1.0)
-            p.add_(self.bufs[i], alpha=-LR)
-
-
 TRAIN_CASES = {
     "dynamic": dict(),
     "delayed_max": dict(scaling="delayed", history_len=3),
@@ -239,7 +222,7 @@ def train(out, init, xs, ys, case, recipe_args):
     masters = {n: p.detach().clone().requires_grad_(True) for n, p in params}
     for _, p in params:
         p.data = p.data.to(BF16)
-    opt = CppSGD([masters[n] for n, _ in params])
+    opt = CppSGD([masters[n] for n, _ in params], LR, MOMENTUM)
     recipe = Recipe(2, **recipe_args)
     losses, scales = [], []
     scale = SCALE

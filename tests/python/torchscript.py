@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpp_sgd import CppSGD
+
 STEPS = 4
 LR = 0.05
 MOMENTUM = 0.9
@@ -117,31 +119,6 @@ def freeze_scripted_bn(model):
                 p.requires_grad_(False)
 
 
-class CppSGD:
-    """LibTorch's torch::optim::SGD (momentum, no dampening or decay), op for op. Its buf.mul_(momentum) is
-    aten::mul_.Scalar, which rounds the momentum to a bf16/fp16 buffer's dtype before multiplying; Python's SGD
-    passes a wrapped number and does not, so Python's own optimizer would differ from C++'s at O3."""
-
-    def __init__(self, params):
-        self.params = list(params)
-        self.bufs = [None] * len(self.params)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            if self.bufs[i] is None:
-                self.bufs[i] = p.grad.detach().clone()
-            else:
-                torch.ops.aten.mul_.Scalar(self.bufs[i], MOMENTUM).add_(p.grad, alpha=1.0)
-            p.add_(self.bufs[i], alpha=-LR)
-
-
 def train_reference(model, x, y, level, dtype, bn_params):
     """Python's step at `level`, BatchNorm frozen; returns (state_dict, losses). `model` is the eager network, or a
     TorchScript module (run op by op, as amp::Model runs it)."""
@@ -168,7 +145,7 @@ def train_reference(model, x, y, level, dtype, bn_params):
         step_params = [p for _, p in params]
     else:
         step_params = [p for _, p in params]
-    opt = CppSGD(step_params)
+    opt = CppSGD(step_params, LR, MOMENTUM)
     for _ in range(STEPS):
         opt.zero_grad()
         for _, p in params:
