@@ -253,8 +253,10 @@ at::Tensor Fp8State::scale_for(int64_t slot, const at::Tensor& amax) {
     scale = at::where(history_amax_.select(0, slot) > 0, scales_.select(0, slot), scale);
   }
   scale = scale.mul(amax.mul(0).add(1));  // NOTE [FP8 scales never hide an overflow]
-  std::lock_guard<std::mutex> lock(mutex_);
-  used_.select(0, slot).copy_(scale);
+  if (options_.scaling() == Fp8Options::Scaling::kDynamic) {  // report() shows kDelayed's history scales instead
+    std::lock_guard<std::mutex> lock(mutex_);
+    used_.select(0, slot).copy_(scale);
+  }
   return scale;
 }
 

@@ -97,7 +97,7 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
   at::Tensor scales_;        // [S] kDelayed: the scales from the history; 1.0 before any
   at::Tensor history_amax_;  // [S] the history's amax (max or most recent); 0 means none yet
   at::Tensor history_;       // [S, amax_history_len] a ring of committed amaxes (kDelayed)
-  at::Tensor used_;          // [S] the scale of the most recent GEMM operand
+  at::Tensor used_;          // [S] kDynamic: the scale of the most recent GEMM operand
   at::Tensor maxima_;        // [S] each slot's format maximum
   int64_t position_ = 0;     // the ring's next column
   mutable std::mutex mutex_;  // backward records amaxes on autograd's threads
