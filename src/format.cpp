@@ -8,14 +8,7 @@
 #include <cstdlib>
 #include <utility>
 
-#include <c10/util/Exception.h>
-
 namespace amp::detail {
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
-  return e.what();
-}
 
 std::string format_float(double value) {
   if (std::isnan(value)) return "nan";

@@ -2,7 +2,6 @@
 // Number and text formatting shared by amp's messages.
 
 #include <cstddef>
-#include <exception>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -13,9 +12,6 @@ namespace amp::detail {
 /// Formats a double as Python's repr() does ("32768.0", "0.5", "1e-05", "inf"), so that amp's
 /// messages read exactly like Apex's.
 std::string format_float(double value);
-
-/// An exception's message without LibTorch's C++ backtrace, for messages that quote it.
-std::string message_of(const std::exception& e);
 
 /// "True" or "False", as Python prints a bool.
 inline std::string python_bool(bool value) { return value ? "True" : "False"; }

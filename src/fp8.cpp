@@ -27,20 +27,12 @@
 #include <stdexcept>
 
 #include "amp/optimizer.h"
-#include "format.h"
+#include "exception_message.h"
 #include "jit_mirror.h"
 
 #define AMP_HAS_FP8 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
 
 namespace amp {
-
-const char* to_string(Fp8Options::Format format) {
-  return format == Fp8Options::Format::kE4M3 ? "e4m3" : "hybrid";
-}
-
-const char* to_string(Fp8Options::Scaling scaling) {
-  return scaling == Fp8Options::Scaling::kDynamic ? "dynamic" : "delayed";
-}
 
 namespace detail {
 

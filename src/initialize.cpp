@@ -13,7 +13,7 @@
 #include <set>
 
 #include "cpu_features.h"
-#include "format.h"
+#include "exception_message.h"
 #include "lean_masters.h"
 #include "master_weights.h"
 #include "model_casting.h"

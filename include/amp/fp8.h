@@ -42,8 +42,12 @@ struct Fp8Options {
 };
 
 /// "e4m3" | "hybrid"; "dynamic" | "delayed": the config file's spellings.
-const char* to_string(Fp8Options::Format format);
-const char* to_string(Fp8Options::Scaling scaling);
+inline const char* to_string(Fp8Options::Format format) {
+  return format == Fp8Options::Format::kE4M3 ? "e4m3" : "hybrid";
+}
+inline const char* to_string(Fp8Options::Scaling scaling) {
+  return scaling == Fp8Options::Scaling::kDynamic ? "dynamic" : "delayed";
+}
 
 /// One FP8 layer and its current per-tensor scales. With kDelayed these are the scales the next step will use
 /// (1.0 until the first step has an amax; the first step scales by its own amax); with kDynamic, the scales of
