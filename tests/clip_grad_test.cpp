@@ -56,11 +56,6 @@ struct ClipRun {
 // Python torch.nn.utils.clip_grad_norm_ on the same gradients, for every level x dtype and norm type.
 const char* const kClipScript = AMP_SOURCE_DIR "/tests/python/clip_grad.py";
 
-bool clip_have_python() {
-  static const bool have = std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
-  return have;
-}
-
 double clip_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
   const auto x = a.to(torch::kDouble), y = b.to(torch::kDouble);
   return ((x - y).abs() / y.abs().clamp_min(1e-30)).max().item<double>();
@@ -69,7 +64,7 @@ double clip_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
 }  // namespace
 
 TEST(ClipGradPythonTest, EqualsTorchClipGradNormAtEveryLevelAndDtype) {
-  if (!clip_have_python()) GTEST_SKIP() << "these checks need Python with the torch wheel (set AMP_PYTHON)";
+  if (!amp_test::python_has_torch()) GTEST_SKIP() << "these checks need Python with the torch wheel (set AMP_PYTHON)";
   struct Case {
     std::string name;
     amp::Options options;

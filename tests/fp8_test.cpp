@@ -31,7 +31,7 @@ constexpr int kF8Steps = 6;  // tests/python/fp8.py's STEPS
 const fs::path& f8_reference_path() {
   static const fs::path path = [] {
     if (!amp::detail::fp8_supported_by_build()) return fs::path();
-    if (std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
+    if (!amp_test::python_has_torch()) return fs::path();
     const fs::path d = fs::path(::testing::TempDir()) / ("amp_fp8_" + std::to_string(::getpid()));
     fs::create_directories(d);
     const std::string command = amp_test::python_interpreter() + " '" + kFp8Py + "' '" + d.string() + "' > '" +

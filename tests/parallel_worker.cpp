@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "amp/amp.h"
+#include "exception_message.h"
 #include "fp8.h"
 #include "lean_masters.h"
 #include "optimizer_state_key.h"
@@ -35,6 +36,7 @@
 namespace {
 
 using amp::parallel::ProcessGroup;
+using amp::detail::message_of;
 
 int g_rank = 0;
 int g_failures = 0;
@@ -43,11 +45,6 @@ void report(bool ok, const std::string& name, const std::string& details = "") {
   if (!ok) ++g_failures;
   std::cout << "[rank " << g_rank << "] " << (ok ? "ok   " : "FAIL ") << name << (details.empty() ? "" : ": " + details)
             << std::endl;
-}
-
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
 }
 
 std::string str(double v) {

@@ -27,8 +27,7 @@ const char* const kScript = AMP_SOURCE_DIR "/tests/python/python_checkpoint.py";
 // Returns why Python with torch cannot run here, or an empty string.
 const std::string& python_missing() {
   static const std::string why = [] {
-    const std::string command = amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1";
-    if (std::system(command.c_str()) == 0) return std::string();
+    if (amp_test::python_has_torch()) return std::string();
     return "'" + amp_test::python_interpreter() + " -c \"import torch\"' failed: these tests need Python with the torch wheel "
            "(set AMP_PYTHON to its interpreter)";
   }();

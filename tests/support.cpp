@@ -14,6 +14,11 @@ std::string python_interpreter() {
   return env && *env ? env : "python3";
 }
 
+bool python_has_torch() {
+  static const bool have = std::system((python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
+  return have;
+}
+
 bool cpu_computes(c10::ScalarType dtype) {
   try {
     torch::NoGradGuard no_grad;

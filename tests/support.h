@@ -108,6 +108,8 @@ std::string message(const std::exception& e);
 /// The Python that computes references at test time: $AMP_PYTHON, else python3 from PATH (the one whose torch
 /// wheel amp builds against).
 std::string python_interpreter();
+/// Whether python_interpreter() imports torch (checked once per process).
+bool python_has_torch();
 
 /// Returns whether the two tensors have the same dtype, shape and bits.
 bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b);

@@ -34,7 +34,7 @@ struct TsDirectory {
 // python.log is then kept).
 const fs::path& ts_dir() {
   static const TsDirectory dir{[] {
-    if (std::system((amp_test::python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) return fs::path();
+    if (!amp_test::python_has_torch()) return fs::path();
     const fs::path d = fs::path(::testing::TempDir()) / ("amp_torchscript_" + std::to_string(::getpid()));
     fs::create_directories(d);
     const std::string command = amp_test::python_interpreter() + " '" + kTorchScriptPy + "' '" + d.string() + "' > '" +

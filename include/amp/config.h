@@ -8,8 +8,8 @@
 // (torch.amp.GradScaler's names); amp's own keys (cast_lists, keep_fp32, keep_fp32_types, auto_fp32,
 // cast_frozen_batchnorm, master_weights_format, fp8 and its recipe: fp8_format, fp8_scaling,
 // fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin). Flags use dashes (--opt-level O2
-// --init-scale 1024 --config FILE) and override the file. Unknown keys, bad values and duplicates throw std::invalid_argument naming
-// the key, the value, and the file and line.
+// --init-scale 1024 --config FILE) and override the file. Unknown keys, bad values and duplicates throw
+// std::invalid_argument naming the key, the value, and the file and line.
 //
 // Files are INI: `key = value` lines, `#` comments, an optional UTF-8 byte order mark. Keys sit at
 // top level or under an `[amp]` section header:
