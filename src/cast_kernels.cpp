@@ -7,8 +7,9 @@
 //  - amp::Model casts inputs and outputs around the module's forward (O0/O2/O3 and outputs at O1);
 //  - per-op casts (O1) ride on the dispatcher: amp::AutocastGuard turns on ATen's Autocast keys, whose
 //    native kernels cast the ops LibTorch lists, and the kernels below add Apex's rows LibTorch lacks.
-// The kernels act only while amp_casts_active() (inside an AutocastGuard), so processes that use
-// plain at::autocast keep native behaviour.
+// The kernels act only while amp_casts_active() (inside an AutocastGuard); otherwise they pass the call on
+// untouched, autocast included, so plain at::autocast behaves in a process that uses amp as in one that does not
+// (NativeListsTest checks both against torch.autocast).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -40,12 +41,20 @@ class CastKernel final : public c10::OperatorKernel {
       : policy_(policy), device_(device), banned_message_(std::move(banned_message)), apex_row_(apex_row) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-    // Nested ops (a composite op's parts) run without autocast, as under ATen's own autocast kernels.
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
-    if (amp_casts_active() && (!apex_row_ || apex_rows_active())) cast_arguments(op, *stack);
     // On to the keys below autocast with the keys the call already computed: no second RecordFunction and
     // argument scan, as a fresh callBoxed would do (casts change dtypes, never a tensor's dispatch keys).
-    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU), stack);
+    const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU);
+    if (!amp_casts_active() || (apex_row_ && !apex_rows_active())) {
+      // Not amp's call to cast (plain at::autocast, or an Apex row under cast_lists native): it goes on exactly
+      // as if this kernel were not registered, autocast still on for the ops inside, so a composite op's parts
+      // cast natively (nll_loss_nd's nll_loss runs in fp32, as in torch.autocast).
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+    // Nested ops (a composite op's parts) run without autocast, as under ATen's own autocast kernels.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKeys);
+    cast_arguments(op, *stack);
+    op.redispatchBoxed(below, stack);
   }
 
  private:

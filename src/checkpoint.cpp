@@ -10,12 +10,24 @@
 // are the inputs and every leaf fn read: the outer engine accumulates their gradients as without
 // checkpointing. Casts of parameters inside fn are made with the weight-cast cache off, so each is a node
 // of fn's own graph (a cast cached before fn would be a node outside it, and lead nowhere on recompute).
+//
+// NOTE [A recompute writes nothing that outlives it]
+// fn's first run has its side effects (a training-mode BatchNorm moves its running statistics and counts the
+// batch); the recompute must not repeat them, whatever fn is: a module, a lambda over modules or over
+// F::batch_norm. fn's state is not known from outside, but every write reaches the dispatcher: while fn is
+// recomputed, a thread-local RecordFunction observer sees each op's arguments before it runs, and takes a copy of
+// each tensor the op writes (an argument its schema marks written, or batch norm's running_mean / running_var,
+// which older schemas leave unmarked) unless autograd tracks it (an activation) or an op of the recompute made
+// it. The copies go back after the gradients are computed: an eval-mode batch norm saved its statistics for its
+// backward.
 
 #include "amp/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/core/function_schema.h>
+#include <ATen/record_function.h>
 #include <ATen/core/Generator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -29,6 +41,7 @@
 #include <string>
 #include <type_traits>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "amp/autocast_guard.h"
@@ -130,6 +143,82 @@ struct RngState {
   }
 };
 
+// Records, while it lives on this thread, the value each tensor from outside the recompute had before an op wrote
+// it (NOTE [A recompute writes nothing that outlives it]); restore() writes those values back.
+class RecomputeWritesGuard {
+ public:
+  RecomputeWritesGuard() : previous_(active_) {
+    active_ = this;
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&RecomputeWritesGuard::before_op, &RecomputeWritesGuard::after_op)
+            .needsInputs(true)
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
+  }
+  ~RecomputeWritesGuard() {
+    at::removeCallback(handle_);
+    active_ = previous_;
+  }
+  RecomputeWritesGuard(const RecomputeWritesGuard&) = delete;
+  RecomputeWritesGuard& operator=(const RecomputeWritesGuard&) = delete;
+
+  /// Writes back what the recompute overwrote, in reverse order of the first writes.
+  void restore() {
+    at::NoGradGuard no_grad;
+    Pause pause;
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) it->first.copy_(it->second);
+  }
+
+ private:
+  // No observation while the guard itself copies (its clones and copy_ are ops too).
+  struct Pause {
+    Pause() : guard(std::exchange(active_, nullptr)) {}
+    ~Pause() { active_ = guard; }
+    RecomputeWritesGuard* guard;
+  };
+
+  static bool written(const c10::Argument& argument) {
+    const auto* alias = argument.alias_info();
+    return (alias && alias->isWrite()) || argument.name() == "running_mean" || argument.name() == "running_var";
+  }
+
+  static std::unique_ptr<at::ObserverContext> before_op(const at::RecordFunction& fn) {
+    RecomputeWritesGuard* self = active_;
+    if (!self) return nullptr;
+    const auto schema = fn.operator_schema();
+    if (!schema) return nullptr;
+    const auto& arguments = schema->arguments();
+    const auto inputs = fn.inputs();
+    for (size_t i = 0; i < inputs.size() && i < arguments.size(); ++i) {
+      if (!inputs[i].isTensor() || !written(arguments[i])) continue;
+      const at::Tensor& t = inputs[i].toTensor();
+      if (!t.defined() || t.requires_grad() || self->made_.count(t.unsafeGetTensorImpl()) ||
+          !self->seen_.insert(t.unsafeGetTensorImpl()).second)
+        continue;
+      Pause pause;
+      at::NoGradGuard no_grad;
+      self->saved_.emplace_back(t, t.clone());
+    }
+    return nullptr;
+  }
+
+  static void after_op(const at::RecordFunction& fn, at::ObserverContext*) {
+    RecomputeWritesGuard* self = active_;
+    if (!self) return;
+    for (const auto& output : fn.outputs()) {
+      if (output.isTensor()) self->made_.insert(output.toTensor().unsafeGetTensorImpl());
+    }
+  }
+
+  static thread_local RecomputeWritesGuard* active_;
+  RecomputeWritesGuard* previous_;
+  at::CallbackHandle handle_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // (tensor, its value before the recompute)
+  std::unordered_set<const c10::TensorImpl*> seen_;        // saved already
+  std::unordered_set<const c10::TensorImpl*> made_;        // results of the recompute's ops
+};
+thread_local RecomputeWritesGuard* RecomputeWritesGuard::active_ = nullptr;
+
 // Replays the forward's random draws in its scope, and gives the caller's generators back their state after.
 class RngForkGuard {
  public:
@@ -214,7 +303,6 @@ class CheckpointBackward final : public Node {
   std::vector<int64_t> input_versions;
   std::vector<bool> input_requires_grad;
   std::vector<at::Tensor> leaves;
-  std::vector<at::Tensor> buffers;
   std::vector<int64_t> output_slot;  // per output of fn: its input number on this node, or -1 (no gradient)
   CastState casts;
   RngState rng;
@@ -225,7 +313,6 @@ class CheckpointBackward final : public Node {
     body = nullptr;
     inputs.clear();
     leaves.clear();
-    buffers.clear();
     rng.states.clear();
   }
 
@@ -242,16 +329,11 @@ class CheckpointBackward final : public Node {
                   inputs[i]._version(), "); recompute would read the new values. Clone it before modifying it");
     }
 
-    // Recompute under the forward's casts and random draws; buffers (batch-norm statistics) move only once,
-    // so the values they had before the recompute go back after it (not before the gradients: an eval-mode
-    // batch norm saved them for its backward).
-    std::vector<at::Tensor> buffers_before;
-    {
-      at::NoGradGuard no_grad;
-      for (const auto& b : buffers) buffers_before.push_back(b.clone());
-    }
+    // Recompute under the forward's casts and random draws, writing nothing that outlives it (NOTE [A recompute
+    // writes nothing that outlives it]).
     std::vector<at::Tensor> xs = detached(inputs, input_requires_grad);
     std::vector<at::Tensor> outs;
+    RecomputeWritesGuard writes;
     {
       RngForkGuard replay(rng);
       CastStateGuard cast_state(casts);
@@ -283,10 +365,7 @@ class CheckpointBackward final : public Node {
                                             /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t t = 0; t < computed.size(); ++t) result[target_edge[t]] = std::move(computed[t]);
     }
-    {
-      at::NoGradGuard no_grad;
-      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(buffers_before[i]);
-    }
+    writes.restore();
     return result;
   }
 };
@@ -301,8 +380,7 @@ auto make_node() {
 
 }  // namespace
 
-std::vector<at::Tensor> checkpoint(CheckpointBody body, const std::vector<at::Tensor>& inputs,
-                                   std::vector<at::Tensor> buffers) {
+std::vector<at::Tensor> checkpoint(CheckpointBody body, const std::vector<at::Tensor>& inputs) {
   if (!at::GradMode::is_enabled()) return body(inputs);
 
   std::vector<bool> requires_grad;
@@ -327,7 +405,6 @@ std::vector<at::Tensor> checkpoint(CheckpointBody body, const std::vector<at::Te
     node->input_versions.push_back(x.defined() ? x._version() : 0);
   }
   node->input_requires_grad = requires_grad;
-  node->buffers = std::move(buffers);
   node->casts = casts;
   node->rng = std::move(rng);
   torch::autograd::edge_list edges;

@@ -125,7 +125,7 @@ CustomFwdGuard::~CustomFwdGuard() {
   detail::set_amp_casts_active(prev_amp_casts_);
 }
 
-torch::Tensor CustomFwdGuard::cast(const torch::Tensor& input) const {
+at::Tensor CustomFwdGuard::cast(const at::Tensor& input) const {
   if (!cast_inputs_ || !input.defined()) return input;
   if (!input.is_floating_point() || input.scalar_type() == c10::ScalarType::Double) return input;
   const c10::DeviceType device = input.device().type();
@@ -133,7 +133,7 @@ torch::Tensor CustomFwdGuard::cast(const torch::Tensor& input) const {
   return on ? input.to(*cast_inputs_) : input;
 }
 
-std::vector<torch::Tensor> CustomFwdGuard::cast(std::vector<torch::Tensor> inputs) const {
+std::vector<at::Tensor> CustomFwdGuard::cast(std::vector<at::Tensor> inputs) const {
   for (auto& input : inputs) input = cast(input);
   return inputs;
 }

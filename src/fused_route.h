@@ -13,6 +13,15 @@ enum class FusedRoute {
 /// Forces a route for every later step in the process (kAuto restores the default). For tests.
 void force_fused_route(FusedRoute route);
 
+/// Forces `route` for its lifetime and restores the default after (tests that run one route).
+class FusedRouteGuard {
+ public:
+  explicit FusedRouteGuard(FusedRoute route) { force_fused_route(route); }
+  ~FusedRouteGuard() { force_fused_route(FusedRoute::kAuto); }
+  FusedRouteGuard(const FusedRouteGuard&) = delete;
+  FusedRouteGuard& operator=(const FusedRouteGuard&) = delete;
+};
+
 /// Returns whether this build has ATen's fused optimizer kernels.
 bool has_aten_fused_optimizers();
 

@@ -79,12 +79,14 @@ void LeanMasters::add(std::string name, at::Tensor param) {
   storage_.push_back(lean_storage_of(param));
   params_.push_back(std::move(param));
   aux_.push_back(std::move(aux));
+  loaded_.emplace_back();
 }
 
 void LeanMasters::adopt(const LeanMasters& other, size_t i) {
   names_.push_back(other.names_[i]);
   params_.push_back(other.params_[i]);
   aux_.push_back(other.aux_[i]);
+  loaded_.push_back(other.loaded_[i]);
   version_.push_back(other.version_[i]);
   storage_.push_back(other.storage_[i]);
 }
@@ -167,6 +169,7 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
     p.copy_(w_t);
     if (aux_t.defined()) aux_[i].copy_(aux_t);
   }
+  loaded_[i] = at::Tensor();
   mark_synced(i);
 }
 
@@ -187,7 +190,14 @@ void LeanMasters::refresh_changed() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i]._version() == version_[i] && lean_storage_of(params_[i]) == storage_[i]) continue;
     check_usable(i);
-    if (aux_[i].defined()) aux_[i].zero_();  // the weight as written is the value now
+    if (aux_[i].defined()) {
+      // The weight as written is the value now, unless it is bit for bit the weight a load paired the aux with
+      // (the model loaded after the optimizer): there the aux still completes it.
+      const at::Tensor keep = loaded_[i].defined() ? loaded_[i].view(at::kShort).eq(params_[i].view(at::kShort))
+                                                   : at::zeros(params_[i].sizes(), aux_[i].options().dtype(at::kBool));
+      aux_[i].masked_fill_(keep.logical_not(), 0);
+    }
+    loaded_[i] = at::Tensor();
     mark_synced(i);
   }
 }
@@ -234,7 +244,10 @@ void LeanMasters::load(torch::serialize::InputArchive& archive, const char* wher
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].copy_(weights[i]);
-    if (aux_[i].defined()) aux_[i].copy_(aux[i]);
+    if (aux_[i].defined()) {
+      aux_[i].copy_(aux[i]);
+      loaded_[i] = weights[i].to(params_[i].device());  // until the weight's next write (refresh_changed)
+    }
     mark_synced(i);
   }
   seed_ = static_cast<uint64_t>(*seed);

@@ -16,7 +16,9 @@
 // under a seed, independent of threading, and its whole state is two integers the optimizer archive keeps.
 // Writes into a weight from outside a step (load_weights aside, which stores the fp32 value itself) make its
 // aux meaningless: refresh_changed() then zeroes it, so the weight alone is the value, as masters follow
-// the model (NOTE [Masters follow the model] in master_weights.h).
+// the model (NOTE [Masters follow the model] in master_weights.h). Except where a write repeats, bit for bit, the
+// weight a checkpoint paired the aux with: a resume that loads the optimizer before the model keeps the fp32
+// values whole.
 
 #include <ATen/core/Tensor.h>
 
@@ -60,7 +62,8 @@ class LeanMasters {
   at::Tensor value(size_t i) const;
   /// Writes `value` (fp32, same shape) as parameter i's value: the bf16 weight and its aux.
   void store(size_t i, const at::Tensor& value);
-  /// Zeroes the aux of parameters written since they were last stored; throws if a write left one unusable.
+  /// Zeroes the aux of parameters written since they were last stored, except elements that repeat the weight
+  /// load() restored; throws if a write left one unusable.
   void refresh_changed();
   void mark_synced(size_t i);
 
@@ -88,6 +91,7 @@ class LeanMasters {
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> aux_;
+  std::vector<at::Tensor> loaded_;  // the weight load() paired aux with, until the weight's next write
   std::vector<int64_t> version_;
   std::vector<const void*> storage_;
 };

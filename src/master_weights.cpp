@@ -108,16 +108,24 @@ void MasterWeights::refresh_changed() {
     const at::Tensor& m = model_[i];
     if (m._version() == version_[i] && storage_of(m) == storage_[i]) continue;
     check_usable(i);
-    master_[i].copy_(m);
+    keep_where_rounded_equal(master_[i], m);
     mark_synced(i);
   }
+}
+
+void keep_where_rounded_equal(const at::Tensor& master, const at::Tensor& written) {
+  // Compared as bits where they are 16 (float16, bfloat16): -0 and +0 differ, and NaN equals the same NaN.
+  const at::Tensor rounded = master.to(written.scalar_type());
+  const at::Tensor same = written.element_size() == 2 ? rounded.view(at::kShort).eq(written.view(at::kShort))
+                                                      : rounded.eq(written);
+  master.copy_(at::where(same, master, written.to(master.scalar_type())));
 }
 
 void MasterWeights::refresh_all() {
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < model_.size(); ++i) {
     check_usable(i);
-    master_[i].copy_(model_[i]);
+    keep_where_rounded_equal(master_[i], model_[i]);
     mark_synced(i);
   }
 }

@@ -8,7 +8,9 @@
 // the version counter and storage of its model parameter when the two last agreed; any tracked write
 // since (in-place ops, copy_, torch::load's set_, set_data) shows up as a changed version or storage, and
 // the master is refreshed from the model before it is used (step, master_params, save). A check per
-// parameter is two loads, no pass over the data. Writes through `.data()` or raw pointers bypass version
+// parameter is two loads, no pass over the data. A refresh keeps each master value whose rounding is exactly what
+// was written: a resume that loads the optimizer (masters) before the model (their rounded copies) writes the same
+// bits again, and must not lose the masters' low bits (keep_where_rounded_equal). Writes through `.data()` or raw pointers bypass version
 // counters, as they bypass autograd: OptimizerBase::refresh_master_params() is the explicit way.
 // amp::load_weights writes fp32 checkpoint values straight into the masters (no rounding through the
 // low-precision copy) through a process-wide lookup from model parameter to master.
@@ -70,6 +72,11 @@ class MasterWeights {
   std::vector<at::Tensor> unreduced_;
   std::vector<char> unreduced_flag_;  // char, not bool: std::exchange needs a real reference
 };
+
+/// Refreshes an fp32 `master` from the low-precision `written` value of its parameter element by element: where
+/// `written` is bit for bit the master rounded to its dtype, the master keeps its value; elsewhere it takes
+/// `written`.
+void keep_where_rounded_equal(const at::Tensor& master, const at::Tensor& written);
 
 /// Makes `table`'s masters findable from their model parameters (replacing earlier entries of the same
 /// table). Throws if a parameter already has a live master in another table: two optimizers would

@@ -483,7 +483,15 @@ void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, con
       for (const auto& m : policy->kept()) {
         if (m.reason != "keep_batchnorm_fp32") islands += (islands.empty() ? "" : ", ") + m.name + " (" + m.reason + ")";
       }
-      if (!islands.empty()) std::cout << "Kept in fp32 (fp32 islands): " << islands << std::endl;
+      // Where the model computes in fp32 throughout (O0), an island changes nothing: say so rather than list it.
+      const bool all_fp32 = !p.patch_torch_functions && !casts_model_to_low_precision(p);
+      if (!islands.empty() && all_fp32) {
+        std::cout << "Note: keep_fp32 has no effect at opt_level " << to_string(p.opt_level) << ", where every module "
+                  << "computes in fp32 already (matched: " << islands << "). It keeps modules in fp32 at O1, O2 and O3."
+                  << std::endl;
+      } else if (!islands.empty()) {
+        std::cout << "Kept in fp32 (fp32 islands): " << islands << std::endl;
+      }
       if (const auto& fp8 = policy->fp8()) describe_fp8_layers(*fp8, std::cout);
     }
     policies.emplace_back(models[k]->shared_from_this(), std::move(policy));

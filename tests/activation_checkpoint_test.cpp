@@ -221,13 +221,52 @@ TEST_F(ActivationCheckpointTest, TrainingBatchNormStatisticsMoveOnceWhenFnIsTheM
   EXPECT_EQ(checkpointed[1]->as<torch::nn::BatchNorm1d>()->num_batches_tracked.item<int64_t>(), 1);
 }
 
-// A lambda hides the module: its statistics move on the first run and again on recompute, as with
-// torch.utils.checkpoint (the header says so and points at the module form).
-TEST_F(ActivationCheckpointTest, ALambdaOverTrainingBatchNormUpdatesItTwiceAsTorchDoes) {
+// DESIGN 1c: once per forward, whatever fn is. A lambda over the module, a lambda over F::batch_norm with its own
+// statistics tensors, and a cumulative-average BatchNorm (momentum None, which reads num_batches_tracked): the
+// statistics, the batch count and the gradients equal the run without checkpointing, bit for bit.
+TEST_F(ActivationCheckpointTest, TrainingBatchNormStatisticsMoveOnceWhateverFnIs) {
   const auto x = torch::randn({16, 8});
-  auto block = bn_block();
-  amp::checkpoint([block](const torch::Tensor& h) mutable { return block->forward(h); }, x).sum().backward();
-  EXPECT_EQ(block[1]->as<torch::nn::BatchNorm1d>()->num_batches_tracked.item<int64_t>(), 2);
+  {
+    auto plain = bn_block(), checkpointed = bn_block();
+    plain->forward(x).sum().backward();
+    amp::checkpoint([checkpointed](const torch::Tensor& h) mutable { return checkpointed->forward(h); }, x).sum().backward();
+    EXPECT_EQ(checkpointed[1]->as<torch::nn::BatchNorm1d>()->num_batches_tracked.item<int64_t>(), 1);
+    expect_same_tensors(ckpt_buffers(*plain), ckpt_buffers(*checkpointed), "lambda over the module: buffer");
+    expect_same_tensors(ckpt_grads(*plain), ckpt_grads(*checkpointed), "lambda over the module: gradient");
+  }
+  {
+    torch::manual_seed(0);
+    const auto weight = torch::randn({8}, torch::requires_grad()), bias = torch::randn({8}, torch::requires_grad());
+    const auto mean = torch::zeros({8}), var = torch::ones({8});
+    const auto mean_ckpt = mean.clone(), var_ckpt = var.clone();
+    namespace F = torch::nn::functional;
+    auto bn = [weight, bias](const torch::Tensor& h, const torch::Tensor& m, const torch::Tensor& v) {
+      return F::batch_norm(h, m, v, F::BatchNormFuncOptions().weight(weight).bias(bias).training(true).momentum(0.3));
+    };
+    bn(x, mean, var).pow(2).sum().backward();
+    const std::vector<torch::Tensor> expected = {weight.grad().clone(), bias.grad().clone()};
+    weight.mutable_grad().reset(), bias.mutable_grad().reset();
+    amp::checkpoint([bn, mean_ckpt, var_ckpt](const torch::Tensor& h) { return bn(h, mean_ckpt, var_ckpt); }, x)
+        .pow(2).sum().backward();
+    expect_same_tensors({mean, var}, {mean_ckpt, var_ckpt}, "F::batch_norm: statistic");
+    expect_same_tensors(expected, {weight.grad(), bias.grad()}, "F::batch_norm: gradient");
+  }
+  {
+    const auto cumulative = [] {
+      torch::manual_seed(0);
+      return torch::nn::Sequential(torch::nn::Linear(8, 8),
+                                   torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(8).momentum(c10::nullopt)));
+    };
+    auto plain = cumulative(), checkpointed = cumulative();
+    for (int step = 0; step < 3; ++step) {
+      plain->forward(x * (step + 1)).sum().backward();
+      amp::checkpoint([checkpointed](const torch::Tensor& h) mutable { return checkpointed->forward(h); }, x * (step + 1))
+          .sum().backward();
+    }
+    EXPECT_EQ(checkpointed[1]->as<torch::nn::BatchNorm1d>()->num_batches_tracked.item<int64_t>(), 3);
+    expect_same_tensors(ckpt_buffers(*plain), ckpt_buffers(*checkpointed), "momentum None: buffer");
+    expect_same_tensors(ckpt_grads(*plain), ckpt_grads(*checkpointed), "momentum None: gradient");
+  }
 }
 
 TEST_F(ActivationCheckpointTest, FrozenBatchNormKeepsItsStatisticsThroughRecompute) {

@@ -1,5 +1,5 @@
 // Checkpoints. Ports Apex's test_checkpointing.py: test_restoring (every level x num_losses 1..2,
-// checkpoint at step 5 of 10, restore into fresh objects, bitwise-equal continuation) and
+// checkpoint at step 5 of 10, restore into fresh objects in either load order, bitwise-equal continuation) and
 // test_loss_scale_decrease (forced overflows per scaler survive a save/load).
 #include "support.h"
 
@@ -77,9 +77,10 @@ class RestoringTest : public ::testing::TestWithParam<std::tuple<const char*, c1
 TEST_P(RestoringTest, ResumingIsBitwiseIdenticalToNotStopping) {
   const auto [level, lp, num_losses, device] = GetParam();
   const auto options = amp::Options(level).low_precision_dtype(lp).num_losses(num_losses).verbosity(0);
-  // Checkpoint right after the step whose backward overflowed (3), and one step later (4).
-  for (int k : {3, 4}) {
-    SCOPED_TRACE("checkpoint after step " + std::to_string(k));
+  // Checkpoint right after the step whose backward overflowed (3), and one step later (4); load the model first
+  // (Apex's order) or the optimizer first (its masters must survive the model's rounded copies written after).
+  for (const auto& [k, model_first] : std::vector<std::pair<int, bool>>{{3, true}, {4, true}, {4, false}}) {
+    SCOPED_TRACE("checkpoint after step " + std::to_string(k) + (model_first ? ", model loaded first" : ", optimizer loaded first"));
     TrainingRun uninterrupted(options, 7, device);
     std::vector<torch::Tensor> outputs;
     std::stringstream model_checkpoint, optimizer_checkpoint;
@@ -91,8 +92,9 @@ TEST_P(RestoringTest, ResumingIsBitwiseIdenticalToNotStopping) {
       }
     }
     TrainingRun resumed(options, 99, device);  // different initial weights: everything must come from the checkpoint
-    torch::load(resumed.net, model_checkpoint);
+    if (model_first) torch::load(resumed.net, model_checkpoint);
     torch::load(resumed.amp->optimizer, optimizer_checkpoint);
+    if (!model_first) torch::load(resumed.net, model_checkpoint);
     for (int i = k + 1; i < 10; ++i) {
       auto out = resumed.step(i, num_losses).cpu();
       EXPECT_TRUE(amp_test::bitwise_equal(out, outputs[static_cast<size_t>(i)])) << "step " << i;

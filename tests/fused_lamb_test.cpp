@@ -24,11 +24,6 @@ namespace fs = std::filesystem;
 using amp::optim::FusedLAMB;
 using amp::optim::FusedLAMBOptions;
 
-// Forces a fused route for one scope.
-struct LambRouteGuard {
-  explicit LambRouteGuard(amp::optim::detail::FusedRoute route) { amp::optim::detail::force_fused_route(route); }
-  ~LambRouteGuard() { amp::optim::detail::force_fused_route(amp::optim::detail::FusedRoute::kAuto); }
-};
 
 // Largest difference in fp32 ulps of the tensor's largest magnitude (elements near 0 would make a relative
 // measure meaningless).
@@ -79,7 +74,7 @@ TEST(FusedLAMBPythonTest, MatchesAReferenceFromThePaperAndApexsKernel) {
   };
   for (const auto route : {amp::optim::detail::FusedRoute::kAuto, amp::optim::detail::FusedRoute::kPerOp}) {
     SCOPED_TRACE(route == amp::optim::detail::FusedRoute::kAuto ? "amp's CPU loop" : "per-op route");
-    LambRouteGuard guard(route);
+    amp::optim::detail::FusedRouteGuard guard(route);
     std::vector<torch::Tensor> params;
     for (const auto& p : c.params) params.push_back(p.clone());
     std::vector<torch::optim::OptimizerParamGroup> groups;

@@ -18,11 +18,7 @@ namespace {
 
 using amp::optim::detail::FusedRoute;
 
-// Restores the default route when a test forced another.
-struct RouteGuard {
-  explicit RouteGuard(FusedRoute route) { amp::optim::detail::force_fused_route(route); }
-  ~RouteGuard() { amp::optim::detail::force_fused_route(FusedRoute::kAuto); }
-};
+using amp::optim::detail::FusedRouteGuard;
 
 // Sizes around the loops' vector widths and the 4096-element chunk of the O2 model copy. Drawn on the CPU
 // (as on every device), then moved.
@@ -208,11 +204,11 @@ TEST(FusedOptimizersCpuTest, AdamMomentsAreLibTorchsBitForBit) {
 TEST_P(FusedOptimizersTest, PerOpRouteIsBitwiseLibTorch) {
   for (const auto& c : optimizer_cases()) {
     {
-      RouteGuard route(FusedRoute::kPerOp);
+      FusedRouteGuard route(FusedRoute::kPerOp);
       max_trajectory_error(c, torch::kFloat, 5, /*expect_bitwise=*/true, device());
     }
     // The default route for bf16 parameters on the CPU; CUDA's default is ATen's kernels (FusedAtLevelTest's O3).
-    RouteGuard route(on_cuda() ? FusedRoute::kPerOp : FusedRoute::kAuto);
+    FusedRouteGuard route(on_cuda() ? FusedRoute::kPerOp : FusedRoute::kAuto);
     max_trajectory_error(c, torch::kBFloat16, 5, /*expect_bitwise=*/true, device());
   }
 }
@@ -224,7 +220,7 @@ TEST(FusedOptimizersCpuTest, AtenRouteMatchesLibTorch) {
   if (!amp::optim::detail::has_aten_fused_optimizers()) {
     GTEST_SKIP() << "this LibTorch (" << TORCH_VERSION << ") has no ATen fused optimizer kernels (LibTorch >= 2.4)";
   }
-  RouteGuard route(FusedRoute::kAten);
+  FusedRouteGuard route(FusedRoute::kAten);
   for (const auto& c : optimizer_cases()) {
     Pair pair(c);
     auto& [a, b, fused, reference] = pair;
@@ -459,7 +455,7 @@ TEST_P(FusedAtLevelTest, TrainsAsWithLibTorchsOptimizer) {
     return;
   }
   {
-    RouteGuard per_op(cuda ? FusedRoute::kPerOp : FusedRoute::kAuto);
+    FusedRouteGuard per_op(cuda ? FusedRoute::kPerOp : FusedRoute::kAuto);
     run(LevelTolerance::exact());
   }
   if (cuda) run(LevelTolerance::update_within(0.5));
@@ -648,7 +644,7 @@ TEST_P(FusedGradScalerTest, ScaleInsideTheStepEqualsUnscaleThenStep) {
   std::vector<FusedRoute> routes = {FusedRoute::kAuto, FusedRoute::kPerOp};
   if (amp::optim::detail::has_aten_fused_optimizers()) routes.push_back(FusedRoute::kAten);
   for (const auto route : routes) {
-    RouteGuard forced(route);
+    FusedRouteGuard forced(route);
     for (const bool amsgrad : {false, true}) {
       for (const bool adamw : {false, true}) {
         torch::manual_seed(8);

@@ -343,6 +343,33 @@ TEST(PrecisionPolicyTest, BannerListsTheIslands) {
   EXPECT_NE(out.find("Kept in fp32 (fp32 islands): head (keep_fp32)"), std::string::npos) << out;
 }
 
+TEST(PrecisionPolicyTest, KeepFp32AtO0SaysItHasNoEffect) {
+  PolicyNet net = policy_net(torch::kCPU);
+  const auto options = amp::Options("O0").keep_fp32({"head"}).keep_fp32_type<torch::nn::LayerNormImpl>();
+  testing::internal::CaptureStdout();
+  std::string error;
+  try {
+    auto model = amp::initialize(net, options);
+  } catch (const std::exception& e) {
+    error = amp_test::message(e);
+  }
+  const std::string out = testing::internal::GetCapturedStdout();
+  ASSERT_EQ(error, "");
+  EXPECT_NE(out.find("Note: keep_fp32 has no effect at opt_level O0, where every module computes in fp32 already "
+                     "(matched: "), std::string::npos) << out;
+  EXPECT_NE(out.find("head (keep_fp32)"), std::string::npos) << out;
+  EXPECT_EQ(out.find("Kept in fp32 (fp32 islands)"), std::string::npos) << out;
+  PolicyNet quiet_net = policy_net(torch::kCPU);
+  testing::internal::CaptureStdout();
+  try {
+    auto quiet = amp::initialize(quiet_net, amp::Options("O0").keep_fp32({"head"}).verbosity(0));
+  } catch (const std::exception& e) {
+    error = amp_test::message(e);
+  }
+  EXPECT_EQ(testing::internal::GetCapturedStdout(), "");
+  EXPECT_EQ(error, "");
+}
+
 TEST(PrecisionPolicyTest, PatternMatchingNothingThrowsWithTheClosestNames) {
   PolicyNet net = policy_net(torch::kCPU);
   ASSERT_THROWS_WITH(amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).keep_fp32({"haed"})),
@@ -639,10 +666,10 @@ TEST(AutoFp32Test, TheDecisionIsSavedAndResumesBitwiseWhicheverIsLoadedFirst) {
     EXPECT_EQ(amp::fp32_modules(optimizer2), std::vector<std::string>{"1 (auto_fp32)"}) << model_first;
     EXPECT_EQ(net2[1]->as<torch::nn::LinearImpl>()->weight.scalar_type(), torch::kFloat);
     train(net2, optimizer2, model2, 5, 9);
-    // Bitwise, the moved head always; the fp16 layer too when the model comes first (loaded after the optimizer,
-    // its fp16 weights replace the fp32 masters: NOTE [Masters follow the model]).
+    // Bitwise, every parameter, in either order: the fp16 layer's weights loaded after the optimizer are its
+    // masters rounded, so the masters keep their low bits (NOTE [Masters follow the model]).
     const auto a = net->parameters(), b = net2->parameters();
-    for (size_t i = model_first ? 0 : 2; i < a.size(); ++i) {
+    for (size_t i = 0; i < a.size(); ++i) {
       EXPECT_TRUE(amp_test::bitwise_equal(a[i], b[i])) << model_first << " " << i;
     }
     EXPECT_EQ(optimizer2.skipped_steps(), optimizer.skipped_steps());

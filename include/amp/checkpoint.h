@@ -20,9 +20,8 @@ namespace detail {
 using CheckpointBody = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 /// Runs `body` on `inputs` without keeping its activations and returns its outputs, wired to a backward that
-/// recomputes them. `buffers` are restored after each recompute (a module's batch-norm statistics move once).
-std::vector<at::Tensor> checkpoint(CheckpointBody body, const std::vector<at::Tensor>& inputs,
-                                   std::vector<at::Tensor> buffers);
+/// recomputes them without side effects (what the recompute writes outside itself is restored after it).
+std::vector<at::Tensor> checkpoint(CheckpointBody body, const std::vector<at::Tensor>& inputs);
 
 template <class R>
 struct CheckpointResult {
@@ -54,8 +53,7 @@ struct CheckpointResult<std::tuple<Ts...>> {
   }
 };
 
-// Whether fn is a module holder (torch::nn::Sequential, a TORCH_MODULE): checkpoint protects its buffers and
-// calls its forward.
+// Whether fn is a module holder (torch::nn::Sequential, a TORCH_MODULE): checkpoint calls its forward.
 template <class F, class = void>
 struct IsModuleHolder : std::false_type {};
 template <class F>
@@ -80,10 +78,9 @@ decltype(auto) invoke_on(F& f, const std::vector<at::Tensor>& xs, std::index_seq
 ///  - fn is copied and kept until backward: capture by value. A lambda that captures a local by reference reads
 ///    a dead stack frame when backward recomputes it. A lambda that calls a captured module holder must be
 ///    `mutable` (LibTorch's modules have no const forward): `[block](const torch::Tensor& h) mutable {...}`.
-///  - When fn is a module (`amp::checkpoint(block, x)`), its buffers are restored after the recompute, so
-///    batch-norm statistics in training mode move once per step, not twice. A lambda over a training-mode
-///    BatchNorm updates its statistics twice, as torch.utils.checkpoint does; frozen BatchNorm
-///    (amp::freeze_batchnorm, eval mode) is fine either way.
+///  - The recompute has no side effects: whatever it writes outside itself (a training-mode BatchNorm's running
+///    statistics and batch count, whether fn is a module, a lambda over modules or over F::batch_norm) gets back
+///    the value it had, so statistics move once per step, not twice as under torch.utils.checkpoint.
 ///  - A tensor that requires grad and was computed outside fn must reach fn as an input, not through a capture
 ///    (checkpoint throws, saying so). Parameters (leaves) may be captured freely.
 ///  - Inputs must not be modified in place before backward (checkpoint throws at backward if they were).
@@ -106,12 +103,10 @@ auto checkpoint(Fn&& fn, Tensors&&... inputs) {
   using Convert = detail::CheckpointResult<Result>;
 
   auto callable = std::make_shared<Callable>(std::forward<Fn>(fn));
-  std::vector<at::Tensor> buffers;
-  if constexpr (detail::IsModuleHolder<Callable>::value) buffers = (*callable)->buffers(true);
   detail::CheckpointBody body = [callable](const std::vector<at::Tensor>& xs) {
     return Convert::to_list(detail::invoke_on(*callable, xs, Indices{}));
   };
-  return Convert::from_list(detail::checkpoint(std::move(body), {at::Tensor(inputs)...}, std::move(buffers)));
+  return Convert::from_list(detail::checkpoint(std::move(body), {at::Tensor(inputs)...}));
 }
 
 }  // namespace amp

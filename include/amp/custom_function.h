@@ -64,9 +64,9 @@ class CustomFwdGuard {
   /// Returns `input` converted to `cast_inputs` where it is a floating-point tensor other than float64 on a
   /// device whose autocast was on at the call (torch's _cast rule); otherwise returns `input` itself. The
   /// identity without `cast_inputs`.
-  torch::Tensor cast(const torch::Tensor& input) const;
+  at::Tensor cast(const at::Tensor& input) const;
   /// Returns cast() of each tensor (torch's custom_fwd casts tensors inside containers too).
-  std::vector<torch::Tensor> cast(std::vector<torch::Tensor> inputs) const;
+  std::vector<at::Tensor> cast(std::vector<at::Tensor> inputs) const;
 
  private:
   std::optional<c10::ScalarType> cast_inputs_;
