@@ -155,12 +155,18 @@ class RecomputeWritesGuard {
             .needsOutputs(true)
             .scopes({at::RecordScope::FUNCTION}));
   }
-  ~RecomputeWritesGuard() {
+  ~RecomputeWritesGuard() { stop(); }
+  RecomputeWritesGuard(const RecomputeWritesGuard&) = delete;
+  RecomputeWritesGuard& operator=(const RecomputeWritesGuard&) = delete;
+
+  /// Ends the observation (before the recomputed graph is differentiated: backward's in-place accumulation into
+  /// the incoming gradients is no write of fn's). restore() still has what was seen.
+  void stop() {
+    if (stopped_) return;
+    stopped_ = true;
     at::removeCallback(handle_);
     active_ = previous_;
   }
-  RecomputeWritesGuard(const RecomputeWritesGuard&) = delete;
-  RecomputeWritesGuard& operator=(const RecomputeWritesGuard&) = delete;
 
   /// Writes back what the recompute overwrote, in reverse order of the first writes.
   void restore() {
@@ -213,6 +219,7 @@ class RecomputeWritesGuard {
   static thread_local RecomputeWritesGuard* active_;
   RecomputeWritesGuard* previous_;
   at::CallbackHandle handle_;
+  bool stopped_ = false;
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // (tensor, its value before the recompute)
   std::unordered_set<const c10::TensorImpl*> seen_;        // saved already
   std::unordered_set<const c10::TensorImpl*> made_;        // results of the recompute's ops
@@ -340,6 +347,7 @@ class CheckpointBackward final : public Node {
       at::AutoGradMode grad_mode(true);
       outs = body(xs);
     }
+    writes.stop();
     TORCH_CHECK(outs.size() == output_slot.size(), kCheckpoint, "fn returned ", outs.size(),
                 " tensors when recomputed and ", output_slot.size(), " on the first run; fn must be deterministic "
                 "in what it returns");
