@@ -2,8 +2,8 @@
 //
 // NOTE [FP8 through the policy's dispatch key]
 // A LibTorch Linear's forward can't be replaced (no hooks, NOTE [Why no forward hooks]), but every GEMM it runs
-// reads its weight, and the precision policy's dispatcher fallback (NOTE [Precision policy dispatch key]) sees
-// each op of the model's forward with its arguments. LibTorch's F::linear computes addmm(bias, x, w.t()) on 2-d
+// reads its weight, and an interception handler (NOTE [One interception key] in src/interception.h) sees each op
+// of the model's forward with its arguments. LibTorch's F::linear computes addmm(bias, x, w.t()) on 2-d
 // inputs and matmul(x, w.t()) (then `+= bias`) on others; TorchScript and torch::linear call aten::linear. So
 // an op among those three whose weight argument is an FP8 layer's weight (or its transpose, a view of it) is
 // replaced by Fp8Linear, an autograd function whose forward and backward run the three GEMMs through
@@ -24,11 +24,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <stdexcept>
 
 #include "amp/optimizer.h"
 #include "exception_message.h"
+#include "interception.h"
 #include "jit_mirror.h"
+#include "precision_policy.h"
 
 #define AMP_HAS_FP8 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
 
@@ -186,6 +189,28 @@ void probe(const c10::Device& device) {
 
 }  // namespace
 
+namespace {
+
+// Runs an FP8 layer's GEMMs whole, in place of the op that reached them (first in the chain: kFp8GemmOrder).
+class Fp8GemmHandler final : public InterceptionHandler {
+ public:
+  void handle(InterceptedOp& call, const InterceptNext& next) override {
+    PrecisionPolicy* policy = active_precision_policy();
+    if (policy && policy->fp8() && policy->fp8()->run(call.op, call.stack)) return;
+    next(call);
+  }
+};
+
+void register_fp8_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_interception_fallback();
+    register_interception_handler(kFp8GemmOrder, std::make_shared<Fp8GemmHandler>());
+  });
+}
+
+}  // namespace
+
 Fp8State::Fp8State(const Properties& p, torch::nn::Module& root, const std::function<bool(const at::Tensor&)>& in_island)
     : options_(*p.fp8), out_dtype_(p.low_precision_dtype) {
   for (const auto& item : root.named_modules("", /*include_self=*/true)) {
@@ -208,6 +233,7 @@ Fp8State::Fp8State(const Properties& p, torch::nn::Module& root, const std::func
                 ". Remove fp8, or give the layers dimensions that are multiples of 16.");
   }
   probe(layers_[0].weight.device());
+  register_fp8_handler();
   const int64_t slots = static_cast<int64_t>(layers_.size()) * 3;
   const auto options = at::TensorOptions().dtype(at::kFloat).device(layers_.empty() ? at::kCPU : layers_[0].weight.device());
   scales_ = at::ones({slots}, options);

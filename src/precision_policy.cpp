@@ -3,19 +3,16 @@
 // NOTE [Precision policy dispatch key]
 // torch::nn::Module has no hooks (NOTE [Why no forward hooks]), so amp can't wrap a kept module's forward. It
 // acts on the ops instead: every op that reads an island's parameter or buffer is an op of that module, whoever
-// wrote the forward. amp::Model's forward turns on one dispatch key, DeferredInit, in the thread's included set
-// (PrecisionPolicyGuard), and a boxed fallback on that key looks at each op's tensor arguments:
+// wrote the forward. amp::Model's forward turns on the interception key (PrecisionPolicyGuard; NOTE [One
+// interception key] in src/interception.h), and the policy's handlers look at each op's tensor arguments:
 //  - it reads an island tensor: its other floating inputs are cast to fp32 and it runs with autocast off (O1),
 //    so it computes in fp32 and returns fp32;
 //  - it reads a low-precision parameter (O2/O3) and has fp32 floating inputs (an island's output): they are cast
 //    to the model's dtype, so the island's output goes back to low precision at the next layer;
 //  - it reads no model tensor and mixes fp32 with low precision (O2/O3; attention's matmul of an island's
 //    output): it runs in fp32, as Apex's promote functions, where the op would refuse mixed dtypes.
-// Ops that write into an argument pass untouched. DeferredInit sits above the Autocast and Autograd keys, so the
-// casts are recorded by autograd (backward casts gradients back) and precede O1's casts. It is the key PyTorch
-// reserves for an out-of-core library (torchdistx's deferred init, which a LibTorch process doesn't load); amp
-// registers its fallback once, on the first model with islands, and says so if another library holds the key.
-// Backward never runs under the key: the guard lives in the forward only.
+// Two more handlers live here: amp::parallel's kernel for a BatchNorm a module holds as a member, and
+// auto_fp32's diagnosis (NOTE [Finding the module that overflows]).
 
 #include "precision_policy.h"
 
@@ -46,6 +43,7 @@
 #include "amp/optimizer.h"
 #include "format.h"
 #include "fp8.h"
+#include "interception.h"
 #include "jit_mirror.h"
 #include "libtorch_module_types.h"
 #include "model_casting.h"
@@ -53,7 +51,6 @@
 namespace amp::detail {
 namespace {
 
-constexpr c10::DispatchKey kPolicyKey = c10::DispatchKey::DeferredInit;
 const c10::DispatchKeySet kAutocastKeys{c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA};
 
 thread_local std::shared_ptr<PrecisionPolicy> current_policy;
@@ -106,36 +103,38 @@ void cast_arguments(c10::IValue* args, size_t n, c10::ScalarType dtype, Wanted&&
   }
 }
 
-void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  // Redispatching below the key (not calling again) keeps profiler records to one per op; the exclusion covers
-  // the op's own inner ops, which see cast inputs already.
-  c10::impl::ExcludeDispatchKeyGuard no_policy(kPolicyKey);
-  keys = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kPolicyKey);
-  PrecisionPolicy* policy = current_policy.get();
-  const auto& schema = op.schema();
-  if (!policy || schema.is_mutable()) return op.redispatchBoxed(keys, stack);
-  // An FP8 layer's GEMM (NOTE [FP8 through the policy's dispatch key] in src/fp8.cpp) runs below the key, whole.
-  if (policy->fp8() && policy->fp8()->run(op, stack)) return;
-  const size_t n = schema.arguments().size();
-  c10::IValue* args = stack->data() + (stack->size() - n);
-  if (&schema == &batch_norm_op().schema() && args[5].toBool()) {  // one schema object per operator  // (input, weight, bias, running_mean, running_var, training, ...)
+// amp::parallel's synchronized statistics for a training-mode BatchNorm a module holds as a member.
+class MemberBatchNormHandler final : public InterceptionHandler {
+ public:
+  void handle(InterceptedOp& call, const InterceptNext& next) override {
+    PrecisionPolicy* policy = current_policy.get();
+    c10::IValue* args = call.arguments();
+    // One schema object per operator; (input, weight, bias, running_mean, running_var, training, momentum, eps).
+    if (!policy || &call.op.schema() != &batch_norm_op().schema() || !args[5].toBool()) return next(call);
     const at::Tensor weight = optional_tensor(args[1]), mean = optional_tensor(args[3]);
     const BatchNormKernel* kernel = policy->batch_norm_kernel(weight.defined() ? weight.unsafeGetTensorImpl() : nullptr);
     if (!kernel && mean.defined()) kernel = policy->batch_norm_kernel(mean.unsafeGetTensorImpl());
-    if (kernel) {
-      at::Tensor input = args[0].toTensor();
-      if (policy->active() && policy->decide(args, n) == PrecisionPolicy::Action::kFp32) input = input.to(at::kFloat);
-      at::Tensor out = (*kernel)(input, weight, optional_tensor(args[2]), mean, optional_tensor(args[4]),
-                                 args[6].toDouble(), args[7].toDouble());
-      if (out.defined()) {
-        torch::jit::drop(*stack, n);
-        torch::jit::push(*stack, std::move(out));
-        return;
-      }
-    }
+    if (!kernel) return next(call);
+    at::Tensor input = args[0].toTensor();
+    const size_t n = call.num_arguments();
+    if (policy->active() && policy->decide(args, n) == PrecisionPolicy::Action::kFp32) input = input.to(at::kFloat);
+    at::Tensor out = (*kernel)(input, weight, optional_tensor(args[2]), mean, optional_tensor(args[4]),
+                               args[6].toDouble(), args[7].toDouble());
+    if (!out.defined()) return next(call);  // one rank: the op as it is
+    torch::jit::drop(*call.stack, n);
+    torch::jit::push(*call.stack, std::move(out));
   }
-  std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
-  if (policy->active()) {
+};
+
+// The fp32 islands' casts (NOTE [Precision policy dispatch key]).
+class IslandCastHandler final : public InterceptionHandler {
+ public:
+  void handle(InterceptedOp& call, const InterceptNext& next) override {
+    PrecisionPolicy* policy = current_policy.get();
+    if (!policy || !policy->active()) return next(call);
+    c10::IValue* args = call.arguments();
+    const size_t n = call.num_arguments();
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
     switch (policy->decide(args, n)) {
       case PrecisionPolicy::Action::kNone:
         break;
@@ -143,7 +142,7 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
         cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
         if (policy->per_op()) {
           no_autocast.emplace(kAutocastKeys);
-          keys = keys - kAutocastKeys;
+          call.keys = call.keys - kAutocastKeys;
         }
         break;
       case PrecisionPolicy::Action::kLowPrecision:
@@ -153,22 +152,29 @@ void policy_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
         cast_arguments(args, n, at::kFloat, [](const at::Tensor& t) { return t.scalar_type() != at::kFloat; });
         break;
     }
+    next(call);
   }
-  const std::optional<size_t> record = policy->diagnosing() ? policy->before_op(args, n) : std::nullopt;
-  op.redispatchBoxed(keys, stack);
-  if (record) policy->after_op(*record, *stack, schema.returns().size());
-}
+};
 
-void register_policy_fallback() {
+// auto_fp32's diagnosed iteration: each op reading a low-precision module's parameter, checked around its run.
+class DiagnosisHandler final : public InterceptionHandler {
+ public:
+  void handle(InterceptedOp& call, const InterceptNext& next) override {
+    PrecisionPolicy* policy = current_policy.get();
+    if (!policy || !policy->diagnosing()) return next(call);
+    const std::optional<size_t> record = policy->before_op(call.arguments(), call.num_arguments());
+    next(call);
+    if (record) policy->after_op(*record, *call.stack, call.op.schema().returns().size());
+  }
+};
+
+void register_policy_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
-    auto& dispatcher = c10::Dispatcher::singleton();
-    TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(kPolicyKey),
-                "amp::initialize: keep_fp32 runs the ops of fp32 modules through the dispatcher's DeferredInit key, "
-                "which another library in this process (torchdistx's deferred_init?) already uses. Load only one "
-                "of them, or drop keep_fp32 / keep_fp32_types.");
-    static torch::Library library(torch::Library::IMPL, "_", kPolicyKey, __FILE__, __LINE__);
-    library.fallback(torch::CppFunction::makeFromBoxedFunction<&policy_fallback>());
+    register_interception_fallback();
+    register_interception_handler(kMemberBatchNormOrder, std::make_shared<MemberBatchNormHandler>());
+    register_interception_handler(kIslandCastOrder, std::make_shared<IslandCastHandler>());
+    register_interception_handler(kDiagnosisOrder, std::make_shared<DiagnosisHandler>());
   });
 }
 
@@ -222,10 +228,9 @@ PrecisionPolicy::PrecisionPolicy(const Properties& properties, std::vector<KeptM
     if (auto m = k.module.lock()) collect_island(*m);
   }
   active_ = properties.enabled && !island_.empty() && (per_op_ || cast_model_);
-  if (active_) register_policy_fallback();
+  if (active_) register_policy_handlers();
   if (properties.enabled && properties.fp8) {
     fp8_ = std::make_shared<Fp8State>(properties, root, [this](const at::Tensor& t) { return in_island(t.unsafeGetTensorImpl()); });
-    if (!fp8_->layers().empty()) register_policy_fallback();
   }
 }
 
@@ -269,7 +274,7 @@ void PrecisionPolicy::keep(torch::nn::Module& module, const std::string& name, c
   collect_island(module);
   for (const auto* t : island_) low_.erase(t);
   active_ = properties_.enabled && !island_.empty() && (per_op_ || cast_model_);
-  if (active_) register_policy_fallback();
+  if (active_) register_policy_handlers();
 }
 
 // NOTE [Finding the module that overflows]
@@ -381,7 +386,7 @@ const BatchNormKernel* PrecisionPolicy::batch_norm_kernel(const c10::TensorImpl*
 }
 
 void replace_batch_norm(torch::nn::Module& layer, BatchNormKernel kernel) {
-  register_policy_fallback();
+  register_policy_handlers();
   std::lock_guard<std::mutex> lock(batch_norm_mutex);
   batch_norm_layers.erase(std::remove_if(batch_norm_layers.begin(), batch_norm_layers.end(),
                                          [&](const auto& e) { return e.first.expired() || e.first.lock().get() == &layer; }),
@@ -508,12 +513,14 @@ std::shared_ptr<PrecisionPolicy> precision_policy_of(const torch::nn::Module& mo
 
 std::shared_ptr<PrecisionPolicy> current_precision_policy() { return current_policy; }
 
+PrecisionPolicy* active_precision_policy() noexcept { return current_policy.get(); }
+
 PrecisionPolicyGuard::PrecisionPolicyGuard(const std::shared_ptr<PrecisionPolicy>& policy) {
   if (!policy || !policy->engaged()) return;
-  register_policy_fallback();  // once per process; the key must never be on without it
+  register_policy_handlers();  // once per process; the key must never be on without it
   previous_ = std::move(current_policy);
   current_policy = policy;
-  key_.emplace(kPolicyKey);
+  key_.emplace(kInterceptionKey);
   engaged_ = true;
 }
 
