@@ -23,8 +23,8 @@
 #include "models.h"
 #include "op_profile.h"
 #include "training_steps.h"
-#include "fused_route.h"
-#include "multi_tensor.h"
+#include "optim/fused_route.h"
+#include "scaling/multi_tensor.h"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include <optional>
 #include <vector>
 
-#include "autocast_adapter.h"
+#include "casting/autocast_adapter.h"
 
 namespace bench {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "amp/config.h"
-#include "config_text.h"
+#include "interop/config_text.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// libFuzzer target over amp's pickle reader (src/pickle.h), which parses data.pkl from files of the outside
+// libFuzzer target over amp's pickle reader (src/interop/pickle.h), which parses data.pkl from files of the outside
 // world. Every input must end in a value or in the reader's refusal (std::runtime_error naming the byte, or
 // InvalidText for a str that is not UTF-8; PythonCheckpoint::load turns both into a c10::Error); any other
 // exception, crash, hang, sanitizer report or out-of-memory is a finding. Storages come from a stand-in for
@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "pickle.h"
+#include "interop/pickle.h"
 
 namespace pk = amp::detail::pickle;
 

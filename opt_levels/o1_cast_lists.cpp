@@ -1,7 +1,7 @@
 // O1's per-op cast table: Apex's lists (apex/amp/lists/{functional,torch,tensor}_overrides.py) as
 // ATen operator names. One op per line, grouped like ATen's autocast_mode.cpp.
 //
-// Mechanism (src/cast_kernels.cpp): LibTorch's native autocast already covers most of these ops on
+// Mechanism (src/casting/cast_kernels.cpp): LibTorch's native autocast already covers most of these ops on
 // CUDA and the GEMM/conv family on CPU; amp registers a kernel on the AutocastCPU / AutocastCUDA keys
 // only for the rows the running LibTorch lacks, so native policies are never overridden and users of
 // plain autocast see no change (amp's kernels act only inside amp::AutocastGuard). Binary arithmetic

@@ -2,7 +2,7 @@
 # Builds amp's libFuzzer targets, then fuzzes one from its seed corpus. Arguments after the target go to
 # libFuzzer:
 #   scripts/fuzz.sh [config] -max_total_time=60   # config files, command lines, opt levels, loss scales
-#   scripts/fuzz.sh pickle -runs=1000000          # the pickle reader of Python checkpoints (src/pickle.h)
+#   scripts/fuzz.sh pickle -runs=1000000          # the pickle reader of Python checkpoints (src/interop/pickle.h)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=config

@@ -12,11 +12,11 @@ rm -rf .gpu-bundle
 mkdir -p "$out/include" "$out/lib/x86_64-linux-gnu/cmake"
 grep -qx '/.gpu-bundle/' .git/info/exclude 2>/dev/null || echo '/.gpu-bundle/' >> .git/info/exclude
 
-# Boost: the headers src/config.cpp reaches (3 MB of /usr/include/boost's 160), the library, its CMake
+# Boost: the headers src/interop/config.cpp reaches (3 MB of /usr/include/boost's 160), the library, its CMake
 # package files (they locate include/ and lib/ relative to themselves).
 torch_include="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/../../include"
 c++ -std=c++17 -M -Iinclude -Isrc -I. -isystem "$torch_include" -isystem "$torch_include/torch/csrc/api/include" \
-    src/config.cpp | tr ' \\' '\n\n' | grep '^/usr/include/boost/' | sort -u |
+    src/interop/config.cpp | tr ' \\' '\n\n' | grep '^/usr/include/boost/' | sort -u |
   while read -r header; do
     mkdir -p "$out/include/$(dirname "${header#/usr/include/}")"
     cp "$header" "$out/include/${header#/usr/include/}"

@@ -12,13 +12,13 @@
 #include <mutex>
 #include <set>
 
-#include "cpu_features.h"
-#include "exception_message.h"
-#include "lean_masters.h"
-#include "master_weights.h"
-#include "model_casting.h"
+#include "casting/cpu_features.h"
+#include "options/exception_message.h"
+#include "optim/lean_masters.h"
+#include "optim/master_weights.h"
+#include "casting/model_casting.h"
 #include "opt_levels/spec.h"
-#include "precision_policy.h"
+#include "casting/precision_policy.h"
 
 namespace amp::detail {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <map>
 
-#include "autocast_adapter.h"
+#include "casting/autocast_adapter.h"
 #include "support.h"
 
 namespace {

@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "amp/clip_grad.h"
-#include "multi_tensor.h"
+#include "scaling/multi_tensor.h"
 #include "support.h"
 
 namespace {

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "amp/config.h"
-#include "fp8.h"
+#include "casting/fp8.h"
 #include "support.h"
 
 namespace {

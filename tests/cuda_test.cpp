@@ -11,7 +11,7 @@
 #include <c10/util/Exception.h>
 #endif
 
-#include "multi_tensor.h"
+#include "scaling/multi_tensor.h"
 
 // Skips without a GPU, or in a build that cannot read CUDA's own counters.
 #ifdef AMP_TEST_CUDA

@@ -7,7 +7,7 @@
 // state (the engine's own behaviour checked on an unguarded twin), the forward's dtype wins over the one current at
 // backward (pytorch #87979, PR #88029), amp's O1 rows follow into backward, the state the guards found comes back,
 // and the errors.
-#include "autocast_adapter.h"
+#include "casting/autocast_adapter.h"
 #include "support.h"
 
 namespace {

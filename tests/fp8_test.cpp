@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "../bench/fp8_task.h"
-#include "fp8.h"
-#include "model_casting.h"
+#include "casting/fp8.h"
+#include "casting/model_casting.h"
 #include "support.h"
 
 namespace fs = std::filesystem;

@@ -14,8 +14,8 @@
 #include <limits>
 
 #include "amp/fused_optimizers.h"
-#include "fused_route.h"
-#include "optimizer_state_key.h"
+#include "optim/fused_route.h"
+#include "optim/optimizer_state_key.h"
 #include "support.h"
 
 namespace {

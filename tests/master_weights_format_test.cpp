@@ -1,4 +1,4 @@
-// Lean masters for bfloat16 at O2 (amp::MasterWeights, src/lean_masters.h): kSplit reconstructs exactly the fp32
+// Lean masters for bfloat16 at O2 (amp::MasterWeights, src/optim/lean_masters.h): kSplit reconstructs exactly the fp32
 // master kCopy steps, kKahan keeps the fp32 value to the compensation's rounding, kStochasticRounding rounds without
 // bias and reproducibly; all resume bitwise, skip overflowed steps, avoid the stall of O3's round-to-nearest
 // updates, and keep fewer bytes per parameter. Plus the options' and initialize's errors.
@@ -12,8 +12,8 @@
 #include <sstream>
 
 #include "../examples/common/memory_meter.h"
-#include "fused_route.h"
-#include "lean_masters.h"
+#include "optim/fused_route.h"
+#include "optim/lean_masters.h"
 #include "support.h"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <map>
 #include <unistd.h>
 
-#include "autocast_adapter.h"
+#include "casting/autocast_adapter.h"
 #include "support.h"
 
 namespace {

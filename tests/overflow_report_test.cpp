@@ -2,7 +2,7 @@
 // when the scale sits at its minimum and still overflows (apex #318, #834, #1135).
 #include <sstream>
 
-#include "cpu_features.h"
+#include "casting/cpu_features.h"
 #include "support.h"
 
 namespace {

@@ -28,10 +28,10 @@
 #include <type_traits>
 
 #include "amp/amp.h"
-#include "exception_message.h"
-#include "fp8.h"
-#include "lean_masters.h"
-#include "optimizer_state_key.h"
+#include "options/exception_message.h"
+#include "casting/fp8.h"
+#include "optim/lean_masters.h"
+#include "optim/optimizer_state_key.h"
 
 namespace {
 

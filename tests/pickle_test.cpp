@@ -1,4 +1,4 @@
-// The pickle codec of Python checkpoints (src/pickle.h) on its own: every opcode the reader accepts, the memo,
+// The pickle codec of Python checkpoints (src/interop/pickle.h) on its own: every opcode the reader accepts, the memo,
 // shared storages, nested containers, pickles written by Python's own pickle module at protocols 2-5
 // (tests/python/pickles.py), the writer's round trip, and malformed input (every prefix of a pickle is an
 // error, never a crash).
@@ -10,7 +10,7 @@
 
 #include <unistd.h>
 
-#include "pickle.h"
+#include "interop/pickle.h"
 #include "support.h"
 
 namespace {

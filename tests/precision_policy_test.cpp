@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "amp/amp.h"
-#include "format.h"
+#include "options/format.h"
 #include "support.h"
 
 namespace {

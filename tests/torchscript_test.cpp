@@ -12,7 +12,7 @@
 #include <unistd.h>
 #include <vector>
 
-#include "model_casting.h"
+#include "casting/model_casting.h"
 #include "support.h"
 
 namespace fs = std::filesystem;

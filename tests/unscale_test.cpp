@@ -1,9 +1,9 @@
-// The fused unscale + inf/NaN check (src/multi_tensor.h). Ports PyTorch's test_grad_scaling_unscale
+// The fused unscale + inf/NaN check (src/scaling/multi_tensor.h). Ports PyTorch's test_grad_scaling_unscale
 // (contiguous, transposed and sliced grads, inf/NaN injection, the mixed-list "perfect storm") and
 // Apex's test_multi_tensor_scale (sizes around chunk boundaries, flag at first/middle/last element).
 // On CUDA the same calls run ATen's _amp_foreach_non_finite_check_and_unscale_ (amp's own loop on the CPU).
-#include "cpu_kernels.h"
-#include "multi_tensor.h"
+#include "scaling/cpu_kernels.h"
+#include "scaling/multi_tensor.h"
 #include "support.h"
 
 using amp::detail::FoundInf;

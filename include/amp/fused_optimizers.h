@@ -5,7 +5,7 @@
 //
 // They are the LibTorch optimizers (same options, defaults, state types, param groups, schedulers and
 // torch::save / torch::load archives; a checkpoint of one loads into the other), with step() replaced:
-//   - CPU fp32 parameters: amp's own vectorized loop (src/cpu_optimizer_kernels.cpp);
+//   - CPU fp32 parameters: amp's own vectorized loop (src/optim/cpu_optimizer_kernels.cpp);
 //   - other devices (CUDA), LibTorch >= 2.4: ATen's fused kernels (_fused_sgd_, _fused_adam_, _fused_adamw_);
 //   - anything else (float16/bfloat16/double parameters, e.g. O3; non-contiguous tensors): LibTorch's
 //     own per-op algorithm, bit for bit.
@@ -45,7 +45,7 @@ namespace optim {
 ///     (unless the step was skipped for inf/NaN: then they keep the scale);
 ///   - at O2 with a lean master_weights_format (split, stochastic_rounding, kahan), the bfloat16 parameters whose
 ///     fp32 value the step rebuilds, updates in fp32 with fp32 state, and stores back (NOTE [Lean masters] in
-///     src/lean_masters.h), one parameter at a time.
+///     src/optim/lean_masters.h), one parameter at a time.
 class FusedOptimizer {
  public:
   virtual ~FusedOptimizer() = default;

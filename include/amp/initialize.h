@@ -45,7 +45,7 @@ bool already_initialized(const torch::nn::Module& module);
 /// model initialized.
 void cast_model(torch::nn::Module& module, const Properties& properties);
 /// Resolves keep_fp32 / keep_fp32_types against the models and records each one's precision policy
-/// (src/precision_policy.cpp); throws on a pattern or type that matches no module.
+/// (src/casting/precision_policy.cpp); throws on a pattern or type that matches no module.
 void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, const Properties& properties);
 
 inline Properties quiet(Properties p) {

@@ -35,7 +35,7 @@ class LeanMasters;
 /// the skip decision. scale_loss, loss_scale and master_params take it.
 ///
 /// It follows what changes after amp::initialize (see NOTE [Masters follow the model] in
-/// src/master_weights.h): parameter groups added with add_param_group are adopted at the next
+/// src/optim/master_weights.h): parameter groups added with add_param_group are adopted at the next
 /// scale_loss, step or zero_grad (cast where the level casts, fp32 masters at O2, unscaled like the
 /// rest); weights written into the model (torch::load, amp::load_weights, in-place edits) are copied
 /// into the masters before the next step; and a step on gradients still multiplied by a loss scale

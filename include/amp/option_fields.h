@@ -5,7 +5,7 @@
 //   help     the field's documentation, and its config key's help text (values first).
 // The rows make Options' setters and overrides, Properties' members, the config keys (amp/config.h), and
 // the rows of the initialize banner and of describe_overrides(). Apex's rules stay hand-written in
-// Options::resolve() (src/options.cpp): a new option is a row here and its rule there.
+// Options::resolve() (src/options/options.cpp): a new option is a row here and its rule there.
 
 #include <c10/core/ScalarType.h>
 

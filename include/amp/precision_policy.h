@@ -5,7 +5,7 @@
 // modules; initialize keeps their parameters and floating buffers fp32 (at O2 they are their own masters) and
 // every op that reads one of those tensors runs in fp32: its other floating inputs are cast up, its output stays
 // fp32, and the next op that reads a low-precision parameter casts it down. The user's forward is not edited:
-// see NOTE [Precision policy dispatch key] in src/precision_policy.cpp.
+// see NOTE [Precision policy dispatch key] in src/casting/precision_policy.cpp.
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Type.h>

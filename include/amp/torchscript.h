@@ -34,7 +34,7 @@ void freeze_batchnorm(torch::jit::Module& model);
 
 namespace detail {
 /// The torch::nn::Module tree amp casts, steps and checkpoints for a TorchScript module (NOTE [TorchScript mirror]
-/// in src/jit_mirror.h): it holds the TorchScript module's own tensors.
+/// in src/casting/jit_mirror.h): it holds the TorchScript module's own tensors.
 std::shared_ptr<torch::nn::Module> jit_mirror(const torch::jit::Module& model);
 /// Checks a TorchScript module for initialize and prepares its mirror (policy, checks, banner); returns the mirror
 /// and the device the module lives on.
@@ -51,7 +51,7 @@ c10::IValue cast_ivalue(const c10::IValue& value, c10::ScalarType dtype);
 /// The patched TorchScript model: forward takes and returns what the module's forward does, with the level's
 /// casts (floating input tensors to cast_model_type, per-op casts at O1, floating output tensors, inside tuples,
 /// lists and dicts too, to cast_model_outputs). The forward runs op by op through the dispatcher, as eager
-/// PyTorch: see NOTE [TorchScript runs op by op] in src/torchscript.cpp.
+/// PyTorch: see NOTE [TorchScript runs op by op] in src/casting/torchscript.cpp.
 template <>
 class Model<torch::jit::Module> {
  public:

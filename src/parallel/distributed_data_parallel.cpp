@@ -25,10 +25,10 @@
 #include <unordered_set>
 
 #include "collectives.h"
-#include "fp8.h"
-#include "lean_masters.h"
-#include "master_weights.h"
-#include "precision_policy.h"
+#include "casting/fp8.h"
+#include "optim/lean_masters.h"
+#include "optim/master_weights.h"
+#include "casting/precision_policy.h"
 
 // NOTE [How gradients are reduced]
 // The reduction hangs off each trainable parameter's gradient accumulator (the AccumulateGrad node), as

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "amp/batchnorm.h"
-#include "precision_policy.h"
+#include "casting/precision_policy.h"
 #include "group_state.h"
 
 #if TORCH_VERSION_MAJOR < 2

@@ -1,0 +1,108 @@
+#pragma once
+// The FP8 layers of one model (amp/fp8.h): which Linear layers run in FP8, their scales and amax histories, and
+// the kernel the precision policy's dispatcher hook calls for their GEMMs.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/nn/module.h>
+#include <torch/serialize/archive.h>
+
+#include <functional>
+#include <ostream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "amp/fp8.h"
+#include "amp/properties.h"
+
+namespace amp::detail {
+
+/// Whether this LibTorch build has FP8 dtypes and at::_scaled_mm (2.1 and newer).
+bool fp8_supported_by_build();
+
+class Fp8State;
+/// Prints the initialize banner's FP8 lines: the FP8 layers, and the Linear layers left in bfloat16.
+void describe_fp8_layers(const Fp8State& state, std::ostream& out);
+
+class Fp8State : public std::enable_shared_from_this<Fp8State> {
+ public:
+  enum Kind { kInput = 0, kWeight = 1, kGrad = 2 };
+  struct Layer {
+    std::string name;
+    at::Tensor weight;  // the Linear's weight (the model's parameter), [out, in]
+  };
+
+  /// Chooses the FP8 layers among `root`'s Linear modules: those whose weight is not `in_island` and whose
+  /// dimensions are multiples of 16; the others are listed by skipped().
+  Fp8State(const Properties& properties, torch::nn::Module& root,
+           const std::function<bool(const at::Tensor&)>& in_island);
+
+  const std::vector<Layer>& layers() const noexcept { return layers_; }
+  /// "name [out x in]" of the Linear layers left in the level's dtype because a dimension is no multiple of 16.
+  const std::vector<std::string>& skipped() const noexcept { return skipped_; }
+  const Fp8Options& options() const noexcept { return options_; }
+
+  /// Runs `op` (on `stack`, as the dispatcher hands it) as an FP8 GEMM if it is an FP8 layer's linear, addmm or
+  /// matmul; returns false (the stack untouched) otherwise.
+  bool run(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+  /// After an optimizer step: `taken` commits the step's amaxes into the history (kDelayed: reduced over the
+  /// ranks first, then scales recomputed); a skipped step drops them. Either way the step's amaxes are cleared.
+  void end_step(bool taken);
+  /// Makes end_step reduce the step's amaxes (max over the ranks) before committing them: amp::parallel.
+  void set_amax_reducer(std::function<void(at::Tensor&)> reducer);
+
+  /// The layers whose amax in this step is inf/NaN (the overflow report), in model order.
+  std::vector<std::string> non_finite_layers() const;
+  /// The layers' scales as amp::fp8_layers reports them.
+  std::vector<Fp8LayerState> report() const;
+
+  // The state that resumes bitwise: scales, the amax history and its position.
+  void save(torch::serialize::OutputArchive& archive, const std::string& prefix) const;
+  /// Checks save()'s state in `archive` (`where` names it in errors: other layers, another history length) and
+  /// returns the function that restores it, so a load changes nothing until every part is checked.
+  std::function<void()> load(torch::serialize::InputArchive& archive, const std::string& prefix,
+                             const std::string& where);
+  /// The same state by name, for Python checkpoints: "scales", "history", "history_amax", "position".
+  std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+  /// Checks state_tensors()-shaped `state` saved for the layers `layer_names`; returns what restores it.
+  std::function<void()> restore_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                                      const std::vector<std::string>& layer_names, const std::string& where);
+  /// The FP8 layers' qualified names, in model order.
+  std::vector<std::string> names() const;
+
+  // For the GEMMs (src/casting/fp8.cpp).
+  /// The scale for `slot`'s tensor whose amax is `amax` (dynamic: from it; delayed: from the history), NaN for a
+  /// non-finite amax (NOTE [FP8 scales never hide an overflow]).
+  at::Tensor scale_for(int64_t slot, const at::Tensor& amax);
+  /// Adds `amax` to this step's amaxes (their max per slot).
+  void record_amax(int64_t slot, const at::Tensor& amax);
+  c10::ScalarType fp8_dtype(Kind kind) const;
+  double fp8_max(Kind kind) const;
+
+ private:
+  at::Tensor scale_from(const at::Tensor& amax, double max) const;
+  std::string layer_names() const;
+
+  Fp8Options options_;
+  c10::ScalarType out_dtype_;
+  std::vector<Layer> layers_;
+  std::vector<std::string> skipped_;
+  std::unordered_map<const c10::TensorImpl*, int64_t> by_weight_;  // weight -> layer index
+  // Per slot (layer * 3 + kind), on the layers' device:
+  at::Tensor scales_;        // [S] kDelayed: the scales from the history; 1.0 before any
+  at::Tensor history_amax_;  // [S] the history's amax (max or most recent); 0 means none yet
+  at::Tensor history_;       // [S, amax_history_len] a ring of committed amaxes (kDelayed)
+  at::Tensor used_;          // [S] kDynamic: the scale of the most recent GEMM operand
+  at::Tensor maxima_;        // [S] each slot's format maximum
+  int64_t position_ = 0;     // the ring's next column
+  mutable std::mutex mutex_;  // backward records amaxes on autograd's threads
+  std::vector<at::Tensor> pending_;  // [S] this step's amax per slot (undefined: none yet)
+  std::function<void(at::Tensor&)> reducer_;
+};
+
+}  // namespace amp::detail

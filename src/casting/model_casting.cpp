@@ -1,0 +1,74 @@
+#include "casting/model_casting.h"
+
+#include "amp/batchnorm.h"
+#include "optim/lean_masters.h"
+#include "optim/master_weights.h"
+#include "casting/precision_policy.h"
+
+namespace amp::detail {
+
+bool casts_model_to_low_precision(const Properties& p) {
+  return p.enabled && p.cast_model_type && *p.cast_model_type != c10::ScalarType::Float;
+}
+
+std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& p) {
+  std::unordered_set<const c10::TensorImpl*> out;
+  if (!p.enabled || !p.cast_model_type) return out;
+  const bool keep_bn = p.keep_batchnorm_fp32.value_or(false);
+  const auto policy = precision_policy_of(module);  // fp32 islands stay fp32
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (is_batchnorm(*m)) {
+      // Frozen layers hold pretrained statistics: they stay fp32 at every level unless asked otherwise.
+      const bool keep = is_frozen(*m) ? !p.cast_frozen_batchnorm : keep_bn;
+      if (keep) continue;
+    }
+    auto cast = [&](const at::Tensor& t) { return !policy || !policy->in_island(t.unsafeGetTensorImpl()); };
+    for (const auto& t : m->parameters(/*recurse=*/false)) {
+      if (cast(t)) out.insert(t.unsafeGetTensorImpl());
+    }
+    for (const auto& t : m->buffers(/*recurse=*/false)) {
+      if (t.is_floating_point() && cast(t)) out.insert(t.unsafeGetTensorImpl());
+    }
+  }
+  return out;
+}
+
+namespace {
+void collect_tensors(torch::nn::Module& module, const std::string& prefix,
+                     std::vector<std::pair<std::string, at::Tensor>>& out) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    if (item.value().defined()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& child : module.named_children()) collect_tensors(*child.value(), prefix + child.key() + ".", out);
+}
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  collect_tensors(module, "", out);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
+  auto out = named_tensors(module);
+  std::unordered_set<const MasterWeights*> refreshed;
+  for (auto& [name, value] : out) {
+    if (auto master = find_master(value)) {
+      auto& [table, index] = *master;
+      if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
+      value = table->master()[index];
+    } else if (auto lean = find_lean(value)) {
+      auto& [table, index] = *lean;
+      table->refresh_changed();
+      value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
+    } else if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) {
+      value = value.to(at::kFloat);
+    }
+  }
+  return out;
+}
+
+}  // namespace amp::detail

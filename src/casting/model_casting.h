@@ -1,0 +1,36 @@
+#pragma once
+// Which of a model's tensors an opt level casts (shared by initialize and the optimizer's masters).
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "amp/properties.h"
+
+namespace amp::detail {
+
+/// Returns the TensorImpls of the parameters and floating buffers that cast_model will cast to
+/// cast_model_type: all of them, except BatchNorm layers' when keep_batchnorm_fp32.
+std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& properties);
+
+/// Returns whether `properties` cast the model to a low-precision dtype.
+bool casts_model_to_low_precision(const Properties& properties);
+
+/// Returns the module's parameters and buffers by qualified name, in Python's state_dict order (each module's own
+/// parameters, then its buffers, then its children).
+std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module& module);
+
+/// Returns the module's parameters and buffers as a Python state_dict orders them, each with its fp32 value where
+/// amp keeps one: a parameter's fp32 master (O2), the value a lean master format keeps, else low-precision tensors
+/// cast to fp32 (Apex's O2 state_dict hook). Not copied: a tensor already fp32 is the model's own.
+std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module);
+
+/// Records that amp::initialize ran (user cast registrations must come before it; defined beside them in
+/// src/casting/cast_kernels.cpp).
+void note_initialize();
+
+}  // namespace amp::detail

@@ -1,0 +1,60 @@
+#include "interception/interception.h"
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+namespace {
+
+using Handlers = std::vector<std::shared_ptr<InterceptionHandler>>;
+
+// The chain, copied on write: registrations (rare, at initialize) never disturb a forward in flight.
+std::mutex registry_mutex;
+std::vector<std::pair<int, std::shared_ptr<InterceptionHandler>>> registry;
+std::shared_ptr<const Handlers> chain = std::make_shared<const Handlers>();
+
+void interception_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_interception(kInterceptionKey);
+  keys = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptionKey);
+  if (op.schema().is_mutable()) return op.redispatchBoxed(keys, stack);
+  const std::shared_ptr<const Handlers> handlers = std::atomic_load(&chain);
+  InterceptedOp call{op, keys, stack};
+  InterceptNext(*handlers, 0)(call);
+}
+
+}  // namespace
+
+void InterceptNext::operator()(InterceptedOp& op) const {
+  if (index_ == handlers_.size()) return op.op.redispatchBoxed(op.keys, op.stack);
+  handlers_[index_]->handle(op, InterceptNext(handlers_, index_ + 1));
+}
+
+void register_interception_handler(int order, std::shared_ptr<InterceptionHandler> handler) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.emplace_back(order, std::move(handler));
+  std::stable_sort(registry.begin(), registry.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  auto next = std::make_shared<Handlers>();
+  for (const auto& entry : registry) next->push_back(entry.second);
+  std::atomic_store(&chain, std::shared_ptr<const Handlers>(std::move(next)));
+}
+
+void register_interception_fallback() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(kInterceptionKey),
+                "amp::initialize: keep_fp32 runs the ops of fp32 modules through the dispatcher's DeferredInit key, "
+                "which another library in this process (torchdistx's deferred_init?) already uses. Load only one "
+                "of them, or drop keep_fp32 / keep_fp32_types.");
+    static torch::Library library(torch::Library::IMPL, "_", kInterceptionKey, __FILE__, __LINE__);
+    library.fallback(torch::CppFunction::makeFromBoxedFunction<&interception_fallback>());
+  });
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,272 @@
+#include "interop/optimizer_formats.h"
+
+#include "amp/fused_optimizers.h"
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace amp::detail {
+namespace {
+
+using GroupOptions = torch::optim::OptimizerOptions;
+using ParamStateBase = torch::optim::OptimizerParamState;
+
+template <class T, class Base>
+const T& as(const Base& base) {
+  return static_cast<const T&>(base);
+}
+template <class T, class Base>
+T& as(Base& base) {
+  return static_cast<T&>(base);
+}
+template <class Opt>
+bool is(const torch::optim::Optimizer& o) {
+  return dynamic_cast<const Opt*>(&o) != nullptr;
+}
+
+const c10::IValue kNone;
+
+OptimizerFormat sgd() {
+  OptimizerFormat f;
+  f.python_class = "SGD";
+  f.marker_keys = {"dampening", "nesterov"};
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"momentum", GroupValue::kNumber}, {"dampening", GroupValue::kNumber},
+                  {"weight_decay", GroupValue::kNumber}, {"nesterov", GroupValue::kBool}};
+  f.python_only_keys = {{"maximize", false}, {"foreach", kNone}, {"differentiable", false}, {"fused", kNone}};
+  f.state_fields = {{"momentum_buffer", nullptr}};
+  f.is = is<torch::optim::SGD>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<torch::optim::SGDOptions>(o);
+    return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"dampening", s.dampening()},
+            {"weight_decay", s.weight_decay()}, {"nesterov", s.nesterov()}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<torch::optim::SGDOptions>(o).lr(h.at("lr")).momentum(h.at("momentum")).dampening(h.at("dampening"))
+        .weight_decay(h.at("weight_decay")).nesterov(h.at("nesterov") != 0.0);
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
+    return {{"momentum_buffer", as<torch::optim::SGDParamState>(s).momentum_buffer()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
+    if (!t.at("momentum_buffer").defined()) return nullptr;
+    auto state = std::make_unique<torch::optim::SGDParamState>();
+    state->momentum_buffer(t.at("momentum_buffer"));
+    return state;
+  };
+  return f;
+}
+
+// Adam and AdamW: the same keys and state, different C++ types.
+template <class Opt, class OptOptions, class State>
+OptimizerFormat adam(const char* name, bool decoupled) {
+  OptimizerFormat f;
+  f.python_class = name;
+  f.marker_keys = {"betas"};
+  f.decoupled_weight_decay = decoupled ? 1 : 0;
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"betas", GroupValue::kPair}, {"eps", GroupValue::kNumber},
+                  {"weight_decay", GroupValue::kNumber}, {"amsgrad", GroupValue::kBool}};
+  f.python_only_keys = {{"maximize", false}, {"foreach", kNone}, {"capturable", false}, {"differentiable", false},
+                        {"fused", kNone}, {"decoupled_weight_decay", decoupled}};
+  f.has_step = true;
+  f.state_fields = {{"exp_avg", ""}, {"exp_avg_sq", ""}, {"max_exp_avg_sq", "amsgrad", true}};
+  f.is = is<Opt>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<OptOptions>(o);
+    return {{"lr", s.lr()}, {"beta1", std::get<0>(s.betas())}, {"beta2", std::get<1>(s.betas())}, {"eps", s.eps()},
+            {"weight_decay", s.weight_decay()}, {"amsgrad", s.amsgrad()}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<OptOptions>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
+        .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
+    const auto& a = as<State>(s);
+    *step = a.step();
+    return {{"exp_avg", a.exp_avg()}, {"exp_avg_sq", a.exp_avg_sq()}, {"max_exp_avg_sq", a.max_exp_avg_sq()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<State>();
+    state->step(step), state->exp_avg(t.at("exp_avg")), state->exp_avg_sq(t.at("exp_avg_sq"));
+    if (t.at("max_exp_avg_sq").defined()) state->max_exp_avg_sq(t.at("max_exp_avg_sq"));
+    return state;
+  };
+  return f;
+}
+
+OptimizerFormat rmsprop() {
+  OptimizerFormat f;
+  f.python_class = "RMSprop";
+  f.marker_keys = {"alpha", "centered"};
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"momentum", GroupValue::kNumber}, {"alpha", GroupValue::kNumber},
+                  {"eps", GroupValue::kNumber}, {"centered", GroupValue::kBool}, {"weight_decay", GroupValue::kNumber}};
+  f.python_only_keys = {{"capturable", false}, {"foreach", kNone}, {"maximize", false}, {"differentiable", false}};
+  f.has_step = true;
+  f.state_fields = {{"square_avg", ""}, {"momentum_buffer", "momentum"}, {"grad_avg", "centered"}};
+  f.is = is<torch::optim::RMSprop>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<torch::optim::RMSpropOptions>(o);
+    return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"alpha", s.alpha()}, {"eps", s.eps()},
+            {"centered", s.centered()}, {"weight_decay", s.weight_decay()}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<torch::optim::RMSpropOptions>(o).lr(h.at("lr")).alpha(h.at("alpha")).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
+        .momentum(h.at("momentum")).centered(h.at("centered") != 0.0);
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
+    const auto& r = as<torch::optim::RMSpropParamState>(s);
+    *step = r.step();
+    return {{"square_avg", r.square_avg()}, {"momentum_buffer", r.momentum_buffer()}, {"grad_avg", r.grad_avg()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<torch::optim::RMSpropParamState>();
+    state->step(step), state->square_avg(t.at("square_avg"));
+    if (t.at("momentum_buffer").defined()) state->momentum_buffer(t.at("momentum_buffer"));
+    if (t.at("grad_avg").defined()) state->grad_avg(t.at("grad_avg"));
+    return state;
+  };
+  return f;
+}
+
+OptimizerFormat adagrad() {
+  OptimizerFormat f;
+  f.python_class = "Adagrad";
+  f.marker_keys = {"lr_decay", "initial_accumulator_value"};
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"lr_decay", GroupValue::kNumber}, {"eps", GroupValue::kNumber},
+                  {"weight_decay", GroupValue::kNumber}, {"initial_accumulator_value", GroupValue::kNumber}};
+  f.python_only_keys = {{"foreach", kNone}, {"maximize", false}, {"differentiable", false}, {"fused", kNone}};
+  f.has_step = true;
+  f.state_fields = {{"sum", ""}};
+  f.is = is<torch::optim::Adagrad>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<torch::optim::AdagradOptions>(o);
+    return {{"lr", s.lr()}, {"lr_decay", s.lr_decay()}, {"eps", s.eps()}, {"weight_decay", s.weight_decay()},
+            {"initial_accumulator_value", s.initial_accumulator_value()}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<torch::optim::AdagradOptions>(o).lr(h.at("lr")).lr_decay(h.at("lr_decay")).weight_decay(h.at("weight_decay"))
+        .initial_accumulator_value(h.at("initial_accumulator_value")).eps(h.at("eps"));
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
+    const auto& a = as<torch::optim::AdagradParamState>(s);
+    *step = a.step();
+    return {{"sum", a.sum()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<torch::optim::AdagradParamState>();
+    state->step(step), state->sum(t.at("sum"));
+    return state;
+  };
+  return f;
+}
+
+// Apex's apex.optimizers.FusedLAMB (amp::optim::FusedLAMB): its group keys, the step count per group, and Adam's
+// two moments. adam_w_mode and use_nvlamb are attributes of Apex's optimizer, not in its state_dict: loading keeps
+// the C++ optimizer's.
+OptimizerFormat fused_lamb() {
+  using amp::optim::FusedLAMBOptions;
+  OptimizerFormat f;
+  f.python_class = "apex.optimizers.FusedLAMB";
+  f.marker_keys = {"max_grad_norm", "grad_averaging", "bias_correction"};
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"bias_correction", GroupValue::kBool}, {"betas", GroupValue::kPair},
+                  {"eps", GroupValue::kNumber}, {"weight_decay", GroupValue::kNumber},
+                  {"grad_averaging", GroupValue::kBool}, {"max_grad_norm", GroupValue::kNumber},
+                  {"step", GroupValue::kCount}};
+  f.state_fields = {{"exp_avg", ""}, {"exp_avg_sq", ""}};
+  f.is = is<amp::optim::FusedLAMB>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<FusedLAMBOptions>(o);
+    return {{"lr", s.lr()}, {"bias_correction", s.bias_correction()}, {"beta1", std::get<0>(s.betas())},
+            {"beta2", std::get<1>(s.betas())}, {"eps", s.eps()}, {"weight_decay", s.weight_decay()},
+            {"grad_averaging", s.grad_averaging()}, {"max_grad_norm", s.max_grad_norm()},
+            {"step", static_cast<double>(s.step())}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<FusedLAMBOptions>(o).lr(h.at("lr")).bias_correction(h.at("bias_correction") != 0.0)
+        .betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
+        .grad_averaging(h.at("grad_averaging") != 0.0).max_grad_norm(h.at("max_grad_norm"))
+        .step(static_cast<int64_t>(h.at("step")));
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
+    const auto& l = as<amp::optim::FusedLAMBParamState>(s);
+    return {{"exp_avg", l.exp_avg()}, {"exp_avg_sq", l.exp_avg_sq()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<amp::optim::FusedLAMBParamState>();
+    state->exp_avg(t.at("exp_avg")), state->exp_avg_sq(t.at("exp_avg_sq"));
+    return state;
+  };
+  return f;
+}
+
+bool has(const c10::impl::GenericDict& group, const char* key) { return group.contains(c10::IValue(std::string(key))); }
+
+}  // namespace
+
+const std::vector<OptimizerFormat>& optimizer_formats() {
+  static const std::vector<OptimizerFormat> rows = {
+      sgd(),
+      adam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>("Adam", false),
+      adam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>("AdamW", true),
+      rmsprop(),
+      adagrad(),
+      fused_lamb(),
+  };
+  return rows;
+}
+
+bool OptimizerFormat::accepts(const c10::impl::GenericDict& group) const {
+  for (const char* key : marker_keys) {
+    if (!has(group, key)) return false;
+  }
+  if (decoupled_weight_decay < 0 || !has(group, "decoupled_weight_decay")) return true;
+  // Before torch 2.7 Adam and AdamW wrote the same keys, so a group without the flag fits either.
+  const c10::IValue& flag = group.at(c10::IValue(std::string("decoupled_weight_decay")));
+  const bool decoupled = flag.isBool() ? flag.toBool() : flag.isDouble() ? flag.toDouble() != 0.0
+                                                                         : flag.isInt() && flag.toInt() != 0;
+  return decoupled == (decoupled_weight_decay == 1);
+}
+
+bool OptimizerFormat::needs(const StateField& field, const Hyperparameters& h) const {
+  if (field.needed_when == nullptr) return false;
+  if (field.needed_when[0] == '\0') return true;
+  const auto it = h.find(field.needed_when);
+  return it != h.end() && it->second != 0.0;
+}
+
+const OptimizerFormat* format_of(const torch::optim::Optimizer& optimizer) {
+  for (const auto& row : optimizer_formats()) {
+    if (row.is(optimizer)) return &row;
+  }
+  return nullptr;
+}
+
+const OptimizerFormat* python_format_of(const c10::impl::GenericDict& group) {
+  const OptimizerFormat* found = nullptr;
+  for (const auto& row : optimizer_formats()) {
+    if (!row.accepts(group)) continue;
+    if (found) return nullptr;
+    found = &row;
+  }
+  return found;
+}
+
+std::string optimizer_format_names() {
+  std::vector<const char*> names;
+  for (const auto& row : optimizer_formats()) {
+    if (std::strchr(row.python_class, '.') == nullptr) names.push_back(row.python_class);
+  }
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    out += i == 0 ? "" : i + 1 == names.size() ? " and " : ", ";
+    out += names[i];
+  }
+  return out;
+}
+
+}  // namespace amp::detail

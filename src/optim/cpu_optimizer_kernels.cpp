@@ -1,0 +1,181 @@
+#include "optim/cpu_optimizer_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+// NOTE [Fused step arithmetic]
+// Per element, the loops below do what LibTorch's optimizers do with one ATen op after another, in the same
+// order and with the same scalars rounded to float (ATen's opmath for fp32): `add(x, alpha)` and addcmul's
+// last product are fused multiply-adds (as ATen's vectorized kernels compute them), addcdiv is
+// self + (value * a) / b, a division by a scalar is a true division. The file is built with
+// -ffp-contract=off, so no other product is fused and every vector clone (NOTE [Vectorized clones] in
+// cpu_kernels.h) gives the same bits. SGD therefore equals LibTorch's step bit for bit, and Adam's moments
+// do too; Adam's parameter differs by an ulp here and there because ATen's vectorized sqrt is not the
+// correctly rounded one this loop uses (tests/fused_optimizers_test.cpp). Nothing depends on how many
+// tensors are stepped together or on whether the O2 model copy is written. With a loss scale (inv != 1) the
+// unscaled gradient is stored back, as ATen's fused kernels do, so .grad() reads the same after any route.
+
+namespace amp::detail::cpu {
+namespace {
+
+// The model copy is written chunk by chunk right after the chunk's update, while it is still in cache.
+constexpr int64_t kChunk = 4096;
+
+template <class Update>
+void chunked(int64_t n, float* param, ModelCopy copy, Update update) {
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t end = std::min(n, begin + kChunk);
+    update(begin, end);
+    if (copy.data != nullptr) {
+      const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+      convert(param + begin, copy.dtype, static_cast<char*>(copy.data) + begin * bytes, end - begin);
+    }
+  }
+}
+
+struct AdamFloats {
+  float inv, decay, wd, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+};
+
+// The body every Adam variant shares; inlined into each clone below so the branches on L2 and AMSGRAD are
+// resolved at compile time and each loop vectorizes.
+template <bool L2, bool AMSGRAD, bool STORE_GRAD>
+__attribute__((always_inline)) inline void adam_body(float* __restrict p, float* __restrict g_io,
+                                                     float* __restrict m, float* __restrict v,
+                                                     float* __restrict vmax, int64_t begin, int64_t end,
+                                                     const AdamFloats& f) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float param = p[i] * f.decay;                        // AdamW's p.mul_(1 - lr * wd); decay is 1 otherwise
+    float g = g_io[i] * f.inv;
+    if constexpr (STORE_GRAD) g_io[i] = g;
+    if constexpr (L2) g = std::fma(param, f.wd, g);            // Adam's grad.add(p, wd)
+    const float mi = std::fma(g, f.one_minus_beta1, m[i] * f.beta1);
+    const float vi = std::fma(f.one_minus_beta2 * g, g, v[i] * f.beta2);
+    m[i] = mi;
+    v[i] = vi;
+    float second = vi;
+    if constexpr (AMSGRAD) {
+      const float mx = vmax[i];
+      second = mx >= vi ? mx : vi;                             // torch::max_out, NaN-propagating
+      vmax[i] = second;
+    }
+    const float denom = std::sqrt(second) / f.bc2_sqrt + f.eps;
+    p[i] = param + (f.neg_step_size * mi) / denom;
+  }
+}
+
+// Each clone holds both loops, with and without the gradient store, so neither branches per element.
+#define AMP_ADAM_CLONE(name, L2, AMSGRAD)                                                                   \
+  AMP_VECTOR_CLONES void name(float* p, float* g, float* m, float* v, float* vmax, int64_t b, int64_t e, \
+                              const AdamFloats& f, bool store_grad) {                                     \
+    if (store_grad) adam_body<L2, AMSGRAD, true>(p, g, m, v, vmax, b, e, f);                               \
+    else adam_body<L2, AMSGRAD, false>(p, g, m, v, vmax, b, e, f);                                         \
+  }
+AMP_ADAM_CLONE(adam_plain, false, false)
+AMP_ADAM_CLONE(adam_l2, true, false)
+AMP_ADAM_CLONE(adam_amsgrad, false, true)
+AMP_ADAM_CLONE(adam_l2_amsgrad, true, true)
+#undef AMP_ADAM_CLONE
+
+template <bool STORE_GRAD>
+__attribute__((always_inline)) inline void sgd_body(float* __restrict p, float* __restrict g_io, float* __restrict buf,
+                                                    int64_t begin, int64_t end, float inv, float wd, float momentum,
+                                                    float one_minus_dampening, float neg_lr, bool use_momentum,
+                                                    bool nesterov, bool first_step) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float param = p[i];
+    float d = g_io[i] * inv;
+    if constexpr (STORE_GRAD) g_io[i] = d;
+    if (wd != 0.0f) d = std::fma(param, wd, d);                   // d_p.add(p, wd)
+    if (use_momentum) {
+      const float b = first_step ? d : std::fma(d, one_minus_dampening, buf[i] * momentum);
+      buf[i] = b;
+      d = nesterov ? std::fma(b, momentum, d) : b;                // d_p.add(buf, momentum) or buf
+    }
+    p[i] = std::fma(d, neg_lr, param);                            // p.add_(d_p, -lr)
+  }
+}
+
+AMP_VECTOR_CLONES void sgd_range(float* p, float* g, float* buf, int64_t begin, int64_t end, float inv, float wd,
+                                 float momentum, float one_minus_dampening, float neg_lr, bool use_momentum,
+                                 bool nesterov, bool first_step, bool store_grad) {
+  if (store_grad) {
+    sgd_body<true>(p, g, buf, begin, end, inv, wd, momentum, one_minus_dampening, neg_lr, use_momentum, nesterov, first_step);
+  } else {
+    sgd_body<false>(p, g, buf, begin, end, inv, wd, momentum, one_minus_dampening, neg_lr, use_momentum, nesterov, first_step);
+  }
+}
+
+// Apex's LAMBStage1Functor, per element in fp32 and in its order (nvcc's --use_fast_math may fuse or approximate
+// some of these on a GPU; here every operation is rounded as written).
+template <bool ADAM_W>
+__attribute__((always_inline)) inline void lamb_stage1_body(const float* __restrict p, const float* __restrict g,
+                                                            float* __restrict m, float* __restrict v,
+                                                            float* __restrict u, int64_t begin, int64_t end,
+                                                            const LambScalars& s) {
+  const float one_minus_beta2 = 1.0f - s.beta2;
+  for (int64_t i = begin; i < end; ++i) {
+    float scaled = g[i] / s.clip;
+    if constexpr (!ADAM_W) scaled = scaled + s.weight_decay * p[i];
+    const float mi = m[i] * s.beta1 + s.beta3 * scaled;
+    const float vi = v[i] * s.beta2 + one_minus_beta2 * scaled * scaled;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi / s.bias_correction2) + s.eps;
+    float update = (mi / s.bias_correction1) / denom;
+    if constexpr (ADAM_W) update = update + s.weight_decay * p[i];
+    u[i] = update;
+  }
+}
+
+AMP_VECTOR_CLONES void lamb_stage1_adam_w(const float* p, const float* g, float* m, float* v, float* u, int64_t b,
+                                          int64_t e, const LambScalars& s) {
+  lamb_stage1_body<true>(p, g, m, v, u, b, e, s);
+}
+AMP_VECTOR_CLONES void lamb_stage1_l2(const float* p, const float* g, float* m, float* v, float* u, int64_t b,
+                                      int64_t e, const LambScalars& s) {
+  lamb_stage1_body<false>(p, g, m, v, u, b, e, s);
+}
+
+AMP_VECTOR_CLONES void lamb_stage2_range(float* __restrict p, const float* __restrict u, int64_t begin, int64_t end,
+                                         float ratio) {
+  for (int64_t i = begin; i < end; ++i) p[i] = p[i] - ratio * u[i];
+}
+
+}  // namespace
+
+void lamb_stage1(const float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* update, int64_t n,
+                 const LambScalars& s) {
+  (s.adam_w_mode ? lamb_stage1_adam_w : lamb_stage1_l2)(param, grad, exp_avg, exp_avg_sq, update, 0, n, s);
+}
+
+void lamb_stage2(float* param, const float* update, int64_t n, float ratio, ModelCopy copy) {
+  chunked(n, param, copy, [&](int64_t begin, int64_t end) { lamb_stage2_range(param, update, begin, end, ratio); });
+}
+
+void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+               int64_t n, const AdamScalars& s, ModelCopy copy) {
+  // The scalars as LibTorch's Adam computes them (in double), then rounded to float as ATen does.
+  const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(s.step));
+  const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(s.step));
+  const auto decay = static_cast<float>(s.decoupled_weight_decay && s.weight_decay != 0 ? 1 - s.lr * s.weight_decay : 1.0);
+  const bool l2 = !s.decoupled_weight_decay && s.weight_decay != 0;
+  const AdamFloats f{s.inv_scale, decay, static_cast<float>(s.weight_decay), static_cast<float>(s.beta1),
+                     static_cast<float>(1 - s.beta1), static_cast<float>(s.beta2), static_cast<float>(1 - s.beta2),
+                     static_cast<float>(std::sqrt(bc2)), static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1))};
+  const auto range = l2 ? (s.amsgrad ? adam_l2_amsgrad : adam_l2) : (s.amsgrad ? adam_amsgrad : adam_plain);
+  chunked(n, param, copy, [&](int64_t begin, int64_t end) {
+    range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, f, s.inv_scale != 1.0f);
+  });
+}
+
+void sgd_step(float* param, float* grad, float* momentum_buffer, int64_t n, const SgdScalars& s,
+              ModelCopy copy) {
+  chunked(n, param, copy, [&](int64_t begin, int64_t end) {
+    sgd_range(param, grad, momentum_buffer, begin, end, s.inv_scale, static_cast<float>(s.weight_decay),
+              static_cast<float>(s.momentum), static_cast<float>(1 - s.dampening), static_cast<float>(-s.lr),
+              s.momentum != 0, s.nesterov, s.first_step, s.inv_scale != 1.0f);
+  });
+}
+
+}  // namespace amp::detail::cpu

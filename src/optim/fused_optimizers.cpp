@@ -1,0 +1,628 @@
+#include "amp/fused_optimizers.h"
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
+
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "optim/cpu_optimizer_kernels.h"
+#include "optim/fused_route.h"
+#include "optim/lean_masters.h"
+#include "scaling/multi_tensor.h"
+#include "optim/optimizer_grads.h"
+#include "optim/optimizer_state_key.h"
+
+// ATen's fused optimizer kernels with CPU implementations (and _fused_sgd_) arrived in LibTorch 2.4.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define AMP_HAVE_ATEN_FUSED_OPTIMIZERS 1
+#endif
+
+namespace amp::optim {
+namespace detail {
+namespace {
+std::atomic<FusedRoute> forced_route{FusedRoute::kAuto};
+}  // namespace
+
+void force_fused_route(FusedRoute route) { forced_route = route; }
+
+bool has_aten_fused_optimizers() {
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+namespace {
+
+using amp::detail::state_key;
+using detail::FusedRoute;
+namespace cpu = amp::detail::cpu;
+
+bool is_cpu_f32(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_sparse();
+}
+
+// Picks the implementation for one parameter (see fused_optimizers.h).
+FusedRoute route_for(const at::Tensor& p, const at::Tensor& grad, at::TensorList state,
+                     const at::Tensor* copy) {
+  const FusedRoute forced = detail::forced_route;
+  const bool aten_ok = detail::has_aten_fused_optimizers() && grad.scalar_type() == p.scalar_type() &&
+                       (p.scalar_type() == at::kFloat || p.scalar_type() == at::kHalf ||
+                        p.scalar_type() == at::kBFloat16);
+  if (forced == FusedRoute::kPerOp) return FusedRoute::kPerOp;
+  if (forced == FusedRoute::kAten) return aten_ok ? FusedRoute::kAten : FusedRoute::kPerOp;
+  bool own = is_cpu_f32(p) && is_cpu_f32(grad) && grad.sizes() == p.sizes();
+  for (const auto& s : state) own = own && (!s.defined() || is_cpu_f32(s));
+  if (copy) {
+    own = own && copy->device().is_cpu() && copy->is_contiguous() && copy->numel() == p.numel() &&
+          (copy->scalar_type() == at::kHalf || copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kFloat);
+  }
+  if (own) return FusedRoute::kAuto;
+  if (!p.device().is_cpu() && aten_ok) return FusedRoute::kAten;
+  return FusedRoute::kPerOp;
+}
+
+cpu::ModelCopy model_copy_arg(const at::Tensor* copy) {
+  if (!copy) return {};
+  const auto dtype = copy->scalar_type() == at::kHalf       ? cpu::Dtype::Half
+                     : copy->scalar_type() == at::kBFloat16 ? cpu::Dtype::BFloat16
+                                                            : cpu::Dtype::Float;
+  return {dtype, copy->data_ptr()};
+}
+
+// The loss scale a GradScaler left in the gradients, as the float factor the loops multiply by (torch's
+// inv_scale: the reciprocal in double, then rounded to float).
+float inverse_scale(const std::optional<double>& grad_scale) {
+  return grad_scale ? static_cast<float>(1.0 / *grad_scale) : 1.0f;
+}
+
+// Splits one parameter's update across ATen's intra-op threads, as LibTorch's own kernels are.
+template <class Update>
+void split(int64_t n, Update update) {
+  at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t begin, int64_t end) { update(begin, end - begin); });
+}
+
+cpu::ModelCopy offset(cpu::ModelCopy copy, int64_t begin) {
+  if (copy.data) copy.data = static_cast<char*>(copy.data) + begin * (copy.dtype == cpu::Dtype::Float ? 4 : 2);
+  return copy;
+}
+
+// A raw-pointer update is a write like any in-place op: version counters must say so (amp's masters,
+// autograd's saved-tensor checks and weight caches read them).
+void bump(at::TensorList written) {
+  for (const auto& t : written) {
+    if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void check_dense(const at::Tensor& grad, const char* name, size_t group, size_t index) {
+  TORCH_CHECK(!grad.is_sparse(), name, " does not support sparse gradients (parameter ", index, " of param group ",
+              group, "). Build the layer with dense gradients (e.g. Embedding without sparse(true)).");
+}
+
+// Checks every group's options and every gradient before anything is updated, so an error leaves the
+// optimizer and the parameters as they were.
+template <class CheckOptions>
+void check_all(const torch::optim::Optimizer& opt, const char* name, CheckOptions check_options) {
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    const auto& group = opt.param_groups()[g];
+    check_options(group.options(), g);
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& grad = group.params()[i].grad();
+      if (grad.defined()) check_dense(grad, name, g, i);
+    }
+  }
+}
+
+// What one parameter's update reads and writes: the parameter and its gradient, or, for a bfloat16 parameter with a
+// lean master, its rebuilt fp32 value and its gradient in fp32, stored back by finish() (NOTE [Lean masters]).
+// Optimizer state stays keyed by the parameter itself and is created like the fp32 value (fp32).
+struct Work {
+  at::Tensor param, grad;
+  std::shared_ptr<amp::detail::LeanMasters> lean;
+  size_t index = 0;
+  void finish() const {
+    if (lean) lean->store(index, param);
+  }
+};
+using LeanTable = std::shared_ptr<amp::detail::LeanMasters>;
+
+Work work_for(const at::Tensor& p, const LeanTable& lean) {
+  if (lean) {
+    if (auto found = amp::detail::find_lean(p); found && found->first == lean) {
+      return {lean->value(found->second), p.grad().to(at::kFloat), lean, found->second};
+    }
+  }
+  return {p, p.grad()};
+}
+
+// ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).
+struct AtenBatch {
+  std::vector<at::Tensor> params, grads, buffers_a, buffers_b, buffers_c, steps, copies_from, copies_to;
+};
+using BatchKey = std::tuple<std::string, int, bool>;
+BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
+
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+// ATen's kernels divide each gradient by grad_scale themselves and store it back unscaled.
+std::optional<at::Tensor> aten_grad_scale(const std::optional<double>& grad_scale, const at::Tensor& like) {
+  if (!grad_scale) return std::nullopt;
+  return at::full({}, *grad_scale, like.options().dtype(at::kFloat));
+}
+
+void finish_batch(AtenBatch& batch) {
+  bump(batch.params);
+  for (size_t i = 0; i < batch.copies_to.size(); ++i) batch.copies_to[i].copy_(batch.copies_from[i]);
+}
+#endif
+
+// ---- Adam and AdamW --------------------------------------------------------------------------------
+
+template <class Options>
+void check_adam_options(const Options& o, const char* name, size_t group) {
+  const auto [beta1, beta2] = o.betas();
+  TORCH_CHECK(o.lr() >= 0, name, ": invalid learning rate ", o.lr(), " in param group ", group, "; use lr >= 0.");
+  TORCH_CHECK(o.eps() >= 0, name, ": invalid epsilon value ", o.eps(), " in param group ", group, "; use eps >= 0.");
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, name, ": invalid beta parameter at index 0: ", beta1, " in param group ",
+              group, "; betas must be in [0, 1).");
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, name, ": invalid beta parameter at index 1: ", beta2, " in param group ",
+              group, "; betas must be in [0, 1).");
+  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay value ", o.weight_decay(), " in param group ",
+              group, "; use weight_decay >= 0.");
+}
+
+// LibTorch's Adam / AdamW step for one parameter, op for op (the route for what amp's loop does not take).
+template <class Options, class State>
+void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o, bool decoupled,
+                 const std::optional<double>& grad_scale) {
+  if (grad_scale) grad.mul_(inverse_scale(grad_scale));  // unscaled in place, as ATen's fused kernels leave it
+  const auto [beta1, beta2] = o.betas();
+  const double bias_correction1 = 1 - std::pow(beta1, state.step());
+  const double bias_correction2 = 1 - std::pow(beta2, state.step());
+  if (decoupled && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+  if (!decoupled && o.weight_decay() != 0) grad = grad.add(p, o.weight_decay());
+  state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+  state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+  at::Tensor denom;
+  if (o.amsgrad()) {
+    at::max_out(state.max_exp_avg_sq(), state.exp_avg_sq(), state.max_exp_avg_sq());
+    denom = (state.max_exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  } else {
+    denom = (state.exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  }
+  p.addcdiv_(state.exp_avg(), denom, -(o.lr() / bias_correction1));
+}
+
+template <class Options, class State, class CopyOf>
+void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTable& lean,
+                      const std::optional<double>& grad_scale, bool decoupled, const char* name) {
+  check_all(opt, name, [name](const torch::optim::OptimizerOptions& o, size_t g) {
+    check_adam_options(static_cast<const Options&>(o), name, g);
+  });
+  c10::NoGradGuard no_grad;
+  auto& states = opt.state();
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    auto& group = opt.param_groups()[g];
+    const auto& o = static_cast<const Options&>(group.options());
+    const auto [beta1, beta2] = o.betas();
+    std::map<BatchKey, AtenBatch> batches;
+    std::vector<Work> after_batches;
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& key = group.params()[i];
+      if (!key.grad().defined()) continue;
+      Work work = work_for(key, lean);
+      at::Tensor& p = work.param;
+      const at::Tensor& grad = work.grad;
+      auto& slot = states[state_key(states, key)];
+      if (!slot) {  // LibTorch's lazy state initialization
+        auto fresh = std::make_unique<State>();
+        fresh->step(0);
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<State&>(*slot);
+      if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
+        state.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));  // amsgrad turned on later
+      }
+      state.step(state.step() + 1);
+      const at::Tensor* copy = copy_of(p);
+      const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
+      switch (route_for(p, grad, {state.exp_avg(), state.exp_avg_sq(), vmax}, copy)) {
+        case FusedRoute::kAuto: {
+          const cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(),
+                                   state.step(), inverse_scale(grad_scale)};
+          float* pp = p.data_ptr<float>();
+          float* gp = grad.data_ptr<float>();
+          float* mp = state.exp_avg().template data_ptr<float>();
+          float* vp = state.exp_avg_sq().template data_ptr<float>();
+          float* xp = vmax.defined() ? vmax.data_ptr<float>() : nullptr;
+          const cpu::ModelCopy c = model_copy_arg(copy);
+          split(p.numel(), [&](int64_t b, int64_t n) {
+            cpu::adam_step(pp + b, gp + b, mp + b, vp + b, xp ? xp + b : nullptr, n, s, offset(c, b));
+          });
+          bump({p, state.exp_avg(), state.exp_avg_sq(), vmax, copy ? *copy : at::Tensor()});
+          work.finish();
+          break;
+        }
+        case FusedRoute::kAten: {
+          auto& batch = batches[batch_key(p, o.amsgrad())];
+          batch.params.push_back(p);
+          batch.grads.push_back(grad);
+          batch.buffers_a.push_back(state.exp_avg());
+          batch.buffers_b.push_back(state.exp_avg_sq());
+          if (o.amsgrad()) batch.buffers_c.push_back(vmax);
+          batch.steps.push_back(at::full({}, static_cast<double>(state.step()), p.options().dtype(at::kFloat)));
+          if (copy) {
+            batch.copies_from.push_back(p);
+            batch.copies_to.push_back(*copy);
+          }
+          if (work.lean) after_batches.push_back(std::move(work));
+          break;
+        }
+        case FusedRoute::kPerOp:
+          adam_per_op(p, grad, state, o, decoupled, grad_scale);
+          if (copy) copy->copy_(p);
+          work.finish();
+          break;
+      }
+    }
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+    for (auto& [key, batch] : batches) {
+      const bool amsgrad = std::get<2>(key);
+      const auto scale = aten_grad_scale(grad_scale, batch.params.front());
+      if (decoupled) {
+        at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
+                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale);
+      } else {
+        at::_fused_adam_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
+                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale);
+      }
+      finish_batch(batch);
+    }
+#else
+    TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+    for (const auto& work : after_batches) work.finish();
+  }
+}
+
+// ---- SGD -------------------------------------------------------------------------------------------
+
+void check_sgd_options(const torch::optim::SGDOptions& o, size_t group) {
+  const char* name = "amp::optim::FusedSGD";
+  TORCH_CHECK(o.lr() >= 0, name, ": invalid learning rate ", o.lr(), " in param group ", group, "; use lr >= 0.");
+  TORCH_CHECK(o.momentum() >= 0, name, ": invalid momentum value ", o.momentum(), " in param group ", group,
+              "; use momentum >= 0.");
+  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay value ", o.weight_decay(), " in param group ",
+              group, "; use weight_decay >= 0.");
+  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0), name, ": param group ", group,
+              " has nesterov(true) with momentum ", o.momentum(), " and dampening ", o.dampening(),
+              "; Nesterov momentum requires a momentum and zero dampening.");
+}
+
+// LibTorch's SGD step for one parameter, op for op.
+void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamState* state, bool first,
+                const torch::optim::SGDOptions& o, const std::optional<double>& grad_scale) {
+  if (grad_scale) grad.mul_(inverse_scale(grad_scale));  // unscaled in place, as ATen's fused kernels leave it
+  at::Tensor d_p = grad;
+  if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
+  if (o.momentum() != 0) {
+    at::Tensor buf;
+    if (first) {
+      buf = d_p.clone().detach();
+      state->momentum_buffer(buf);
+    } else {
+      buf = state->momentum_buffer();
+      buf.mul_(o.momentum()).add_(d_p, 1 - o.dampening());
+    }
+    d_p = o.nesterov() ? d_p.add(buf, o.momentum()) : buf;
+  }
+  p.add_(d_p, -1 * o.lr());
+}
+
+// ---- LAMB -------------------------------------------------------------------------------------------
+
+void check_lamb_options(const FusedLAMBOptions& o, size_t group) {
+  const char* name = "amp::optim::FusedLAMB";
+  check_adam_options(o, name, group);
+  TORCH_CHECK(o.max_grad_norm() >= 0, name, ": invalid max_grad_norm ", o.max_grad_norm(), " in param group ", group,
+              "; use max_grad_norm >= 0 (0: no clipping of the global gradient norm).");
+}
+
+// The float scalars of one group's step, computed as Apex's multi_tensor_lamb_cuda host code does.
+cpu::LambScalars lamb_scalars(const FusedLAMBOptions& o, float clip) {
+  const auto beta1 = static_cast<float>(std::get<0>(o.betas())), beta2 = static_cast<float>(std::get<1>(o.betas()));
+  float bias_correction1 = 1.0f, bias_correction2 = 1.0f;
+  if (o.bias_correction()) {  // std::pow(float, int) is computed in double, then stored as float
+    bias_correction1 = static_cast<float>(1 - std::pow(beta1, static_cast<int>(o.step())));
+    bias_correction2 = static_cast<float>(1 - std::pow(beta2, static_cast<int>(o.step())));
+  }
+  return {clip, static_cast<float>(o.weight_decay()), beta1, beta2, o.grad_averaging() ? 1.0f - beta1 : 1.0f,
+          static_cast<float>(o.eps()), bias_correction1, bias_correction2, o.adam_w_mode()};
+}
+
+// Apex's trust ratio: lr * ||p|| / ||update|| where weight decay or NVLAMB asks for it and both norms are
+// non-zero, else lr.
+float lamb_ratio(const FusedLAMBOptions& o, float param_norm, float update_norm) {
+  const auto lr = static_cast<float>(o.lr());
+  if (!(o.use_nvlamb() || o.weight_decay() != 0)) return lr;
+  return update_norm != 0.0f && param_norm != 0.0f ? lr * (param_norm / update_norm) : lr;
+}
+
+// The same update with ATen ops, in fp32 whatever the tensors' dtype (bf16/fp16 parameters at O3, CUDA,
+// non-contiguous tensors), without a host sync: the clip divisor and the norms stay tensors.
+void lamb_per_op(at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& state, const FusedLAMBOptions& o,
+                 const at::Tensor& clip) {
+  const cpu::LambScalars s = lamb_scalars(o, 1.0f);
+  const at::Tensor p32 = p.to(at::kFloat);
+  at::Tensor scaled = grad.to(at::kFloat).div(clip.to(p.device()));
+  if (!s.adam_w_mode) scaled = scaled.add(p32.mul(s.weight_decay));
+  const at::Tensor m = state.exp_avg().to(at::kFloat).mul(s.beta1).add(scaled.mul(s.beta3));
+  const at::Tensor v = state.exp_avg_sq().to(at::kFloat).mul(s.beta2).add(scaled.mul(1.0f - s.beta2).mul(scaled));
+  at::Tensor update = m.div(s.bias_correction1).div(v.div(s.bias_correction2).sqrt().add(s.eps));
+  if (s.adam_w_mode) update = update.add(p32.mul(s.weight_decay));
+  const auto lr = static_cast<float>(o.lr());
+  at::Tensor ratio = at::full({}, lr, p32.options());
+  if (o.use_nvlamb() || o.weight_decay() != 0) {
+    const at::Tensor param_norm = amp::detail::total_norm({p32}, 2.0), update_norm = amp::detail::total_norm({update}, 2.0);
+    ratio = at::where(update_norm.ne(0).logical_and(param_norm.ne(0)), param_norm.div(update_norm).mul(lr), ratio);
+  }
+  p.copy_(p32.sub(update.mul(ratio)));
+  state.exp_avg().copy_(m);
+  state.exp_avg_sq().copy_(v);
+}
+
+// LibTorch's optimizers evaluate a closure with gradients on before stepping.
+torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+}  // namespace
+
+const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
+  if (model_copies_.empty()) return nullptr;
+  const auto it = model_copies_.find(p.unsafeGetTensorImpl());
+  return it == model_copies_.end() ? nullptr : &it->second;
+}
+
+torch::Tensor FusedAdam::step(LossClosure closure) {
+  torch::Tensor loss = evaluate(closure);
+  adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/false,
+      "amp::optim::FusedAdam");
+  return loss;
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::Tensor loss = evaluate(closure);
+  adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/true,
+      "amp::optim::FusedAdamW");
+  return loss;
+}
+
+void FusedLAMBOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adam_w_mode);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_averaging);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_grad_norm);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(use_nvlamb);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+}
+
+void FusedLAMBOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, adam_w_mode);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, max_grad_norm);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, use_nvlamb);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg_sq);
+}
+
+FusedLAMB::FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedLAMBOptions defaults)
+    : torch::optim::Optimizer(param_groups, std::make_unique<FusedLAMBOptions>(defaults)) {
+  check_lamb_options(defaults, 0);
+  for (size_t i = 0; i < param_groups.size(); ++i) {  // see add_param_group
+    if (param_groups[i].has_options()) param_groups_[i].set_options(param_groups[i].options().clone());
+  }
+}
+
+void FusedLAMB::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  torch::optim::Optimizer::add_param_group(param_group);
+  if (param_group.has_options()) param_groups_.back().set_options(param_group.options().clone());
+}
+
+void FusedLAMB::save(torch::serialize::OutputArchive& archive) const { serialize(*this, archive); }
+void FusedLAMB::load(torch::serialize::InputArchive& archive) {
+  serialize(*this, archive);
+#if TORCH_VERSION_MAJOR < 2
+  // LibTorch 1.13 reads the saved groups' options but does not install them: the groups' step counts (and any
+  // changed lr) would restart. Install them here, as LibTorch 2.x does.
+  torch::serialize::InputArchive groups_archive;
+  archive.read("param_groups", groups_archive);
+  std::vector<std::pair<std::vector<std::string>, std::unique_ptr<torch::optim::OptimizerOptions>>> saved;
+  torch::optim::detail::serialize<FusedLAMBOptions>(groups_archive, saved);
+  TORCH_CHECK(saved.size() == param_groups_.size(), "amp::optim::FusedLAMB::load: the archive has ", saved.size(),
+              " param groups, this optimizer ", param_groups_.size(), ".");
+  for (size_t i = 0; i < saved.size(); ++i) param_groups_[i].set_options(std::move(saved[i].second));
+#endif
+}
+
+torch::Tensor FusedLAMB::step(LossClosure closure) {
+  torch::Tensor loss = evaluate(closure);
+  check_all(*this, "amp::optim::FusedLAMB", [](const torch::optim::OptimizerOptions& o, size_t g) {
+    check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
+  });
+  c10::NoGradGuard no_grad;
+  const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
+  // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
+  // kernels leave them): the global norm is the unscaled gradients'.
+  if (grad_scale() && !grads.empty()) {
+    amp::detail::mul_(grads, at::full({}, inverse_scale(grad_scale()), at::TensorOptions().dtype(at::kFloat)));
+  }
+  // Apex: the norm of every group's gradients, before any update; its max_grad_norm is the defaults' value.
+  const double max_grad_norm = static_cast<const FusedLAMBOptions&>(defaults()).max_grad_norm();
+  at::Tensor clip = at::ones({}, at::TensorOptions().dtype(at::kFloat));
+  if (max_grad_norm > 0 && !grads.empty()) {
+    const at::Tensor norm = amp::detail::total_norm(grads, 2.0);
+    const auto max = static_cast<float>(max_grad_norm);
+    clip = at::where(norm.gt(max), norm.div(max), at::ones_like(norm));
+  }
+  std::optional<float> clip_on_host;  // amp's CPU loop takes it as a float (a CPU tensor: no device sync)
+  auto& states = state_;
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<FusedLAMBOptions&>(group.options());
+    o.step(o.step() + 1);  // per group, with or without gradients, as Apex
+    for (const auto& key : group.params()) {
+      if (!key.grad().defined()) continue;
+      Work work = work_for(key, lean_masters());
+      at::Tensor& p = work.param;
+      const at::Tensor& grad = work.grad;
+      auto& slot = states[state_key(states, key)];
+      if (!slot) {
+        auto fresh = std::make_unique<FusedLAMBParamState>();
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<FusedLAMBParamState&>(*slot);
+      const at::Tensor* copy = model_copy(p);
+      const FusedRoute route = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, copy);
+      if (route != FusedRoute::kAuto || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
+        lamb_per_op(p, grad, state, o, clip);
+        if (copy) copy->copy_(p);
+        work.finish();
+        continue;
+      }
+      if (!clip_on_host) clip_on_host = clip.item<float>();
+      const cpu::LambScalars s = lamb_scalars(o, *clip_on_host);
+      const at::Tensor update = at::empty_like(p);
+      const float* pp = p.data_ptr<float>();
+      split(p.numel(), [&](int64_t b, int64_t n) {
+        cpu::lamb_stage1(pp + b, grad.data_ptr<float>() + b, state.exp_avg().data_ptr<float>() + b,
+                         state.exp_avg_sq().data_ptr<float>() + b, update.data_ptr<float>() + b, n, s);
+      });
+      // The parameter's norm before the update (Apex takes it before stage 1, which does not write p).
+      const float param_norm = amp::detail::total_norm({p}, 2.0).item<float>();
+      const float update_norm = amp::detail::total_norm({update}, 2.0).item<float>();
+      const float ratio = lamb_ratio(o, param_norm, update_norm);
+      const cpu::ModelCopy c = model_copy_arg(copy);
+      float* pw = p.data_ptr<float>();
+      split(p.numel(), [&](int64_t b, int64_t n) { cpu::lamb_stage2(pw + b, update.data_ptr<float>() + b, n, ratio, offset(c, b)); });
+      bump({p, state.exp_avg(), state.exp_avg_sq(), copy ? *copy : at::Tensor()});
+      work.finish();
+    }
+  }
+  return loss;
+}
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  torch::Tensor loss = evaluate(closure);
+  check_all(*this, "amp::optim::FusedSGD", [](const torch::optim::OptimizerOptions& o, size_t g) {
+    check_sgd_options(static_cast<const torch::optim::SGDOptions&>(o), g);
+  });
+  c10::NoGradGuard no_grad;
+  auto& states = state_;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& group = param_groups_[g];
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    std::map<BatchKey, AtenBatch> batches;
+    std::vector<Work> after_batches;
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& key = group.params()[i];
+      if (!key.grad().defined()) continue;
+      Work work = work_for(key, lean_masters());
+      at::Tensor& p = work.param;
+      const at::Tensor& grad = work.grad;
+      torch::optim::SGDParamState* state = nullptr;
+      bool first = false;
+      if (o.momentum() != 0) {
+        auto& slot = states[state_key(states, key)];
+        if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
+        state = static_cast<torch::optim::SGDParamState*>(slot.get());
+        first = !state->momentum_buffer().defined();
+      }
+      const at::Tensor* copy = model_copy(p);
+      const auto route = route_for(p, grad, {state && !first ? state->momentum_buffer() : at::Tensor()}, copy);
+      if (first && route != FusedRoute::kPerOp) state->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+      switch (route) {
+        case FusedRoute::kAuto: {
+          const cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), first,
+                                  inverse_scale(grad_scale())};
+          const at::Tensor buf = state ? state->momentum_buffer() : at::Tensor();
+          float* pp = p.data_ptr<float>();
+          float* gp = grad.data_ptr<float>();
+          float* bp = buf.defined() ? buf.data_ptr<float>() : nullptr;
+          const cpu::ModelCopy c = model_copy_arg(copy);
+          split(p.numel(), [&](int64_t b, int64_t n) {
+            cpu::sgd_step(pp + b, gp + b, bp ? bp + b : nullptr, n, s, offset(c, b));
+          });
+          bump({p, buf, copy ? *copy : at::Tensor()});
+          work.finish();
+          break;
+        }
+        case FusedRoute::kAten: {
+          auto& batch = batches[batch_key(p, first)];
+          batch.params.push_back(p);
+          batch.grads.push_back(grad);
+          if (state) batch.buffers_a.push_back(state->momentum_buffer());
+          if (copy) {
+            batch.copies_from.push_back(p);
+            batch.copies_to.push_back(*copy);
+          }
+          if (work.lean) after_batches.push_back(std::move(work));
+          break;
+        }
+        case FusedRoute::kPerOp:
+          sgd_per_op(p, grad, state, first, o, grad_scale());
+          if (copy) copy->copy_(p);
+          work.finish();
+          break;
+      }
+    }
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+    for (auto& [key, batch] : batches) {
+      at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
+                      o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
+                      aten_grad_scale(grad_scale(), batch.params.front()));
+      finish_batch(batch);
+    }
+#else
+    TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+    for (const auto& work : after_batches) work.finish();
+  }
+  return loss;
+}
+
+}  // namespace amp::optim

@@ -1,0 +1,286 @@
+#include "optim/lean_masters.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/BFloat16.h>
+#include <torch/serialize/archive.h>
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "amp/properties.h"
+#include "optim/master_weights.h"
+
+namespace amp::detail {
+namespace {
+
+const void* lean_storage_of(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
+
+uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+float float_of_bf16(uint16_t x) { return float_of(static_cast<uint32_t>(x) << 16); }
+
+uint16_t round_to_nearest(float f) { return c10::BFloat16(f).x; }  // c10's conversion rounds to nearest even
+
+// splitmix64's output function: 64 well-mixed bits of element n of the stream `seed`.
+uint64_t random_bits(uint64_t seed, uint64_t n) {
+  uint64_t z = seed + (n + 1) * 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Rounds f to one of its two bfloat16 neighbours, the upper (in magnitude) with probability equal to the
+// fraction of the gap below it: adding 16 uniform bits under the kept 16 carries into them exactly that often.
+uint16_t round_stochastically(float f, uint16_t random) {
+  const uint32_t b = bits_of(f);
+  if ((b & 0x7f800000u) == 0x7f800000u) return round_to_nearest(f);  // inf and NaN stay what they are
+  return static_cast<uint16_t>((b + random) >> 16);
+}
+
+template <class Body>
+void each_element(int64_t n, Body body) {
+  at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) body(i);
+  });
+}
+
+std::mutex lean_registry_mutex;
+struct LeanEntry {
+  std::weak_ptr<LeanMasters> table;
+  size_t index;
+};
+std::unordered_map<const c10::TensorImpl*, LeanEntry> lean_registry;
+
+at::Tensor lean_cpu_contiguous(const at::Tensor& t) { return t.device().is_cpu() ? t.contiguous() : t.cpu().contiguous(); }
+
+}  // namespace
+
+void LeanMasters::add(std::string name, at::Tensor param) {
+  const auto options = param.options().requires_grad(false);
+  at::Tensor aux;
+  if (format_ == amp::MasterWeights::kSplit) aux = at::zeros(param.sizes(), options.dtype(at::kShort));
+  if (format_ == amp::MasterWeights::kKahan) aux = at::zeros(param.sizes(), options.dtype(at::kBFloat16));
+  names_.push_back(std::move(name));
+  version_.push_back(param._version());
+  storage_.push_back(lean_storage_of(param));
+  params_.push_back(std::move(param));
+  aux_.push_back(std::move(aux));
+  loaded_.emplace_back();
+}
+
+void LeanMasters::adopt(const LeanMasters& other, size_t i) {
+  names_.push_back(other.names_[i]);
+  params_.push_back(other.params_[i]);
+  aux_.push_back(other.aux_[i]);
+  loaded_.push_back(other.loaded_[i]);
+  version_.push_back(other.version_[i]);
+  storage_.push_back(other.storage_[i]);
+}
+
+void LeanMasters::cast_from_float(size_t i) {
+  c10::NoGradGuard no_grad;
+  at::Tensor& p = params_[i];
+  if (p.scalar_type() == at::kBFloat16) return;  // already cast: its bf16 value is exact
+  const at::Tensor value = p.detach().to(at::kFloat).contiguous().clone();
+  p.set_data(at::empty(p.sizes(), p.options().dtype(at::kBFloat16)));
+  p.mutable_grad() = at::Tensor();
+  store(i, value);
+}
+
+at::Tensor LeanMasters::value(size_t i) const {
+  const at::Tensor p = lean_cpu_contiguous(params_[i]);
+  at::Tensor out = at::empty(p.sizes(), p.options().dtype(at::kFloat));
+  const auto* w = reinterpret_cast<const uint16_t*>(p.data_ptr());
+  float* o = out.data_ptr<float>();
+  switch (format_) {
+    case amp::MasterWeights::kSplit: {
+      const at::Tensor lo_t = lean_cpu_contiguous(aux_[i]);
+      const auto* lo = reinterpret_cast<const uint16_t*>(lo_t.data_ptr());
+      each_element(p.numel(), [&](int64_t k) { o[k] = float_of((static_cast<uint32_t>(w[k]) << 16) | lo[k]); });
+      break;
+    }
+    case amp::MasterWeights::kKahan: {
+      const at::Tensor c_t = lean_cpu_contiguous(aux_[i]);
+      const auto* c = reinterpret_cast<const uint16_t*>(c_t.data_ptr());
+      each_element(p.numel(), [&](int64_t k) { o[k] = float_of_bf16(w[k]) + float_of_bf16(c[k]); });
+      break;
+    }
+    default:
+      each_element(p.numel(), [&](int64_t k) { o[k] = float_of_bf16(w[k]); });
+      break;
+  }
+  return params_[i].device().is_cpu() ? out : out.to(params_[i].device());
+}
+
+void LeanMasters::store(size_t i, const at::Tensor& value) {
+  c10::NoGradGuard no_grad;
+  at::Tensor& p = params_[i];
+  TORCH_INTERNAL_ASSERT(p.scalar_type() == at::kBFloat16 && value.sizes() == p.sizes());
+  const at::Tensor v = lean_cpu_contiguous(value.to(at::kFloat));
+  const bool in_place = p.device().is_cpu() && p.is_contiguous();
+  at::Tensor w_t = in_place ? p : at::empty(p.sizes(), v.options().dtype(at::kBFloat16));
+  at::Tensor aux_t = aux_[i].defined() ? (in_place ? aux_[i] : at::empty_like(v, aux_[i].scalar_type())) : at::Tensor();
+  const float* x = v.data_ptr<float>();
+  auto* w = reinterpret_cast<uint16_t*>(w_t.data_ptr());
+  auto* aux = aux_t.defined() ? reinterpret_cast<uint16_t*>(aux_t.data_ptr()) : nullptr;
+  switch (format_) {
+    case amp::MasterWeights::kSplit:
+      each_element(v.numel(), [&](int64_t k) {
+        const uint32_t b = bits_of(x[k]);
+        w[k] = static_cast<uint16_t>(b >> 16);
+        aux[k] = static_cast<uint16_t>(b & 0xffffu);
+      });
+      break;
+    case amp::MasterWeights::kKahan:
+      each_element(v.numel(), [&](int64_t k) {
+        const uint16_t rounded = round_to_nearest(x[k]);
+        w[k] = rounded;
+        aux[k] = round_to_nearest(x[k] - float_of_bf16(rounded));  // exact in fp32: rounded is x's neighbour
+      });
+      break;
+    case amp::MasterWeights::kStochasticRounding: {
+      const uint64_t seed = seed_, base = counter_;
+      each_element(v.numel(), [&](int64_t k) {
+        w[k] = round_stochastically(x[k], static_cast<uint16_t>(random_bits(seed, base + static_cast<uint64_t>(k))));
+      });
+      counter_ += static_cast<uint64_t>(v.numel());
+      break;
+    }
+    case amp::MasterWeights::kCopy:
+      TORCH_INTERNAL_ASSERT(false, "amp: LeanMasters holds no kCopy parameters");
+  }
+  if (in_place) {
+    p.unsafeGetTensorImpl()->bump_version();  // raw writes, like any in-place op, must say so
+  } else {
+    p.copy_(w_t);
+    if (aux_t.defined()) aux_[i].copy_(aux_t);
+  }
+  loaded_[i] = at::Tensor();
+  mark_synced(i);
+}
+
+void LeanMasters::check_usable(size_t i) const {
+  const at::Tensor& p = params_[i];
+  if (holds_float32_bytes(p)) fail_float32_bytes("parameter", names_[i], p);
+  TORCH_CHECK(p.scalar_type() == at::kBFloat16, "amp: parameter '", names_[i], "' is ", dtype_name(p.scalar_type()),
+              " now, but amp::initialize cast it to torch.bfloat16 and keeps its fp32 value as master_weights_format ",
+              to_string(format_), " (something replaced its data, e.g. set_data or Module::to, after initialize). "
+              "Write weights in place instead: amp::load_weights(*model, path), or copy_ under torch::NoGradGuard.");
+  TORCH_CHECK(!aux_[i].defined() || p.sizes() == aux_[i].sizes(), "amp: parameter '", names_[i], "' changed shape "
+              "from ", aux_[i].sizes(), " to ", p.sizes(), " after amp::initialize. Load weights of the shapes the "
+              "model was built with.");
+}
+
+void LeanMasters::refresh_changed() {
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i]._version() == version_[i] && lean_storage_of(params_[i]) == storage_[i]) continue;
+    check_usable(i);
+    if (aux_[i].defined()) {
+      // The weight as written is the value now, unless it is bit for bit the weight a load paired the aux with
+      // (the model loaded after the optimizer): there the aux still completes it.
+      const at::Tensor keep = loaded_[i].defined() ? loaded_[i].view(at::kShort).eq(params_[i].view(at::kShort))
+                                                   : at::zeros(params_[i].sizes(), aux_[i].options().dtype(at::kBool));
+      aux_[i].masked_fill_(keep.logical_not(), 0);
+    }
+    loaded_[i] = at::Tensor();
+    mark_synced(i);
+  }
+}
+
+void LeanMasters::mark_synced(size_t i) {
+  version_[i] = params_[i]._version();
+  storage_[i] = lean_storage_of(params_[i]);
+}
+
+void LeanMasters::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("lean/format", c10::IValue(static_cast<int64_t>(format_)));
+  archive.write("lean/seed", c10::IValue(static_cast<int64_t>(seed_)));  // the bits of the uint64
+  archive.write("lean/counter", c10::IValue(static_cast<int64_t>(counter_)));
+  archive.write("lean/count", c10::IValue(static_cast<int64_t>(params_.size())));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    archive.write("lean/param/" + std::to_string(i), params_[i].detach());
+    if (aux_[i].defined()) archive.write("lean/aux/" + std::to_string(i), aux_[i]);
+  }
+}
+
+void LeanMasters::load(torch::serialize::InputArchive& archive, const char* where) {
+  auto read_int = [&](const std::string& key) -> std::optional<int64_t> {
+    c10::IValue v;
+    if (!archive.try_read(key, v) || !v.isInt()) return std::nullopt;
+    return v.toInt();
+  };
+  const auto seed = read_int("lean/seed"), counter = read_int("lean/counter"), count = read_int("lean/count");
+  TORCH_CHECK(seed && counter && count, where, ": the checkpoint's lean master state is incomplete; it is corrupt.");
+  TORCH_CHECK(*count == static_cast<int64_t>(params_.size()), where, ": the checkpoint has ", *count, " bfloat16 "
+              "parameters with lean masters, this optimizer has ", params_.size(), ". Resume with the same model, "
+              "opt level and param groups.");
+  std::vector<at::Tensor> weights(params_.size()), aux(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    archive.read("lean/param/" + std::to_string(i), weights[i]);
+    TORCH_CHECK(weights[i].sizes() == params_[i].sizes() && weights[i].scalar_type() == at::kBFloat16, where,
+                ": lean master ", i, " ('", names_[i], "') is ", dtype_name(weights[i].scalar_type()), " of shape ",
+                weights[i].sizes(), " in the checkpoint, torch.bfloat16 of shape ", params_[i].sizes(), " here.");
+    if (aux_[i].defined()) {
+      archive.read("lean/aux/" + std::to_string(i), aux[i]);
+      TORCH_CHECK(aux[i].sizes() == aux_[i].sizes() && aux[i].scalar_type() == aux_[i].scalar_type(), where,
+                  ": the saved low bits / compensation of '", names_[i], "' do not match the parameter.");
+    }
+  }
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].copy_(weights[i]);
+    if (aux_[i].defined()) {
+      aux_[i].copy_(aux[i]);
+      loaded_[i] = weights[i].to(params_[i].device());  // until the weight's next write (refresh_changed)
+    }
+    mark_synced(i);
+  }
+  seed_ = static_cast<uint64_t>(*seed);
+  counter_ = static_cast<uint64_t>(*counter);
+}
+
+void register_lean(const std::shared_ptr<LeanMasters>& table, const LeanMasters* replaced) {
+  std::lock_guard<std::mutex> lock(lean_registry_mutex);
+  for (auto it = lean_registry.begin(); it != lean_registry.end();) {
+    const auto owner = it->second.table.lock();
+    it = (!owner || owner == table || owner.get() == replaced) ? lean_registry.erase(it) : std::next(it);
+  }
+  for (size_t i = 0; i < table->size(); ++i) {
+    TORCH_CHECK(!lean_registry.count(table->param(i).unsafeGetTensorImpl()), "amp::initialize: parameter '",
+                table->name(i), "' is already stepped by another amp::Optimizer with lean master weights; two "
+                "optimizers would update one weight's fp32 value twice. Put each parameter in one optimizer.");
+  }
+  for (size_t i = 0; i < table->size(); ++i) lean_registry.emplace(table->param(i).unsafeGetTensorImpl(), LeanEntry{table, i});
+}
+
+std::optional<std::pair<std::shared_ptr<LeanMasters>, size_t>> find_lean(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(lean_registry_mutex);
+  const auto it = lean_registry.find(param.unsafeGetTensorImpl());
+  if (it == lean_registry.end()) return std::nullopt;
+  auto table = it->second.table.lock();
+  if (!table) return std::nullopt;
+  return std::make_pair(std::move(table), it->second.index);
+}
+
+uint64_t seed_from_default_generator() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,257 @@
+#include "amp/grad_scaler.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "amp/clip_grad.h"
+#include "amp/fused_optimizers.h"
+#include "options/format.h"
+#include "scaling/multi_tensor.h"
+#include "optim/optimizer_grads.h"
+
+namespace amp {
+namespace {
+
+void check_growth_factor(double value) {
+  if (!(value > 1.0) || !std::isfinite(value)) {
+    throw std::invalid_argument("amp::GradScaler: The growth factor must be > 1.0. Got " + detail::format_float(value) +
+                                "; the default is 2.0.");
+  }
+}
+
+void check_backoff_factor(double value) {
+  if (!(value < 1.0) || !(value > 0.0)) {
+    throw std::invalid_argument("amp::GradScaler: The backoff factor must be < 1.0 (and > 0). Got " +
+                                detail::format_float(value) + "; the default is 0.5.");
+  }
+}
+
+void check_growth_interval(int64_t value) {
+  if (value < 1) {
+    throw std::invalid_argument("amp::GradScaler: growth_interval must be at least 1 (clean steps before the scale "
+                                "grows), got " + std::to_string(value) + "; the default is 2000.");
+  }
+}
+
+void check_scale(double value, const char* what) {
+  if (!(value > 0.0) || !std::isfinite(value) || !std::isfinite(static_cast<float>(value))) {
+    throw std::invalid_argument(std::string("amp::GradScaler: ") + what + " must be a positive finite float, got " +
+                                detail::format_float(value) + ".");
+  }
+}
+
+}  // namespace
+
+struct GradScaler::OptimizerState {
+  Stage stage = Stage::kReady;
+  detail::FoundInf found_inf;
+  bool checked = false;             // unscale_ saw at least one gradient
+  std::optional<bool> found_on_host;  // read once, by step() or update()
+};
+
+GradScaler::GradScaler(GradScalerOptions options)
+    : enabled_(options.enabled()),
+      init_scale_(options.init_scale()),
+      growth_factor_(options.growth_factor()),
+      backoff_factor_(options.backoff_factor()),
+      growth_interval_(options.growth_interval()) {
+  check_growth_factor(growth_factor_);
+  check_backoff_factor(backoff_factor_);
+  check_growth_interval(growth_interval_);
+  check_scale(init_scale_, "init_scale");
+}
+
+GradScaler::~GradScaler() = default;
+GradScaler::GradScaler(GradScaler&&) noexcept = default;
+GradScaler& GradScaler::operator=(GradScaler&&) noexcept = default;
+
+GradScaler::OptimizerState& GradScaler::state_of(torch::optim::Optimizer& optimizer) {
+  auto& slot = per_optimizer_[&optimizer];
+  if (!slot) slot = std::make_unique<OptimizerState>();
+  return *slot;
+}
+
+torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
+  if (!enabled_) return outputs;
+  TORCH_CHECK(outputs.defined(), "amp::GradScaler::scale: the tensor to scale is undefined.");
+  if (!scale_) scale_ = static_cast<float>(init_scale_);
+  return outputs.mul(static_cast<double>(*scale_));
+}
+
+// The gradients of the optimizer's parameters, checked as torch's _unscale_grads_ checks them.
+std::vector<at::Tensor> GradScaler::scaled_grads(torch::optim::Optimizer& optimizer) const {
+  TORCH_CHECK(scale_.has_value(), "Attempted unscale_ but _scale is None.  This may indicate your script did not use "
+              "scaler.scale(loss or outputs) earlier in the iteration.");
+  std::vector<at::Tensor> grads;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      if (g.scalar_type() == at::kHalf) {
+        throw std::invalid_argument("Attempting to unscale FP16 gradients. GradScaler needs fp32 parameters (run the "
+                                    "forward under amp::AutocastGuard with an fp32 model); for float16 weights use "
+                                    "amp::initialize at O2, whose fp32 master weights take the gradients.");
+      }
+      grads.push_back(g);
+    }
+  }
+  return grads;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) return;
+  OptimizerState& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::kUnscaled,
+              "unscale_() has already been called on this optimizer since the last update().");
+  TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step().");
+  const std::vector<at::Tensor> grads = scaled_grads(optimizer);
+  // torch: inv_scale = scale.double().reciprocal().float()
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(*scale_));
+  detail::unscale_(grads, inv_scale, state.found_inf);
+  state.checked = !grads.empty();
+  state.stage = Stage::kUnscaled;
+}
+
+torch::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
+  detail::check_clip_arguments("amp::GradScaler::clip_grad_norm_", max_norm, norm_type);
+  at::Tensor skip;
+  if (enabled_) {
+    OptimizerState& state = state_of(optimizer);
+    TORCH_CHECK(state.stage != Stage::kStepped, "amp::GradScaler::clip_grad_norm_ is being called after step(): clip "
+                "between scaler.scale(loss).backward() and scaler.step(optimizer).");
+    if (state.stage == Stage::kReady) unscale_(optimizer);
+  }
+  const std::vector<at::Tensor> grads = detail::defined_grads(optimizer);
+  if (enabled_ && !grads.empty()) skip = state_of(optimizer).found_inf.any_on(grads.front().device());
+  return detail::clip_grads(grads, max_norm, norm_type, skip);
+}
+
+std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) return optimizer.step();
+  OptimizerState& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::kStepped, "step() has already been called since the last update().");
+  auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer);
+  const bool fused_unscale = fused != nullptr && state.stage == Stage::kReady;
+  if (fused_unscale) {
+    // torch's path for optimizers that take grad_scale: a read-only inf/NaN check here, and the step divides
+    // each gradient by the scale as it reads it and stores it back (one pass fewer than unscale_ then step).
+    const std::vector<at::Tensor> grads = scaled_grads(optimizer);
+    detail::check_finite(grads, state.found_inf);
+    state.checked = !grads.empty();
+  } else if (state.stage == Stage::kReady) {
+    unscale_(optimizer);
+  }
+  TORCH_CHECK(state.checked, "No inf checks were recorded for this optimizer. (None of its parameters has a "
+              "gradient: run scaler.scale(loss).backward() through parameters this optimizer holds before step().)");
+  state.found_on_host = state.found_inf.any();  // the step's one host sync
+  state.stage = Stage::kStepped;
+  if (*state.found_on_host) return std::nullopt;
+  if (!fused_unscale) return optimizer.step();
+  fused->set_grad_scale(static_cast<double>(*scale_));
+  struct ResetGuard {
+    optim::FusedOptimizer* fused;
+    ~ResetGuard() { fused->set_grad_scale(std::nullopt); }
+  } reset{fused};
+  return optimizer.step();
+}
+
+void GradScaler::update(std::optional<double> new_scale) {
+  if (!enabled_) return;
+  TORCH_CHECK(scale_.has_value(), "Attempted update but _scale is None.  This may indicate your script did not use "
+              "scaler.scale(loss or outputs) earlier in the iteration.");
+  if (new_scale) {
+    check_scale(*new_scale, "update(new_scale): new_scale");
+    scale_ = static_cast<float>(*new_scale);
+  } else {
+    bool any_checked = false, found = false;
+    for (auto& [optimizer, state] : per_optimizer_) {
+      if (!state->checked) continue;
+      any_checked = true;
+      if (!state->found_on_host) state->found_on_host = state->found_inf.any();  // unscaled but not stepped
+      found = found || *state->found_on_host;
+    }
+    TORCH_CHECK(any_checked, "No inf checks were recorded prior to update(). Call scaler.step(optimizer) (or "
+                "scaler.unscale_(optimizer)) after scaler.scale(loss).backward(), then update().");
+    // torch's _amp_update_scale_: backoff on inf, grow after growth_interval clean steps while finite.
+    if (found) {
+      scale_ = static_cast<float>(static_cast<double>(*scale_) * backoff_factor_);
+      growth_tracker_ = 0;
+    } else if (growth_tracker_ + 1 == growth_interval_) {
+      const float grown = static_cast<float>(static_cast<double>(*scale_) * growth_factor_);
+      if (std::isfinite(grown)) scale_ = grown;
+      growth_tracker_ = 0;
+    } else {
+      ++growth_tracker_;
+    }
+  }
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!enabled_) return 1.0;
+  return scale_ ? static_cast<double>(*scale_) : init_scale_;
+}
+
+void GradScaler::set_growth_factor(double value) {
+  check_growth_factor(value);
+  growth_factor_ = value;
+}
+
+void GradScaler::set_backoff_factor(double value) {
+  check_backoff_factor(value);
+  backoff_factor_ = value;
+}
+
+void GradScaler::set_growth_interval(int value) {
+  check_growth_interval(value);
+  growth_interval_ = value;
+}
+
+c10::Dict<std::string, c10::IValue> GradScaler::state_dict() const {
+  auto out = c10::impl::toTypedDict<std::string, c10::IValue>(
+      c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
+  if (!enabled_) return out;
+  out.insert("scale", c10::IValue(get_scale()));
+  out.insert("growth_factor", c10::IValue(growth_factor_));
+  out.insert("backoff_factor", c10::IValue(backoff_factor_));
+  out.insert("growth_interval", c10::IValue(static_cast<int64_t>(growth_interval_)));
+  out.insert("_growth_tracker", c10::IValue(static_cast<int64_t>(growth_tracker_)));
+  return out;
+}
+
+void GradScaler::load_state_dict(const c10::Dict<std::string, c10::IValue>& state) {
+  if (!enabled_) return;
+  TORCH_CHECK(state.size() > 0, "The source state dict is empty, possibly because it was saved from a disabled "
+              "instance of GradScaler.");
+  auto number = [&](const char* key) {
+    TORCH_CHECK(state.contains(key), "amp::GradScaler::load_state_dict: the state dict has no '", key,
+                "'. It needs scale, growth_factor, backoff_factor, growth_interval and _growth_tracker, as "
+                "torch.amp.GradScaler.state_dict() writes them.");
+    const c10::IValue v = state.at(key);
+    TORCH_CHECK(v.isDouble() || v.isInt(), "amp::GradScaler::load_state_dict: '", key, "' must be a number, got ",
+                v.tagKind(), ".");
+    return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  };
+  const double scale = number("scale");
+  const double growth = number("growth_factor");
+  const double backoff = number("backoff_factor");
+  const double interval = number("growth_interval");
+  const double tracker = number("_growth_tracker");
+  check_scale(scale, "the state dict's scale");
+  check_growth_factor(growth);
+  check_backoff_factor(backoff);
+  TORCH_CHECK(interval == std::floor(interval) && interval >= 1 && interval <= 2147483647.0,
+              "amp::GradScaler::load_state_dict: growth_interval must be a positive integer, got ", interval, ".");
+  TORCH_CHECK(tracker == std::floor(tracker) && tracker >= 0 && tracker < interval,
+              "amp::GradScaler::load_state_dict: _growth_tracker must be an integer in [0, growth_interval), got ",
+              tracker, ".");
+  // Everything validated: now change state.
+  init_scale_ = scale;
+  if (scale_) scale_ = static_cast<float>(scale);
+  growth_factor_ = growth;
+  backoff_factor_ = backoff;
+  growth_interval_ = static_cast<int>(interval);
+  growth_tracker_ = static_cast<int>(tracker);
+}
+
+}  // namespace amp
