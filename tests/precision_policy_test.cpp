@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "amp/amp.h"
+#include "interception/interception.h"
 #include "options/format.h"
 #include "support.h"
 
@@ -341,6 +342,45 @@ TEST(PrecisionPolicyTest, BannerListsTheIslands) {
   const std::string out = testing::internal::GetCapturedStdout();
   EXPECT_NE(out.find("keep_fp32              : ['head']"), std::string::npos) << out;
   EXPECT_NE(out.find("Kept in fp32 (fp32 islands): head (keep_fp32)"), std::string::npos) << out;
+}
+
+namespace {
+
+// A handler of the interception room (a sixth feature would be one): records the dtypes of the ops it sees, on the
+// thread that asked, where the island casts (order 30) have already run and the diagnosis (40) not yet.
+class RecordingHandler final : public amp::detail::InterceptionHandler {
+ public:
+  static thread_local std::vector<std::pair<std::string, c10::ScalarType>>* seen;
+  void handle(amp::detail::InterceptedOp& op, const amp::detail::InterceptNext& next) override {
+    if (seen && op.op.schema().name() == "aten::layer_norm") {
+      seen->emplace_back(op.op.schema().name(), op.arguments()[0].toTensor().scalar_type());
+    }
+    next(op);
+  }
+};
+thread_local std::vector<std::pair<std::string, c10::ScalarType>>* RecordingHandler::seen = nullptr;
+
+}  // namespace
+
+TEST(InterceptionTest, AHandlerRegisteredAtItsOrderSeesEachOpOfTheForwardAfterTheHandlersBeforeIt) {
+  static const bool registered = [] {
+    amp::detail::register_interception_handler(35, std::make_shared<RecordingHandler>());
+    return true;
+  }();
+  (void)registered;
+  PolicyNet net = policy_net(torch::kCPU);
+  auto model = amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
+                                        .keep_fp32({"blocks.0.norm"}));
+  std::vector<std::pair<std::string, c10::ScalarType>> seen;
+  RecordingHandler::seen = &seen;
+  const auto out = model(torch::randn({4, 8}));
+  RecordingHandler::seen = nullptr;
+  // blocks.0.norm is an island: its layer_norm reaches the handler with the input the island cast made fp32;
+  // blocks.1.norm's stays bf16.
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0].second, torch::kFloat);
+  EXPECT_EQ(seen[1].second, torch::kBFloat16);
+  EXPECT_EQ(out.scalar_type(), torch::kFloat);
 }
 
 TEST(PrecisionPolicyTest, KeepFp32AtO0SaysItHasNoEffect) {
