@@ -484,12 +484,13 @@ void scenario_syncbn(const ProcessGroup& group) {
                                  torch::nn::BatchNorm2d(6), torch::nn::ReLU(), torch::nn::Flatten(),
                                  torch::nn::Linear(6 * 8 * 8, 4));
   };
-  auto run = [&](bool distributed) {
-    auto net = make_net(21);
+  // Five O2 bf16 steps of `net` (its BatchNorms converted and the batch split over the ranks when distributed):
+  // the fp32 masters and the buffers after them.
+  auto train_syncbn = [&](auto net, bool distributed) {
     if (distributed) amp::parallel::convert_syncbn_model(*net, group);
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
-    std::optional<amp::parallel::DistributedDataParallel<torch::nn::Sequential>> ddp;
+    std::optional<amp::parallel::DistributedDataParallel<decltype(net)>> ddp;
     if (distributed) ddp.emplace(amp::parallel::make_distributed(model, group));
     for (int step = 0; step < 5; ++step) {
       torch::manual_seed(900 + step);
@@ -509,6 +510,11 @@ void scenario_syncbn(const ProcessGroup& group) {
     }
     std::vector<torch::Tensor> out = clones(amp::master_params(optimizer));
     for (auto& b : net->buffers()) out.push_back(b.detach().clone());
+    return out;
+  };
+  auto run = [&](bool distributed) {
+    auto net = make_net(21);
+    auto out = train_syncbn(net, distributed);
     const bool converted = amp::parallel::is_sync_batchnorm(*net[1]) && amp::is_batchnorm(*net[1]) &&
                            net[1]->parameters()[0].scalar_type() == torch::kFloat;
     return std::make_pair(out, converted);
@@ -535,31 +541,7 @@ void scenario_syncbn(const ProcessGroup& group) {
   };
   auto run_member = [&](bool distributed) {
     torch::manual_seed(21);
-    auto net = std::make_shared<MemberNetImpl>();
-    if (distributed) amp::parallel::convert_syncbn_model(*net, group);
-    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-    auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
-    std::optional<amp::parallel::DistributedDataParallel<std::shared_ptr<MemberNetImpl>>> ddp;
-    if (distributed) ddp.emplace(amp::parallel::make_distributed(model, group));
-    for (int step = 0; step < 5; ++step) {
-      torch::manual_seed(900 + step);
-      auto x = torch::randn({16, 1, 8, 8});
-      auto y = torch::randint(4, {16}, torch::kLong);
-      if (distributed) {
-        x = x.narrow(0, rank * 8, 8);
-        y = y.narrow(0, rank * 8, 8);
-      }
-      optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(ddp ? (*ddp)(x) : model(x), y);
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    }
-    std::vector<torch::Tensor> out = clones(amp::master_params(optimizer));
-    for (auto& b : net->buffers()) out.push_back(b.detach().clone());
-    return out;
+    return train_syncbn(std::make_shared<MemberNetImpl>(), distributed);
   };
   const auto member_synced = run_member(true), member_single = run_member(false);
   const double dm = max_abs_diff(member_synced, member_single);
