@@ -504,4 +504,55 @@ TEST_F(CustomFnGuardTest, MisuseNamesTheValueAndTheFix) {
   EXPECT_EQ(custom_fn_nesting(), 0);
 }
 
+// A custom function over an fp32 island's weight (keep_fp32 at O2 bf16): its backward mixes the island's fp32
+// gradient with the bf16 activation it saved. The forward ran under the model's precision policy; CustomBwdGuard
+// brings the policy back into backward, so the mixed GEMM runs in fp32 as the forward's did (without it: a dtype
+// error). The gradients equal those of the same head written with plain ops, bit for bit.
+struct IslandMatMul : torch::autograd::Function<IslandMatMul> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w) {
+    amp::CustomFwdGuard guard(ctx);
+    ctx->save_for_backward({x, w});
+    return x.matmul(w.t());  // reads the island's weight: fp32 under the policy
+  }
+  static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list grads) {
+    amp::CustomBwdGuard guard(ctx);
+    const auto saved = ctx->get_saved_variables();
+    return {grads[0].matmul(saved[1]), grads[0].t().matmul(saved[0])};  // fp32 gradient x bf16 activation
+  }
+};
+
+struct IslandHeadNetImpl : torch::nn::Module {
+  explicit IslandHeadNetImpl(bool custom)
+      : custom(custom), fc(register_module("fc", torch::nn::Linear(8, 16))),
+        head(register_module("head", torch::nn::Linear(torch::nn::LinearOptions(16, 4).bias(false)))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto h = torch::relu(fc(x));
+    return custom ? IslandMatMul::apply(h, head->weight) : h.matmul(head->weight.t());
+  }
+  bool custom;
+  torch::nn::Linear fc;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(IslandHeadNet);
+
+TEST(CustomFnIslandTest, BackwardRunsUnderTheForwardsFp32Islands) {
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (bool custom : {false, true}) {
+    torch::manual_seed(5);
+    IslandHeadNet net(custom);
+    auto model = amp::initialize(net, amp::Options("O2").low_precision_dtype(torch::kBFloat16).keep_fp32({"head"}).verbosity(0));
+    ASSERT_EQ(net->head->weight.scalar_type(), torch::kFloat);
+    ASSERT_EQ(net->fc->weight.scalar_type(), torch::kBFloat16);
+    torch::manual_seed(6);
+    const auto out = model(torch::randn({4, 8}));
+    out.pow(2).sum().backward();
+    grads.push_back({});
+    for (const auto& p : net->parameters()) grads.back().push_back(p.grad().clone());
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(grads[0][i], grads[1][i])) << "gradient " << i;
+  }
+}
+
 }  // namespace

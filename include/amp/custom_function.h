@@ -7,10 +7,14 @@
 #include <c10/core/ScalarType.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
 namespace amp {
+namespace detail {
+class PrecisionPolicyGuard;
+}  // namespace detail
 
 /// A RAII, thread local (!) guard for the forward of a torch::autograd::Function<T>, torch.amp.custom_fwd's
 /// counterpart: construct it first thing in forward, with the forward's ctx, and a CustomBwdGuard first thing
@@ -80,8 +84,9 @@ class CustomFwdGuard {
 
 /// A RAII, thread local (!) guard for the backward of a torch::autograd::Function<T>, torch.amp.custom_bwd's
 /// counterpart: runs its scope under the cast state the CustomFwdGuard of the same `ctx` recorded (autocast
-/// on or off per device, with the forward's dtypes, and amp's O1 casts if the forward ran under an
-/// amp::AutocastGuard), and restores the previous state on destruction; as torch's autocast region, the
+/// on or off per device, with the forward's dtypes, amp's O1 casts if the forward ran under an
+/// amp::AutocastGuard, and the model's fp32 islands if it ran inside an amp::Model's forward: ops reading an
+/// island's tensors run in fp32 as they did in the forward), and restores the previous state on destruction; as torch's autocast region, the
 /// outermost one drops the weight-cast cache. Throws when `ctx` is null or its forward built no
 /// CustomFwdGuard.
 class CustomBwdGuard {
@@ -100,6 +105,7 @@ class CustomBwdGuard {
   c10::ScalarType prev_cuda_dtype_;
   bool prev_amp_casts_;
   bool prev_apex_rows_;
+  std::unique_ptr<detail::PrecisionPolicyGuard> policy_;  // the forward's fp32 islands, where it had some
 };
 
 }  // namespace amp

@@ -6,16 +6,21 @@
 // guards take no device, so they record, in ctx->saved_data, what amp::checkpoint calls the cast state: both
 // devices' autocast flag and dtype and amp's O1 flags. With cast_inputs every device is recorded as off, as torch
 // records `_fwd_used_autocast = False` whether or not autocast was on. The backward guard is torch's autocast
-// region: it bumps the nesting count, and the outermost region drops the weight-cast cache when it ends.
+// region: it bumps the nesting count, and the outermost region drops the weight-cast cache when it ends. Inside
+// an amp::Model's forward the guard records the model's precision policy too, and the backward guard runs under
+// it, so a custom backward's ops on an fp32 island's tensors compute as the forward's did.
 
 #include "amp/custom_function.h"
 
+#include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 
 #include "amp/autocast_guard.h"
+#include "amp/precision_policy.h"
 #include "amp/properties.h"
 #include "casting/autocast_adapter.h"
 
@@ -32,6 +37,25 @@ constexpr const char* kCudaEnabled = "amp.autocast.cuda.enabled";
 constexpr const char* kCudaDtype = "amp.autocast.cuda.dtype";
 constexpr const char* kAmpCasts = "amp.autocast.amp_casts";
 constexpr const char* kApexRows = "amp.autocast.apex_rows";
+constexpr const char* kPolicy = "amp.precision_policy";
+
+// The forward's precision policy, held in ctx->saved_data (an IValue capsule) until backward.
+struct PolicyCapsule : torch::CustomClassHolder {
+  explicit PolicyCapsule(std::shared_ptr<detail::PrecisionPolicy> p) : policy(std::move(p)) {}
+  std::shared_ptr<detail::PrecisionPolicy> policy;
+};
+
+void save_policy(torch::autograd::AutogradContext& ctx) {
+  if (auto policy = detail::current_precision_policy()) {
+    ctx.saved_data[kPolicy] = c10::IValue::make_capsule(c10::make_intrusive<PolicyCapsule>(std::move(policy)));
+  }
+}
+
+std::shared_ptr<detail::PrecisionPolicy> load_policy(const torch::autograd::AutogradContext& ctx) {
+  const auto it = ctx.saved_data.find(kPolicy);
+  if (it == ctx.saved_data.end() || !it->second.isCapsule()) return nullptr;
+  return c10::static_intrusive_pointer_cast<PolicyCapsule>(it->second.toCapsule())->policy;
+}
 
 // The cast state a custom function's forward ran under (named apart from checkpoint.cpp's CastState: the
 // library compiles in unity batches).
@@ -95,6 +119,7 @@ CustomFwdGuard::CustomFwdGuard(torch::autograd::AutogradContext* ctx, std::optio
               "torch::kBFloat16 or torch::kDouble), got ", cast_inputs ? dtype_name(*cast_inputs) : "",
               ". Pass the dtype the forward computes in, or no cast_inputs to run it under the caller's autocast.");
   CustomFnCastState state = CustomFnCastState::current();
+  save_policy(*ctx);
   if (!cast_inputs_) {
     state.save(*ctx);
     return;
@@ -159,9 +184,11 @@ CustomBwdGuard::CustomBwdGuard(torch::autograd::AutogradContext* ctx)
   detail::set_amp_casts_active(recorded.amp_casts);
   detail::set_apex_rows_active(recorded.apex_rows);
   detail::autocast::increment_nesting();
+  if (auto policy = load_policy(*ctx)) policy_ = std::make_unique<detail::PrecisionPolicyGuard>(policy);
 }
 
 CustomBwdGuard::~CustomBwdGuard() {
+  policy_.reset();
   // Mirrors torch's autocast.__exit__: the outermost region drops the cast cache.
   if (detail::autocast::decrement_nesting() == 0) detail::autocast::clear_cache();
   detail::autocast::set_enabled(kCpu, prev_cpu_);
