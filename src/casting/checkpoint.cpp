@@ -26,9 +26,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/core/Generator.h>
 #include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
-#include <ATen/core/Generator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
