@@ -523,6 +523,15 @@ TEST(TwoRanksTest, PrecisionPolicyAccumulatesInFp32AndKeepsRanksIdentical) {
   expect_same_line_on_both_ranks(ranks, "policy params", {"O2 bf16"});
 }
 
+// TorchScript models under amp::parallel: replicas stay bit-identical and match one process (the worker checks).
+TEST(TwoRanksTest, TorchScriptModelsTrainDataParallel) {
+  const auto ranks = two_ranks("torchscript");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  expect_same_line_on_both_ranks(ranks, "torchscript params", {"O2 bf16"});
+}
+
 // FP8 delayed scaling under amp::parallel: the ranks commit the same amax history (max over the ranks), so scales
 // and weights stay bit-identical (the worker checks each step).
 TEST(TwoRanksTest, Fp8DelayedScalingKeepsRanksIdentical) {

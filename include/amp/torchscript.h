@@ -81,6 +81,9 @@ class Model<torch::jit::Module> {
   torch::jit::Module& operator*() { return module_; }
   const torch::jit::Module& module() const noexcept { return module_; }
   const Properties& properties() const noexcept { return properties_; }
+  /// The torch::nn::Module tree over the TorchScript module's own tensors (NOTE [TorchScript mirror]): what
+  /// amp's optimizer, checkpoints and amp::parallel work on.
+  const std::shared_ptr<torch::nn::Module>& mirror() const noexcept { return mirror_; }
 
  private:
   torch::jit::Module module_;

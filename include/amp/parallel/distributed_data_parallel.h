@@ -110,12 +110,21 @@ class [[nodiscard]] NoSyncGuard {
 ///   auto loss = torch::nll_loss(ddp(batch.data), batch.target);
 ///   { auto scaled_loss = amp::scale_loss(loss, optimizer); scaled_loss.backward(); }
 ///   optimizer.step();
+namespace detail {
+/// The torch::nn::Module tree amp::parallel hooks: the module itself, or a TorchScript model's mirror (its tensors
+/// are the TorchScript module's own).
+template <class Module>
+std::shared_ptr<torch::nn::Module> distributed_module(const Model<Module>& model) {
+  if constexpr (std::is_same_v<Module, torch::jit::Module>) {
+    return model.mirror();
+  } else {
+    return amp::detail::module_pointer(model.module());
+  }
+}
+}  // namespace detail
+
 template <class Module>
 class DistributedDataParallel {
-  static_assert(!std::is_same_v<Module, torch::jit::Module>,
-                "amp::parallel::make_distributed does not take TorchScript models (amp::Model<torch::jit::Module>) "
-                "yet: train a TorchScript model on one process, or define the network as a torch::nn::Module.");
-
  public:
   DistributedDataParallel(Model<Module> model, ProcessGroup group, DistributedDataParallelOptions options = {})
       : model_(std::move(model)),
@@ -125,15 +134,14 @@ class DistributedDataParallel {
                       "dtype of gradients the ranks' buckets were built for, and each rank's diagnosis sees its own "
                       "batch. Set auto_fp32 0 under amp::parallel and name the modules with keep_fp32 instead (a "
                       "single-process run with auto_fp32 finds them: amp::fp32_modules).");
-          return std::make_shared<detail::DistributedCore>(amp::detail::module_pointer(model_.module()), std::move(group),
-                                                           options);
+          return std::make_shared<detail::DistributedCore>(detail::distributed_module(model_), std::move(group), options);
         }()) {}
 
   /// Runs the model's forward (with amp's casts), after broadcasting buffers from rank 0.
   template <class... Args>
   auto forward(Args&&... args) {
     core_->before_forward();
-    return model_.forward(std::forward<Args>(args)...);
+    return model_(std::forward<Args>(args)...);
   }
   template <class... Args>
   auto operator()(Args&&... args) {
