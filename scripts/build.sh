@@ -44,7 +44,7 @@ case "$version" in 1.13|2.13-sanitize|cuda) args+=(-DAMP_BUILD_EXAMPLES=OFF) ;; 
 # The docs' C++ blocks compile against both supported versions (2.13 and 1.13); the CUDA and sanitizer builds of
 # 2.13 would compile the same text against the same headers again.
 case "$version" in 2.13-sanitize|cuda) args+=(-DAMP_BUILD_DOC_SNIPPETS=OFF) ;; esac
-# Each public header compiled alone (32 translation units, ~3 min on 2 cores) once, against the primary LibTorch.
+# Each public header compiled alone (one translation unit each), once, against the primary LibTorch.
 [ "$version" = 2.13 ] || args+=(-DAMP_CHECK_HEADERS=OFF)
 # 2.13 builds the library as users get it (the default configuration: each source alone, with its own includes);
 # the other flavors compile it in batches.

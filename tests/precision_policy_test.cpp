@@ -347,7 +347,8 @@ TEST(PrecisionPolicyTest, BannerListsTheIslands) {
 namespace {
 
 // A handler of the interception room (a sixth feature would be one): records the dtypes of the ops it sees, on the
-// thread that asked, where the island casts (order 30) have already run and the diagnosis (40) not yet.
+// thread that asked, where the island casts (order 30) have already run and the diagnosis (40) not yet. Handlers
+// stay for the process; this one does nothing while no test asks it to record.
 class RecordingHandler final : public amp::detail::InterceptionHandler {
  public:
   static thread_local std::vector<std::pair<std::string, c10::ScalarType>>* seen;

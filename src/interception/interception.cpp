@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -14,16 +15,20 @@ namespace {
 
 using Handlers = std::vector<std::shared_ptr<InterceptionHandler>>;
 
-// The chain, copied on write: registrations (rare, at initialize) never disturb a forward in flight.
+// The chain, copied on write: a registration (a handful per process, at initialize) publishes a new vector and
+// keeps the old ones alive, so a forward in flight never sees one freed and each op reads the chain with one
+// atomic load (no lock, no reference count on the hot path).
 std::mutex registry_mutex;
 std::vector<std::pair<int, std::shared_ptr<InterceptionHandler>>> registry;
-std::shared_ptr<const Handlers> chain = std::make_shared<const Handlers>();
+std::vector<std::unique_ptr<const Handlers>> published;  // every chain ever published, for the process
+std::atomic<const Handlers*> chain{nullptr};
 
 void interception_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard no_interception(kInterceptionKey);
   keys = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptionKey);
   if (op.schema().is_mutable()) return op.redispatchBoxed(keys, stack);
-  const std::shared_ptr<const Handlers> handlers = std::atomic_load(&chain);
+  const Handlers* handlers = chain.load(std::memory_order_acquire);
+  if (!handlers) return op.redispatchBoxed(keys, stack);
   InterceptedOp call{op, keys, stack};
   InterceptNext(*handlers, 0)(call);
 }
@@ -39,9 +44,10 @@ void register_interception_handler(int order, std::shared_ptr<InterceptionHandle
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.emplace_back(order, std::move(handler));
   std::stable_sort(registry.begin(), registry.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  auto next = std::make_shared<Handlers>();
+  auto next = std::make_unique<Handlers>();
   for (const auto& entry : registry) next->push_back(entry.second);
-  std::atomic_store(&chain, std::shared_ptr<const Handlers>(std::move(next)));
+  chain.store(next.get(), std::memory_order_release);
+  published.push_back(std::move(next));
 }
 
 void register_interception_fallback() {

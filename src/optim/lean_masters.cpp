@@ -193,9 +193,11 @@ void LeanMasters::refresh_changed() {
     if (aux_[i].defined()) {
       // The weight as written is the value now, unless it is bit for bit the weight a load paired the aux with
       // (the model loaded after the optimizer): there the aux still completes it.
-      const at::Tensor keep = loaded_[i].defined() ? loaded_[i].view(at::kShort).eq(params_[i].view(at::kShort))
-                                                   : at::zeros(params_[i].sizes(), aux_[i].options().dtype(at::kBool));
-      aux_[i].masked_fill_(keep.logical_not(), 0);
+      if (loaded_[i].defined()) {
+        aux_[i].masked_fill_(loaded_[i].view(at::kShort).ne(params_[i].view(at::kShort)), 0);
+      } else {
+        aux_[i].zero_();
+      }
     }
     loaded_[i] = at::Tensor();
     mark_synced(i);
