@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "amp/clip_grad.h"
+#include "optim/optimizer_access.h"
 #include "scaling/multi_tensor.h"
 #include "support.h"
 
@@ -85,7 +86,7 @@ TEST(ClipGradPythonTest, EqualsTorchClipGradNormAtEveryLevelAndDtype) {
   for (const auto& c : cases) {
     for (const auto& [label, norm_type] : std::vector<std::pair<std::string, double>>{{"2", 2.0}, {"1", 1.0}, {"inf", kClipInf}}) {
       ClipRun run(c.options);
-      const auto before = clip_clones(run.optimizer->grads_for_step("test"));
+      const auto before = clip_clones(amp::detail::OptimizerAccess::grads_for_step(*run.optimizer, "test"));
       ASSERT_FALSE(before.empty());
       if (label == "2") {
         c10::List<torch::Tensor> list;
@@ -96,7 +97,7 @@ TEST(ClipGradPythonTest, EqualsTorchClipGradNormAtEveryLevelAndDtype) {
       const torch::Tensor norm = amp::clip_grad_norm_(*run.optimizer, c.max_norm, norm_type);
       EXPECT_EQ(norm.dim(), 0);
       EXPECT_EQ(norm.scalar_type(), torch::kFloat);
-      amp_result[c.name + "/" + label] = {norm, clip_clones(run.optimizer->grads_for_step("test"))};
+      amp_result[c.name + "/" + label] = {norm, clip_clones(amp::detail::OptimizerAccess::grads_for_step(*run.optimizer, "test"))};
     }
   }
   const fs::path dir = fs::path(::testing::TempDir()) / ("amp_clip_grad_" + std::to_string(::getpid()));
@@ -207,7 +208,7 @@ TEST(ClipGradTest, ClipsTheMastersAtO2AndTheStepUsesThem) {
     const auto norm = amp::clip_grad_norm_(*run.optimizer, 0.01);
     EXPECT_GT(clip_value(norm), 0.01f);
     // The fp32 masters' gradients now have norm 0.01 (to rounding); the model's low-precision ones are untouched.
-    EXPECT_NEAR(clip_value(amp::detail::total_norm(run.optimizer->grads_for_step("test"), 2.0)), 0.01, 1e-6);
+    EXPECT_NEAR(clip_value(amp::detail::total_norm(amp::detail::OptimizerAccess::grads_for_step(*run.optimizer, "test"), 2.0)), 0.01, 1e-6);
     size_t i = 0;
     for (const auto& p : run.net->parameters()) {
       if (!p.grad().defined()) continue;

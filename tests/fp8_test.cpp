@@ -18,6 +18,8 @@
 #include "../bench/fp8_task.h"
 #include "casting/fp8.h"
 #include "casting/model_casting.h"
+#include "casting/precision_policy.h"
+#include "optim/optimizer_access.h"
 #include "support.h"
 
 namespace fs = std::filesystem;
@@ -108,6 +110,11 @@ struct F8Run {
   std::vector<std::vector<double>> scales;  // per step: fc1 input, weight, grad, fc2 input, weight, grad
   std::map<std::string, torch::Tensor> masters;
 };
+
+// The FP8 state of the optimizer's (first) model.
+std::shared_ptr<amp::detail::Fp8State> f8_state(const amp::OptimizerBase& optimizer) {
+  return amp::detail::precision_policy_of(*amp::detail::OptimizerAccess::models(optimizer).at(0))->fp8();
+}
 
 std::vector<double> f8_scales(const amp::OptimizerBase& optimizer) {
   std::vector<double> out;
@@ -377,7 +384,7 @@ TEST(Fp8Test, ASkippedStepLeavesNoTraceInTheHistory) {
   EXPECT_EQ(f8_scales(opt_a), f8_scales(opt_b));
   auto sa = amp::detail::fp32_state(*a), sb = amp::detail::fp32_state(*b);
   for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(sa[i].second, sb[i].second)) << sa[i].first;
-  const auto state_a = opt_a.fp8_states()[0]->state_tensors(), state_b = opt_b.fp8_states()[0]->state_tensors();
+  const auto state_a = f8_state(opt_a)->state_tensors(), state_b = f8_state(opt_b)->state_tensors();
   for (size_t i = 0; i < state_a.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(state_a[i].second, state_b[i].second)) << state_a[i].first;
 }
 
@@ -453,7 +460,7 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
          "holds the FP8 scaling state of 1 model(s), this optimizer trains 0 model(s) with FP8 layers. Resume with fp8 on");
   fs::remove_all(dir);
   // Another model's layers: checked before anything changes.
-  const auto fp8 = optimizer.fp8_states()[0];
+  const auto fp8 = f8_state(optimizer);
   try {
     fp8->restore_state(fp8->state_tensors(), {"encoder.fc"}, "the checkpoint");
     ADD_FAILURE() << "expected an error";
@@ -532,7 +539,7 @@ TEST(Fp8Test, TwoOptimizersOverOneModelCommitEachStepOnce) {
   }
   // Two steps of a two-step ring: had the second optimizer committed zeros, "max" would still hold the amaxes but
   // the ring would have wrapped; the history's columns are both this run's amaxes.
-  const auto state = opt1.fp8_states()[0]->state_tensors();
+  const auto state = f8_state(opt1)->state_tensors();
   EXPECT_EQ(state[3].second.item<int64_t>(), 0);                  // position: two commits in a ring of 2
   EXPECT_TRUE((state[1].second > 0).all().item<bool>());          // no zero column
 }
@@ -589,7 +596,7 @@ TEST(Fp8OptionsTest, MisuseIsRefusedWithTheValueAndTheFix) {
   f8_expect_error(bf16("O2").fp8(amp::Fp8Options().margin(-1)), "must be in [0, 64], got -1");
   f8_expect_error(bf16("O2").fp8_scaling(amp::Fp8Options::Scaling::kDelayed),
                   "fp8_scaling is set, but fp8 is off, so it would change nothing");
-  f8_expect_error(bf16("O2").fp8().auto_fp32(4), "fp8 and auto_fp32 (4) don't go together");
+  EXPECT_EQ(bf16("O2").fp8().auto_fp32(4).resolve().auto_fp32, 4);  // an FP8 layer drops to bf16 first (auto_fp32_test)
   // fp8(false) (a command line over a config file) turns it off, recipe and all.
   EXPECT_FALSE(bf16("O2").fp8().fp8_margin(2).fp8(false).resolve().fp8.has_value());
   // The fp8_* setters build the recipe before or after fp8(true).

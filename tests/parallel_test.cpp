@@ -198,13 +198,43 @@ amp::parallel::ProcessGroup single_rank_group() {
 
 }  // namespace
 
-TEST(ParallelOptionsTest, AutoFp32IsRefused) {
+// auto_fp32 moves a module to fp32 under the wrapper: its parameters get new gradient accumulators and another
+// dtype, and the wrapper hooks and buckets them again before the next forward (two ranks agreeing on the module:
+// TwoRanksTest.AutoFp32MovesTheSameModuleOnEveryRank).
+TEST(ParallelOptionsTest, AutoFp32MovesAModuleAndTheBucketsFollow) {
   auto group = single_rank_group();
-  amp_test::Mlp net;
-  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.1)),
-                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).auto_fp32(8).verbosity(0));
-  ASSERT_THROWS_WITH(amp::parallel::make_distributed(model, group),
-                     "amp::parallel::make_distributed: auto_fp32 (8) moves modules to fp32 during training");
+  for (bool delay : {false, true}) {
+    torch::manual_seed(4);
+    auto net = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Linear(8, 1));
+    {
+      torch::NoGradGuard no_grad;  // every product of the head overflows, in any dtype
+      net[0]->as<torch::nn::LinearImpl>()->bias.fill_(10.0);
+      net[1]->as<torch::nn::LinearImpl>()->weight.fill_(3e38);
+    }
+    auto [model, optimizer] = amp::initialize(
+        net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1e-3)),
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).init_scale(1.0).auto_fp32(2).verbosity(0));
+    auto ddp = amp::parallel::make_distributed(model, group, amp::parallel::DistributedDataParallelOptions().delay_allreduce(delay));
+    auto step = [&](int i) {
+      torch::manual_seed(50 + i);
+      optimizer.zero_grad();
+      amp::scale_loss(ddp(torch::randn({16, 4})).pow(2).mean() * (i < 3 ? 1e-9 : 1e-3), optimizer).backward();
+      optimizer.step();
+    };
+    for (int i = 0; i < 3; ++i) step(i);
+    ASSERT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"1 (auto_fp32)"}) << delay;
+    {
+      torch::NoGradGuard no_grad;
+      net[1]->as<torch::nn::LinearImpl>()->weight.fill_(0.5);
+    }
+    const auto before = ddp.communication_stats();
+    for (int i = 3; i < 5; ++i) step(i);
+    EXPECT_EQ(optimizer.skipped_steps(), 3) << delay;
+    EXPECT_EQ(ddp.communication_stats().synced_backwards - before.synced_backwards, 2) << delay;
+    const torch::Tensor& head = net[1]->as<torch::nn::LinearImpl>()->weight;
+    EXPECT_EQ(head.scalar_type(), torch::kFloat);
+    EXPECT_FALSE(torch::equal(head, torch::full_like(head, 0.5))) << delay;  // the reduced fp32 gradient stepped it
+  }
 }
 
 TEST(ParallelOptionsTest, DefaultsAreApexsAndTorchs) {

@@ -31,7 +31,9 @@
 #include "amp/amp.h"
 #include "options/exception_message.h"
 #include "casting/fp8.h"
+#include "casting/precision_policy.h"
 #include "optim/lean_masters.h"
+#include "optim/optimizer_access.h"
 #include "optim/optimizer_state_key.h"
 
 namespace {
@@ -968,7 +970,7 @@ void scenario_policy(const ProcessGroup& group) {
       auto scaled = amp::scale_loss(ddp(x).sum() * c.back(), optimizer);
       scaled.backward();
     }
-    const auto grads = optimizer.grads_for_step("scenario_policy");
+    const auto grads = amp::detail::OptimizerAccess::grads_for_step(optimizer, "scenario_policy");
     const double g = grads.at(0).item<double>();
     report(g == 3.0, "no_sync accumulation at O2 bf16 sums in fp32: the averaged gradient is 3 (bf16 sums give 1.5)",
            "got " + std::to_string(g));
@@ -1015,7 +1017,7 @@ void scenario_fp8(const ProcessGroup& group) {
       amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
           .fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)));
   auto ddp = amp::parallel::make_distributed(model, group);
-  const auto fp8 = optimizer.fp8_states().at(0);
+  const auto fp8 = amp::detail::precision_policy_of(*net)->fp8();
   for (int step = 0; step < 4; ++step) {
     torch::manual_seed(7000 + step);
     torch::Tensor x = torch::randn({16, 16});

@@ -455,14 +455,15 @@ TEST(PrecisionPolicyTest, ConfigKeys) {
   EXPECT_EQ(net->head->weight.scalar_type(), torch::kBFloat16);
 }
 
-TEST(PrecisionPolicyTest, AutoFp32NeedsADynamicScaleAndLowPrecision) {
-  ASSERT_THROWS_WITH(amp::Options("O0").auto_fp32(8).resolve(), "auto_fp32 acts on overflows the dynamic loss scale can't cure");
-  ASSERT_THROWS_WITH(amp::Options("O3").auto_fp32(8).resolve(), "with loss_scale 1.0");
+TEST(PrecisionPolicyTest, AutoFp32NeedsLowPrecision) {
+  ASSERT_THROWS_WITH(amp::Options("O0").auto_fp32(8).resolve(), "auto_fp32 moves modules that keep overflowing in low "
+                     "precision to fp32, so it needs a level with low precision; got opt_level O0");
+  ASSERT_THROWS_WITH(amp::Options("O2").enabled(false).auto_fp32(8).resolve(), "got opt_level O2 with enabled false");
   ASSERT_THROWS_WITH(amp::Options("O2").auto_fp32(-1).resolve(), "got -1");
-  ASSERT_THROWS_WITH(amp::Options("O3").loss_scale(amp::LossScale::dynamic()).auto_fp32(8).resolve(),
-                     "needs master_weights on in Apex's copy format");
-  ASSERT_THROWS_WITH(amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(amp::MasterWeights::kSplit)
-                         .auto_fp32(8).resolve(), "master_weights_format split");
+  // What it needed before: a dynamic scale, master weights in the copy format, no FP8.
+  EXPECT_EQ(amp::Options("O3").auto_fp32(8).resolve().auto_fp32, 8);
+  EXPECT_EQ(amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(amp::MasterWeights::kSplit)
+                .auto_fp32(8).resolve().auto_fp32, 8);
   EXPECT_EQ(amp::Options("O2").auto_fp32(8).resolve().auto_fp32, 8);
   EXPECT_EQ(amp::Options("O1").auto_fp32(3).resolve().auto_fp32, 3);
 }

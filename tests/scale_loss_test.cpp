@@ -1,4 +1,5 @@
 // The ScaledLoss handle: RAII, overflow handling, skipped steps, accumulation and delay_unscale.
+#include "optim/optimizer_access.h"
 #include "support.h"
 
 using amp_test::Mlp;
@@ -311,11 +312,11 @@ TEST(Fp32AccumulationTest, MicroBatchesSumInFp32WhereBf16WouldLoseTheSmallTerms)
                                   amp::ScaleLossOptions().delay_unscale(i + 1 < c.size()));
     scaled.backward();
   }
-  const double accumulated = optimizer.grads_for_step("test").at(0).item<double>();
+  const double accumulated = amp::detail::OptimizerAccess::grads_for_step(optimizer, "test").at(0).item<double>();
 
   // What summing the scaled gradients in bf16 gives (amp's accumulation before fp32 sums): 2^24 + 2^16 rounds
   // back to 2^24, so every 1 is lost.
-  const double scale = optimizer.loss_scalers().at(0).loss_scale();
+  const double scale = amp::detail::OptimizerAccess::loss_scalers(optimizer).at(0).loss_scale();
   torch::Tensor bf16_sum = torch::zeros({}, torch::kBFloat16);
   for (double ci : c) bf16_sum = bf16_sum + torch::tensor(ci * scale).to(torch::kBFloat16);
   const double bf16_accumulated = bf16_sum.item<double>() / scale;
@@ -329,7 +330,7 @@ TEST(Fp32AccumulationTest, MicroBatchesSumInFp32WhereBf16WouldLoseTheSmallTerms)
   torch::Tensor big = torch::zeros({});
   for (double ci : c) big = big + model(x).sum() * ci;
   amp::scale_loss(big, optimizer).backward();
-  EXPECT_EQ(optimizer.grads_for_step("test").at(0).item<double>(), accumulated);
+  EXPECT_EQ(amp::detail::OptimizerAccess::grads_for_step(optimizer, "test").at(0).item<double>(), accumulated);
   optimizer.step();
   EXPECT_EQ(net->weight.item<double>(), -5.0);
 }
@@ -346,7 +347,7 @@ TEST(Fp32AccumulationTest, EqualsTheFp32SumOfEachMicroBatchsGradient) {
   for (const auto& x : xs) {
     optimizer.zero_grad();
     amp::scale_loss(model(x).pow(2).mean(), optimizer).backward();
-    const auto grads = optimizer.grads_for_step("test");
+    const auto grads = amp::detail::OptimizerAccess::grads_for_step(optimizer, "test");
     if (sum.empty()) {
       for (const auto& g : grads) sum.push_back(g.clone());
     } else {
@@ -359,7 +360,7 @@ TEST(Fp32AccumulationTest, EqualsTheFp32SumOfEachMicroBatchsGradient) {
                                   amp::ScaleLossOptions().delay_unscale(i + 1 < xs.size()));
     scaled.backward();
   }
-  const auto accumulated = optimizer.grads_for_step("test");
+  const auto accumulated = amp::detail::OptimizerAccess::grads_for_step(optimizer, "test");
   ASSERT_EQ(accumulated.size(), sum.size());
   for (size_t k = 0; k < sum.size(); ++k) EXPECT_TRUE(amp_test::bitwise_equal(accumulated[k], sum[k])) << k;
 }
@@ -372,9 +373,9 @@ TEST(Fp32AccumulationTest, ZeroGradDropsAPendingSum) {
   amp::scale_loss(model(x).sum(), optimizer, amp::ScaleLossOptions().delay_unscale(true)).backward();
   optimizer.zero_grad();
   amp::scale_loss(model(x).sum(), optimizer).backward();
-  const auto once = optimizer.grads_for_step("test");
+  const auto once = amp::detail::OptimizerAccess::grads_for_step(optimizer, "test");
   optimizer.zero_grad();
   amp::scale_loss(model(x).sum(), optimizer).backward();
-  const auto again = optimizer.grads_for_step("test");
+  const auto again = amp::detail::OptimizerAccess::grads_for_step(optimizer, "test");
   for (size_t k = 0; k < once.size(); ++k) EXPECT_TRUE(amp_test::bitwise_equal(once[k], again[k])) << k;
 }

@@ -44,9 +44,6 @@ bool already_initialized(const torch::nn::Module& module);
 /// Casts parameters and buffers to cast_model_type (BatchNorm kept fp32 when asked) and marks the
 /// model initialized.
 void cast_model(torch::nn::Module& module, const Properties& properties);
-/// Resolves keep_fp32 / keep_fp32_types against the models and records each one's precision policy
-/// (src/casting/precision_policy.cpp); throws on a pattern or type that matches no module.
-void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, const Properties& properties);
 
 inline Properties quiet(Properties p) {
   p.verbosity = 0;  // one banner per initialize call

@@ -8,9 +8,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <type_traits>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -20,16 +17,21 @@
 
 namespace amp::detail {
 class FoundInf;
-class Fp8State;
-}
+class Feature;
+class ParamIndex;
+struct OptimizerAccess;
+}  // namespace amp::detail
 
 namespace amp {
 
 class ScaledLoss;
+class OptimizerBase;
+
 namespace detail {
-class MasterWeights;
-class LeanMasters;
-}
+/// Gives `optimizer` its training features (NOTE [Training features], src/features/registry.cpp), once it has
+/// attached to `modules`.
+void attach_features(OptimizerBase& optimizer, const std::vector<torch::nn::Module*>& modules);
+}  // namespace detail
 
 /// What every amp::Optimizer<Opt> is, whatever Opt: the loss scalers, the fp32 master weights and
 /// the skip decision. scale_loss, loss_scale and master_params take it.
@@ -42,7 +44,7 @@ class LeanMasters;
 /// throws instead of updating.
 class OptimizerBase {
  public:
-  virtual ~OptimizerBase() = default;
+  virtual ~OptimizerBase();
 
   /// Returns the resolved properties this optimizer was initialized with.
   const Properties& properties() const noexcept { return properties_; }
@@ -62,37 +64,8 @@ class OptimizerBase {
   /// pointers).
   void refresh_master_params();
 
-  // For amp's checkpoint formats (amp::PythonCheckpoint); training scripts have no need of these.
-  /// Adopts param groups added since initialize, as scale_loss and step do, and returns the torch optimizer
-  /// this object is.
-  torch::optim::Optimizer& synced_torch_optimizer();
-  /// Names of the tensors param_groups hold, by TensorImpl (fp32 masters carry their model parameter's name).
-  std::unordered_map<const c10::TensorImpl*, std::string> param_group_names() const;
-  /// The models this optimizer trains (those still alive), in initialize's order.
-  std::vector<std::shared_ptr<torch::nn::Module>> models() const;
-  /// Every loss scaler, by loss_id (shared by the optimizers initialized together).
-  const std::vector<LossScaler>& loss_scalers() const noexcept { return *scalers_; }
-  /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.
-  void restore_loss_scalers(std::vector<LossScaler> scalers);
-  /// Options::auto_fp32's state: the modules it moved to fp32 (model index in initialize's order, qualified name),
-  /// the overflows at the scale's floor counted since the last move, and whether the next forward is diagnosed.
-  struct AutoFp32State {
-    std::vector<std::pair<int64_t, std::string>> moved;
-    int64_t overflows = 0;
-    bool armed = false;
-  };
-  AutoFp32State auto_fp32_state() const;
-  /// Restores auto_fp32_state() (a checkpoint's): moves those modules to fp32 again, as the decision did.
-  void restore_auto_fp32_state(const AutoFp32State& state);
-  /// For amp's gradient tools (amp::clip_grad_norm_): returns the defined gradients the next step() will use
-  /// (the fp32 masters' at O2), after checking that none is still multiplied by a loss scale; `caller` names
-  /// the call in the error.
-  std::vector<at::Tensor> grads_for_step(const char* caller);
-  /// The FP8 state (Options::fp8) of each model this optimizer trains, in initialize's order.
-  std::vector<std::shared_ptr<detail::Fp8State>> fp8_states() const;
-
  protected:
-  OptimizerBase() = default;
+  OptimizerBase();
   OptimizerBase(OptimizerBase&&) = default;
   OptimizerBase& operator=(OptimizerBase&&) = default;
 
@@ -117,6 +90,7 @@ class OptimizerBase {
 
  private:
   friend class ScaledLoss;
+  friend struct detail::OptimizerAccess;  // amp's checkpoint formats, gradient tools and training features
 
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.
@@ -125,41 +99,29 @@ class OptimizerBase {
   void finish_backward(int loss_id, bool skip);
   // On an overflowing backward only: records which of this optimizer's gradients are non-finite.
   void record_overflow(int loss_id, double loss_scale);
-  // Options::auto_fp32, after each unscaled backward: counts overflows at the scale's floor, arms the diagnosis
-  // (NOTE [Finding the module that overflows]) and moves the module it blames to fp32.
-  void auto_fp32_after_backward(bool overflow, double loss_scale, double floor);
-  // Moves module `name` of model `model` to fp32 for auto_fp32: at O2 its masters become its parameters.
-  void move_to_fp32(size_t model, const std::string& name);
+  // After each unscaled backward: the training features' turn (auto_fp32 counts overflows at the scale's floor).
+  void after_backward(bool overflow, double loss_scale, double floor);
   void abort_backward() noexcept;
   bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
   void check_loss_id(int loss_id) const;
-  bool owns_model_tensor(const c10::TensorImpl* t) const { return model_side_set_.count(t) > 0; }
+  bool owns_model_tensor(const c10::TensorImpl* t) const;
   const std::shared_ptr<std::vector<LossScaler>>& scaler_bank() const noexcept { return scalers_; }
-
-  // Brings masters, direct parameters and the model-side index in line with param_groups (adopting
-  // groups added after initialize). `at_initialize`: the model is not cast yet.
+  // Adopts param groups added since initialize (the index follows param_groups).
   void sync_param_groups(bool at_initialize = false);
-  bool param_groups_changed() const;
-  std::string model_side_name(size_t i) const;
-  using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
-  void check_state_without_master(const StateMap& state, const at::Tensor& p, size_t group,
-                                  const std::string& name, c10::ScalarType lp) const;
+  std::vector<std::shared_ptr<torch::nn::Module>> models() const;
+  std::vector<at::Tensor> grads_for_step(const char* caller);
+  // Throws if a gradient of the model's parameters is still multiplied by a loss scale (scaled_grads.h's ledger).
+  void check_no_scaled_model_grads(const char* caller) const;
 
   Properties properties_;
   bool attached_ = false;
-  bool step_writes_model_ = false;  // a fused optimizer's step writes the masters' copies into the model
   // Apex skips all scaling bookkeeping for a fixed scale of 1 without master weights (O0, O3).
   bool unscaled_fast_path_ = false;
-  std::shared_ptr<std::vector<LossScaler>> scalers_;  // shared by optimizers initialized together
-  std::vector<std::weak_ptr<torch::nn::Module>> modules_;      // the models this optimizer trains
-  std::shared_ptr<detail::MasterWeights> masters_;            // low-precision params and their fp32 masters
-  std::shared_ptr<detail::LeanMasters> lean_;  // bf16 params with lean masters (master_weights_format), or null
-  std::vector<at::Tensor> direct_params_;    // params the optimizer updates in place
-  std::vector<std::string> direct_names_;
-  std::vector<std::vector<const c10::TensorImpl*>> known_groups_;  // param_groups as last synced
-  std::vector<at::Tensor> model_side_;       // the model's tensors this optimizer trains (for checks)
-  std::unordered_set<const c10::TensorImpl*> model_side_set_;
-  std::vector<at::Tensor> stash_;            // grads of direct_params_ before the current backward
+  std::shared_ptr<std::vector<LossScaler>> scalers_;        // shared by optimizers initialized together
+  std::vector<std::weak_ptr<torch::nn::Module>> modules_;  // the models this optimizer trains
+  std::shared_ptr<detail::ParamIndex> index_;              // which tensors it steps (src/optim/param_index.h)
+  std::vector<std::shared_ptr<detail::Feature>> features_;  // NOTE [Training features]
+  std::vector<at::Tensor> stash_;            // grads of direct parameters before the current backward
   bool backward_prepared_ = false;
   std::optional<int> scaled_grads_loss_id_;  // grads still scaled after delay_unscale
   bool skip_next_step_ = false;
@@ -167,8 +129,6 @@ class OptimizerBase {
   int64_t skipped_steps_ = 0;
   std::optional<OverflowReport> last_overflow_;
   std::vector<bool> warned_at_min_scale_;  // per loss_id: the "still overflowing at the minimum" notice, once
-  int auto_fp32_overflows_ = 0;            // overflows at the scale's floor since the last move (auto_fp32)
-  bool auto_fp32_armed_ = false;           // the next forward is diagnosed
 };
 
 /// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with
@@ -181,6 +141,7 @@ class Optimizer : public Opt, public OptimizerBase {
             std::shared_ptr<std::vector<LossScaler>> scalers = nullptr)
       : Opt(std::move(optimizer)) {
     attach(modules, properties, std::move(scalers));
+    detail::attach_features(*this, modules);
   }
 
   /// Steps, unless a backward since the last step overflowed. Closures are not supported (as in Apex).

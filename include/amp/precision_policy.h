@@ -54,9 +54,15 @@ struct ModuleType {
 ///   for (const auto& line : amp::fp32_modules(optimizer)) std::cout << line << "\n";   // "head (keep_fp32)"
 std::vector<std::string> fp32_modules(const OptimizerBase& optimizer);
 
+struct Properties;
+
 namespace detail {
 
 class PrecisionPolicy;
+
+/// Resolves keep_fp32 / keep_fp32_types against the models and records each one's precision policy
+/// (src/casting/precision_policy.cpp); throws on a pattern or type that matches no module. amp::initialize calls it.
+void resolve_precision_policy(const std::vector<torch::nn::Module*>& models, const Properties& properties);
 
 /// Returns the policy initialize made for `module` (a model passed to initialize), or null.
 std::shared_ptr<PrecisionPolicy> precision_policy_of(const torch::nn::Module& module);

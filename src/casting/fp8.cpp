@@ -27,7 +27,6 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "amp/optimizer.h"
 #include "options/exception_message.h"
 #include "interception/interception.h"
 #include "casting/jit_mirror.h"
@@ -426,6 +425,22 @@ std::function<void()> Fp8State::load(torch::serialize::InputArchive& archive, co
   return restore_state(state, names, where);
 }
 
+bool Fp8State::leave_fp8(const std::string& name) {
+  bool left = false;
+  for (const auto& layer : layers_) {
+    const bool under = name.empty() || layer.name == name || layer.name.compare(0, name.size() + 1, name + ".") == 0;
+    if (under && by_weight_.erase(layer.weight.unsafeGetTensorImpl()) > 0) left = true;
+  }
+  return left;
+}
+
+bool Fp8State::in_fp8(const std::string& name) const {
+  for (const auto& layer : layers_) {
+    if (layer.name == name) return by_weight_.count(layer.weight.unsafeGetTensorImpl()) > 0;
+  }
+  return false;
+}
+
 bool Fp8State::run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 #if AMP_HAS_FP8
   const auto& schema = op.schema();
@@ -480,13 +495,4 @@ bool Fp8State::run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace detail
-
-std::vector<Fp8LayerState> fp8_layers(const OptimizerBase& optimizer) {
-  std::vector<Fp8LayerState> out;
-  for (const auto& state : optimizer.fp8_states()) {
-    for (auto& layer : state->report()) out.push_back(std::move(layer));
-  }
-  return out;
-}
-
 }  // namespace amp

@@ -75,6 +75,12 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
   /// The FP8 layers' qualified names, in model order.
   std::vector<std::string> names() const;
 
+  /// Runs the GEMMs of the FP8 layers at or under module `name` in the level's dtype from now on (auto_fp32's first
+  /// rung up); their scales stay in the state, unused. Returns whether any was still in FP8.
+  bool leave_fp8(const std::string& name);
+  /// Whether layer `name` still runs in FP8.
+  bool in_fp8(const std::string& name) const;
+
   // For the GEMMs (src/casting/fp8.cpp).
   /// The scale for `slot`'s tensor whose amax is `amax` (dynamic: from it; delayed: from the history), NaN for a
   /// non-finite amax (NOTE [FP8 scales never hide an overflow]).

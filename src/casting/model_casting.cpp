@@ -7,10 +7,6 @@
 
 namespace amp::detail {
 
-bool casts_model_to_low_precision(const Properties& p) {
-  return p.enabled && p.cast_model_type && *p.cast_model_type != c10::ScalarType::Float;
-}
-
 std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& p) {
   std::unordered_set<const c10::TensorImpl*> out;
   if (!p.enabled || !p.cast_model_type) return out;

@@ -10,15 +10,13 @@
 #include <vector>
 
 #include "amp/properties.h"
+#include "options/model_cast.h"
 
 namespace amp::detail {
 
 /// Returns the TensorImpls of the parameters and floating buffers that cast_model will cast to
 /// cast_model_type: all of them, except BatchNorm layers' when keep_batchnorm_fp32.
 std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& module, const Properties& properties);
-
-/// Returns whether `properties` cast the model to a low-precision dtype.
-bool casts_model_to_low_precision(const Properties& properties);
 
 /// Returns the module's parameters and buffers by qualified name, in Python's state_dict order (each module's own
 /// parameters, then its buffers, then its children).

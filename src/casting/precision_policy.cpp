@@ -38,14 +38,12 @@
 #include <mutex>
 
 #include "amp/batchnorm.h"
-#include "amp/initialize.h"
-#include "amp/optimizer.h"
 #include "options/format.h"
 #include "casting/fp8.h"
 #include "interception/interception.h"
 #include "casting/jit_mirror.h"
 #include "casting/libtorch_module_types.h"
-#include "casting/model_casting.h"
+#include "options/model_cast.h"
 
 namespace amp::detail {
 namespace {
@@ -530,17 +528,3 @@ PrecisionPolicyGuard::~PrecisionPolicyGuard() {
 }
 
 }  // namespace amp::detail
-
-namespace amp {
-
-std::vector<std::string> fp32_modules(const OptimizerBase& optimizer) {
-  std::vector<std::string> out;
-  for (const auto& model : optimizer.models()) {
-    const auto policy = detail::precision_policy_of(*model);
-    if (!policy) continue;
-    for (const auto& m : policy->kept()) out.push_back(m.name + " (" + m.reason + ")");
-  }
-  return out;
-}
-
-}  // namespace amp

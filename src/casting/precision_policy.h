@@ -101,8 +101,6 @@ class PrecisionPolicy {
   std::shared_ptr<Diagnosis> diagnosis_;  // shared with the backward hooks of the diagnosed forward
 };
 
-// resolve_precision_policy(models, properties) is declared in amp/initialize.h, which calls it.
-
 /// The policy the ops of this thread run under now, or null: what interception handlers act for (no reference
 /// count taken, as current_precision_policy() does, on every op).
 PrecisionPolicy* active_precision_policy() noexcept;

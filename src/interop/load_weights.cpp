@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "optim/master_weights.h"
+#include "optim/write_loaded.h"
 
 namespace amp {
 namespace {

@@ -28,8 +28,10 @@
 #include "options/format.h"
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
+#include "optim/write_loaded.h"
 #include "casting/model_casting.h"
 #include "interop/optimizer_formats.h"
+#include "optim/optimizer_access.h"
 #include "optim/optimizer_state_key.h"
 #include "interop/pickle.h"
 #include "interop/python_values.h"
@@ -368,8 +370,8 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
 }
 
 void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
-  torch::optim::Optimizer& torch_optimizer = optimizer.synced_torch_optimizer();
-  const auto names = optimizer.param_group_names();  // for messages
+  torch::optim::Optimizer& torch_optimizer = detail::OptimizerAccess::synced_torch_optimizer(optimizer);
+  const auto names = detail::OptimizerAccess::param_group_names(optimizer);  // for messages
   load_optimizer_state(torch_optimizer, key, [&](const at::Tensor& p) {
     const auto it = names.find(p.unsafeGetTensorImpl());
     return it != names.end() ? it->second : std::string();
@@ -557,7 +559,7 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
-  put_optimizer_state(key, optimizer.synced_torch_optimizer());
+  put_optimizer_state(key, detail::OptimizerAccess::synced_torch_optimizer(optimizer));
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer) {

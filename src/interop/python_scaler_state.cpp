@@ -4,6 +4,7 @@
 // ...}) and torch.amp.GradScaler's state_dict() ({'scale', 'growth_factor', 'backoff_factor', 'growth_interval',
 // '_growth_tracker'}), read into and written from amp's loss scalers and amp::GradScaler.
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <iostream>
@@ -14,8 +15,9 @@
 #include "amp/grad_scaler.h"
 #include "amp/optimizer.h"
 #include "options/format.h"
-#include "casting/fp8.h"
 #include "interop/python_values.h"
+#include "optim/feature.h"
+#include "optim/optimizer_access.h"
 
 namespace amp {
 
@@ -23,74 +25,6 @@ using detail::as_number;
 using detail::key_text;
 using detail::quoted_list;
 using detail::type_of;
-
-namespace {
-
-// put_amp's 'auto_fp32' entry: {'models': [int], 'modules': [str], 'overflows': int, 'armed': bool}.
-OptimizerBase::AutoFp32State auto_fp32_state_of(const c10::IValue& value, const std::string& at) {
-  const char* m = "amp::PythonCheckpoint::load_amp: ";
-  TORCH_CHECK(value.isGenericDict(), m, at, " is ", type_of(value), ", not the dict put_amp writes ('models', "
-              "'modules', 'overflows', 'armed').");
-  const auto d = value.toGenericDict();
-  auto field = [&](const char* name) -> c10::IValue {  // Dict::at returns a copy
-    TORCH_CHECK(d.contains(c10::IValue(name)), m, at, " has no '", name, "'.");
-    return d.at(c10::IValue(name));
-  };
-  const c10::IValue models = field("models"), modules = field("modules"), overflows = field("overflows"),
-                    armed = field("armed");
-  TORCH_CHECK(models.isList() && modules.isList() && models.toListRef().size() == modules.toListRef().size(), m, at,
-              "['models'] and ['modules'] are not two lists of one length.");
-  TORCH_CHECK(overflows.isInt() && overflows.toInt() >= 0 && armed.isBool(), m, at, "['overflows'] is not a count "
-              "or ['armed'] not a bool.");
-  OptimizerBase::AutoFp32State state;
-  for (size_t i = 0; i < models.toListRef().size(); ++i) {
-    const c10::IValue &model = models.toListRef()[i], &module = modules.toListRef()[i];
-    TORCH_CHECK(model.isInt() && model.toInt() >= 0 && module.isString(), m, at, " entry ", i, " is not a model "
-                "index and a module name.");
-    state.moved.emplace_back(model.toInt(), module.toStringRef());
-  }
-  state.overflows = overflows.toInt();
-  state.armed = armed.toBool();
-  return state;
-}
-
-// put_amp's 'fp8' entry: one dict per model with FP8 layers, {'layers': [str], 'scales', 'history', 'history_amax',
-// 'position': Tensor}. Checks it against the optimizer's FP8 layers; returns the functions that restore it.
-std::vector<std::function<void()>> fp8_restorers(const c10::IValue& value, const OptimizerBase& optimizer,
-                                                 const std::string& at) {
-  const char* m = "amp::PythonCheckpoint::load_amp: ";
-  const auto states = optimizer.fp8_states();
-  TORCH_CHECK(value.isList(), m, at, " is ", type_of(value), ", not the list of dicts put_amp writes.");
-  const auto list = value.toListRef();
-  TORCH_CHECK(list.size() == states.size(), m, at, " holds the FP8 scaling state of ", list.size(), " model(s), this "
-              "optimizer trains ", states.size(), " model(s) with FP8 layers. Resume with fp8 ",
-              list.empty() ? "off" : "on (config: fp8 = true)", " as the checkpoint was saved.");
-  std::vector<std::function<void()>> out;
-  for (size_t k = 0; k < list.size(); ++k) {
-    const std::string here = at + "[" + std::to_string(k) + "]";
-    TORCH_CHECK(list[k].isGenericDict(), m, here, " is ", type_of(list[k]), ", not a dict.");
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    std::vector<std::string> layers;
-    for (const auto& item : list[k].toGenericDict()) {
-      TORCH_CHECK(item.key().isString(), m, here, " has a key that is ", type_of(item.key()), ".");
-      const std::string& name = item.key().toStringRef();
-      if (name == "layers") {
-        TORCH_CHECK(item.value().isList(), m, here, "['layers'] is ", type_of(item.value()), ", not a list of str.");
-        for (const auto& v : item.value().toListRef()) {
-          TORCH_CHECK(v.isString(), m, here, "['layers'] holds ", type_of(v), ", not only str.");
-          layers.push_back(v.toStringRef());
-        }
-      } else {
-        TORCH_CHECK(item.value().isTensor(), m, here, "['", name, "'] is ", type_of(item.value()), ", not a tensor.");
-        tensors.emplace_back(name, item.value().toTensor());
-      }
-    }
-    out.push_back(states[k]->restore_state(tensors, layers, std::string(m) + here));
-  }
-  return out;
-}
-
-}  // namespace
 
 void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) const {
   const std::string what = "entry '" + key_text(key) + "'";
@@ -100,7 +34,11 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
               ", not amp.state_dict() or GradScaler.state_dict().");
   const auto dict = value.toGenericDict();
   const Properties& props = optimizer.properties();
-  const size_t num_scalers = optimizer.loss_scalers().size();
+  const size_t num_scalers = detail::OptimizerAccess::loss_scalers(optimizer).size();
+  const auto& features = detail::OptimizerAccess::features(optimizer);
+  auto feature_key = [&](const std::string& k) {
+    return std::any_of(features.begin(), features.end(), [&](const auto& f) { return k == f->key(); });
+  };
   auto number = [&](const c10::impl::GenericDict& d, const std::string& field, const std::string& at) {
     const c10::IValue k(field);
     TORCH_CHECK(d.contains(k), m, at, " has no '", field, "'.");
@@ -121,18 +59,9 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
 
   bool apex = false, grad_scaler = false;
   std::vector<std::string> keys;
-  std::optional<OptimizerBase::AutoFp32State> auto_fp32;  // amp's own keys beside the scalers (put_amp)
-  std::optional<c10::IValue> fp8_entry;
   for (const auto& item : dict) {
     TORCH_CHECK(item.key().isString(), m, what, " has a key that is ", type_of(item.key()), ".");
-    if (item.key().toStringRef() == "auto_fp32") {
-      auto_fp32 = auto_fp32_state_of(item.value(), what + "['auto_fp32']");
-      continue;
-    }
-    if (item.key().toStringRef() == "fp8") {
-      fp8_entry = item.value();
-      continue;
-    }
+    if (feature_key(item.key().toStringRef())) continue;  // amp's own entries beside the scalers (put_amp)
     keys.push_back(item.key().toStringRef());
     if (keys.back().compare(0, 11, "loss_scaler") == 0) {
       apex = true;
@@ -186,7 +115,7 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
     schedule = Schedule{growth_factor, backoff_factor, static_cast<int>(growth_interval)};
     loaded.push_back({scale, static_cast<int64_t>(tracker)});
   }
-  std::vector<LossScaler> scalers = optimizer.loss_scalers();
+  std::vector<LossScaler> scalers = detail::OptimizerAccess::loss_scalers(optimizer);
   const LossScaler before = scalers.front();
   if (schedule) {
     for (auto& scaler : scalers) scaler.set_schedule(schedule->growth_factor, schedule->backoff_factor, schedule->growth_interval);
@@ -202,18 +131,17 @@ void PythonCheckpoint::load_amp(OptimizerBase& optimizer, std::string_view key) 
       TORCH_CHECK(false, m, what, " (loss scaler ", i, "): ", e.what());
     }
   }
-  // Without an 'fp8' entry (an Apex or pre-FP8 checkpoint), FP8 layers start their scales afresh.
-  const std::vector<std::function<void()>> restore_fp8 =
-      fp8_entry ? fp8_restorers(*fp8_entry, optimizer, what + "['fp8']") : std::vector<std::function<void()>>{};
-  optimizer.restore_loss_scalers(std::move(scalers));  // optimizers sharing the bank see the restored scales
-  for (const auto& restore : restore_fp8) restore();
-  if (auto_fp32) {
-    TORCH_CHECK(auto_fp32->moved.empty() || props.auto_fp32 > 0, m, what, " holds auto_fp32's decisions (",
-                auto_fp32->moved.size(), " module(s) moved to fp32, the first '", auto_fp32->moved.empty() ? "" :
-                auto_fp32->moved.front().second, "'), but this optimizer runs without auto_fp32. Initialize with "
-                "amp::Options(...).auto_fp32(patience) (config auto_fp32) to resume them.");
-    if (props.auto_fp32 > 0) optimizer.restore_auto_fp32_state(*auto_fp32);
+  // The training features' entries: each checks its own (or its absence) before anything changes.
+  std::vector<std::function<void()>> restore;
+  for (const auto& feature : features) {
+    const c10::IValue k(feature->key());
+    const std::optional<c10::IValue> entry = dict.contains(k) ? std::optional<c10::IValue>(dict.at(k)) : std::nullopt;
+    if (auto apply = feature->load_python_state(optimizer, entry, what + "['" + feature->key() + "']")) {
+      restore.push_back(std::move(apply));
+    }
   }
+  detail::OptimizerAccess::restore_loss_scalers(optimizer, std::move(scalers));  // optimizers sharing the bank see them
+  for (const auto& apply : restore) apply();
   if (schedule) {
     std::string changes;
     auto note = [&](const char* name, const std::string& was, const std::string& now) {
@@ -252,34 +180,15 @@ void PythonCheckpoint::load_grad_scaler(GradScaler& scaler, std::string_view key
 
 void PythonCheckpoint::put_amp(std::string_view key, const OptimizerBase& optimizer) {
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
-  const auto& scalers = optimizer.loss_scalers();
+  const auto& scalers = detail::OptimizerAccess::loss_scalers(optimizer);
   for (size_t i = 0; i < scalers.size(); ++i) {
     c10::impl::GenericDict s(c10::StringType::get(), c10::AnyType::get());
     s.insert("loss_scale", scalers[i].loss_scale());
     s.insert("unskipped", scalers[i].unskipped());
     out.insert("loss_scaler" + std::to_string(i), s);
   }
-  if (optimizer.properties().auto_fp32 > 0) {  // amp's key: Apex's amp.load_state_dict would refuse it
-    const auto state = optimizer.auto_fp32_state();
-    c10::List<int64_t> models;
-    c10::List<std::string> modules;
-    for (const auto& [model, module] : state.moved) models.push_back(model), modules.push_back(module);
-    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
-    entry.insert("models", models);
-    entry.insert("modules", modules);
-    entry.insert("overflows", state.overflows);
-    entry.insert("armed", state.armed);
-    out.insert("auto_fp32", entry);
-  }
-  if (const auto states = optimizer.fp8_states(); !states.empty()) {  // amp's key: FP8 scales and amax histories
-    c10::impl::GenericList models(c10::AnyType::get());
-    for (const auto& state : states) {
-      c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
-      entry.insert("layers", c10::List<std::string>(state->names()));
-      for (const auto& [name, tensor] : state->state_tensors()) entry.insert(name, tensor);
-      models.push_back(entry);
-    }
-    out.insert("fp8", models);
+  for (const auto& feature : detail::OptimizerAccess::features(optimizer)) {  // amp's keys (Apex would refuse them)
+    if (auto entry = feature->python_state(optimizer)) out.insert(feature->key(), *entry);
   }
   put(key, out);
 }

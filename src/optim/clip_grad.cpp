@@ -9,6 +9,7 @@
 #include <string>
 
 #include "options/format.h"
+#include "optim/optimizer_access.h"
 #include "scaling/multi_tensor.h"
 
 namespace amp {
@@ -45,7 +46,7 @@ at::Tensor clip_grads(const std::vector<at::Tensor>& grads, double max_norm, dou
 
 at::Tensor clip_grad_norm_(OptimizerBase& optimizer, double max_norm, double norm_type) {
   detail::check_clip_arguments("amp::clip_grad_norm_", max_norm, norm_type);
-  const std::vector<at::Tensor> grads = optimizer.grads_for_step("clip_grad_norm_");
+  const std::vector<at::Tensor> grads = detail::OptimizerAccess::grads_for_step(optimizer, "clip_grad_norm_");
   if (optimizer.step_will_be_skipped()) {
     // The overflow was read on the host already (scale_loss's one sync): nothing to clip, nothing touched.
     const c10::Device device = grads.empty() ? c10::Device(at::kCPU) : grads.front().device();

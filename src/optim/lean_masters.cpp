@@ -12,7 +12,7 @@
 #include <unordered_map>
 
 #include "amp/properties.h"
-#include "optim/master_weights.h"
+#include "optim/float32_bytes.h"
 
 namespace amp::detail {
 namespace {
@@ -220,7 +220,7 @@ void LeanMasters::save(torch::serialize::OutputArchive& archive) const {
   }
 }
 
-void LeanMasters::load(torch::serialize::InputArchive& archive, const char* where) {
+std::function<void()> LeanMasters::load(torch::serialize::InputArchive& archive, const char* where) {
   auto read_int = [&](const std::string& key) -> std::optional<int64_t> {
     c10::IValue v;
     if (!archive.try_read(key, v) || !v.isInt()) return std::nullopt;
@@ -243,17 +243,19 @@ void LeanMasters::load(torch::serialize::InputArchive& archive, const char* wher
                   ": the saved low bits / compensation of '", names_[i], "' do not match the parameter.");
     }
   }
-  c10::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].copy_(weights[i]);
-    if (aux_[i].defined()) {
-      aux_[i].copy_(aux[i]);
-      loaded_[i] = weights[i].to(params_[i].device());  // until the weight's next write (refresh_changed)
+  return [this, weights, aux, seed = static_cast<uint64_t>(*seed), counter = static_cast<uint64_t>(*counter)] {
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].copy_(weights[i]);
+      if (aux_[i].defined()) {
+        aux_[i].copy_(aux[i]);
+        loaded_[i] = weights[i].to(params_[i].device());  // until the weight's next write (refresh_changed)
+      }
+      mark_synced(i);
     }
-    mark_synced(i);
-  }
-  seed_ = static_cast<uint64_t>(*seed);
-  counter_ = static_cast<uint64_t>(*counter);
+    seed_ = seed;
+    counter_ = counter;
+  };
 }
 
 void register_lean(const std::shared_ptr<LeanMasters>& table, const LeanMasters* replaced) {

@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -78,9 +79,9 @@ class LeanMasters {
 
   /// Writes the format, the generator and every parameter's weight and aux under "lean/" (the optimizer archive).
   void save(torch::serialize::OutputArchive& archive) const;
-  /// Restores what save() wrote, after checking it matches this index (the caller has checked the format, which
-  /// OptimizerBase::load_amp_state does for every format, kCopy included); `where` prefixes the errors.
-  void load(torch::serialize::InputArchive& archive, const char* where);
+  /// Checks what save() wrote against this index (the caller has checked the format: the lean masters feature does,
+  /// kCopy included) and returns what restores it; `where` prefixes the errors.
+  std::function<void()> load(torch::serialize::InputArchive& archive, const char* where);
 
  private:
   void check_usable(size_t i) const;

@@ -3,13 +3,10 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 
-#include "amp/model.h"
-
 #include <mutex>
 #include <unordered_map>
 
 #include "amp/properties.h"
-#include "optim/lean_masters.h"
 #include "scaling/multi_tensor.h"
 
 namespace amp::detail {
@@ -43,36 +40,6 @@ void MasterWeights::clear_pending_grads() {
   unreduced_flag_.assign(unreduced_flag_.size(), 0);
 }
 
-bool holds_float32_bytes(const at::Tensor& t) {
-  if (!t.defined() || t.element_size() != 2 || !t.is_floating_point() || !t.has_storage()) return false;
-  return t.storage_offset() == 0 && t.is_contiguous() &&
-         t.storage().nbytes() == static_cast<size_t>(t.numel()) * 4 && t.numel() > 0;
-}
-
-void fail_float32_bytes(const std::string& what, const std::string& name, const at::Tensor& t) {
-  TORCH_CHECK(false, "amp: ", what, " '", name, "' is ", dtype_name(t.scalar_type()), " but holds the bytes of ",
-              t.numel(), " float32 values: an fp32 tensor was loaded into it with torch::load (or Tensor::set_), "
-              "which reinterprets bytes instead of converting them, so its values are garbage. amp::initialize had "
-              "already cast the model. Load weights after amp::initialize with amp::load_weights(*model, path), "
-              "which converts dtypes and refreshes the fp32 master weights, or torch::load before amp::initialize.");
-}
-
-std::vector<std::pair<std::string, at::Tensor>> low_precision_tensors(torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  auto add = [&out](const std::string& name, const at::Tensor& t) {
-    if (t.defined() && t.is_floating_point() && t.element_size() == 2) out.emplace_back(name, t);
-  };
-  for (const auto& item : module.named_parameters()) add(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) add(item.key(), item.value());
-  return out;
-}
-
-void check_low_precision_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  for (const auto& [name, t] : tensors) {
-    if (holds_float32_bytes(t)) fail_float32_bytes(t.requires_grad() ? "parameter" : "tensor", name, t);
-  }
-}
-
 void MasterWeights::check_usable(size_t i) const {
   const at::Tensor& m = model_[i];
   if (holds_float32_bytes(m)) fail_float32_bytes("parameter", names_[i], m);
@@ -83,23 +50,6 @@ void MasterWeights::check_usable(size_t i) const {
               dtype_name(m.scalar_type()), " now, but amp::initialize cast it to low precision and keeps its fp32 "
               "master weight (something replaced its data, e.g. set_data or Module::to, after initialize). Write "
               "weights in place instead: amp::load_weights(*model, path), or copy_ under torch::NoGradGuard.");
-}
-
-void write_loaded(const at::Tensor& target, const at::Tensor& value) {
-  c10::NoGradGuard no_grad;
-  at::Tensor t = target;
-  if (holds_float32_bytes(t)) t.set_(at::empty(t.sizes(), t.options()));
-  if (auto master = find_master(t)) {
-    auto& [table, index] = *master;
-    table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
-    t.copy_(table->master()[index]);
-    table->mark_synced(index);
-  } else if (auto lean = find_lean(t)) {
-    auto& [table, index] = *lean;
-    table->store(index, value.to(t.device(), at::kFloat));  // the fp32 value in the lean form, not its rounded copy
-  } else {
-    t.copy_(value);
-  }
 }
 
 void MasterWeights::refresh_changed() {

@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "optim/float32_bytes.h"
+
 namespace amp::detail {
 
 class MasterWeights {
@@ -85,18 +87,5 @@ void register_masters(const std::shared_ptr<MasterWeights>& table);
 
 /// Returns the master table and index holding `model_param`'s master, if it has one.
 std::optional<std::pair<std::shared_ptr<MasterWeights>, size_t>> find_master(const at::Tensor& model_param);
-
-/// Writes a loaded `value` into the model tensor `target` (amp::load_weights, PythonCheckpoint::load_model),
-/// converting dtype and device. Where `target` has an fp32 master, the master takes the value itself and
-/// `target` its rounded copy, and the two are marked in step. Repairs what torch::load left in `target`
-/// (fp32 bytes under a low-precision tensor) first.
-void write_loaded(const at::Tensor& target, const at::Tensor& value);
-
-/// Returns whether `t`, a 2-byte floating tensor, sits alone on a storage exactly twice its size: what
-/// torch::load (Tensor::set_) leaves when it puts an fp32 tensor's bytes under a float16/bfloat16 one.
-bool holds_float32_bytes(const at::Tensor& t);
-
-/// The error for such a tensor: names it and gives the fix.
-[[noreturn]] void fail_float32_bytes(const std::string& what, const std::string& name, const at::Tensor& t);
 
 }  // namespace amp::detail

@@ -1,7 +1,8 @@
 #include "amp/optimizer.h"
 
 // The step, the backward protocol (scale_loss's side) and torch::save archives of amp::OptimizerBase. Which
-// tensors it steps and how groups added after initialize are adopted is its parameter index: param_index.cpp.
+// tensors it steps and how groups added after initialize are adopted is its parameter index (param_index.h); what
+// rides on its steps beside them are its training features (NOTE [Training features] in src/features/feature.h).
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
@@ -13,12 +14,13 @@
 #include <unordered_set>
 
 #include "amp/opt_level.h"
+#include "optim/feature.h"
 #include "options/format.h"
-#include "casting/fp8.h"
-#include "optim/lean_masters.h"
 #include "optim/master_weights.h"
+#include "optim/optimizer_access.h"
+#include "optim/optimizer_grads.h"
+#include "optim/param_index.h"
 #include "scaling/multi_tensor.h"
-#include "casting/precision_policy.h"
 #include "scaling/scaled_grads.h"
 
 namespace amp {
@@ -56,6 +58,9 @@ std::vector<std::pair<std::string, double>> scaler_settings(const Properties& p,
 
 }  // namespace
 
+OptimizerBase::OptimizerBase() : index_(std::make_shared<detail::ParamIndex>()) {}
+OptimizerBase::~OptimizerBase() = default;
+
 const LossScaler& OptimizerBase::loss_scaler(int loss_id) const {
   check_loss_id(loss_id);
   return (*scalers_)[static_cast<size_t>(loss_id)];
@@ -68,14 +73,66 @@ void OptimizerBase::check_loss_id(int loss_id) const {
               "]. Raise num_losses in amp::Options to scale more losses separately.");
 }
 
-void OptimizerBase::restore_loss_scalers(std::vector<LossScaler> scalers) {
-  TORCH_CHECK(scalers.size() == scalers_->size(), "amp: restoring ", scalers.size(), " loss scaler(s) into an optimizer "
-              "with ", scalers_->size(), " (num_losses).");
+void detail::OptimizerAccess::restore_loss_scalers(OptimizerBase& o, std::vector<LossScaler> scalers) {
+  TORCH_CHECK(scalers.size() == o.scalers_->size(), "amp: restoring ", scalers.size(), " loss scaler(s) into an "
+              "optimizer with ", o.scalers_->size(), " (num_losses).");
   // The schedule lives in the properties too (banner, torch::save archives): both follow the restored scalers.
-  properties_.growth_factor = scalers.front().growth_factor();
-  properties_.backoff_factor = scalers.front().backoff_factor();
-  properties_.growth_interval = scalers.front().growth_interval();
-  *scalers_ = std::move(scalers);
+  o.properties_.growth_factor = scalers.front().growth_factor();
+  o.properties_.backoff_factor = scalers.front().backoff_factor();
+  o.properties_.growth_interval = scalers.front().growth_interval();
+  *o.scalers_ = std::move(scalers);
+}
+
+torch::optim::Optimizer& detail::OptimizerAccess::synced_torch_optimizer(OptimizerBase& o) {
+  if (o.properties_.enabled) o.sync_param_groups();
+  return o.torch_optimizer();
+}
+
+std::unordered_map<const c10::TensorImpl*, std::string> detail::OptimizerAccess::param_group_names(const OptimizerBase& o) {
+  return o.index_->names();
+}
+
+std::vector<at::Tensor> OptimizerBase::master_params() {
+  if (properties_.enabled) {
+    sync_param_groups();
+    index_->masters().refresh_changed();
+  }
+  std::vector<at::Tensor> out;
+  for (auto& group : torch_optimizer().param_groups()) {
+    for (auto& p : group.params()) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> OptimizerBase::grads_for_step(const char* caller) {
+  if (properties_.enabled) {
+    sync_param_groups();
+    TORCH_CHECK(!backward_prepared_, "amp::", caller, ": an amp::scale_loss handle of this optimizer is still open "
+                "and its backward() has not run, so there are no unscaled gradients yet. Call scaled_loss.backward() "
+                "(or let the handle go out of scope) first.");
+    TORCH_CHECK(!scaled_grads_loss_id_, "amp::", caller, ": the gradients are still multiplied by the loss scale, "
+                "because the last scale_loss used delay_unscale(true). Run the last micro-batch's scale_loss without "
+                "delay_unscale (it unscales every gradient), then clip.");
+    check_no_scaled_model_grads(caller);
+  }
+  return detail::defined_grads(torch_optimizer());
+}
+
+void OptimizerBase::refresh_master_params() {
+  if (!properties_.enabled) return;
+  sync_param_groups();
+  index_->masters().refresh_all();
+}
+
+void OptimizerBase::sync_param_groups(bool at_initialize) {
+  index_->sync(torch_optimizer(), modules_, properties_, at_initialize);
+}
+
+bool OptimizerBase::owns_model_tensor(const c10::TensorImpl* t) const { return index_->owns(t); }
+
+void OptimizerBase::check_no_scaled_model_grads(const char* caller) const {
+  const detail::ParamIndex& index = *index_;
+  detail::check_no_scaled_grads(index.model_side(), [&index](size_t i) { return index.model_side_name(i); }, caller);
 }
 
 std::vector<std::shared_ptr<torch::nn::Module>> OptimizerBase::models() const {
@@ -95,9 +152,8 @@ void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const
                                                                     LossScaler(properties));
   scalers_ = std::move(scalers);
   unscaled_fast_path_ = !properties.master_weights && !properties.loss_scale.is_dynamic() &&
-                        properties.loss_scale.value() == 1.0;
+                        properties.loss_scale.value() == 1.0 && properties.auto_fp32 == 0;  // auto_fp32 needs the check
   for (torch::nn::Module* module : modules) modules_.push_back(module->shared_from_this());
-  masters_ = std::make_shared<detail::MasterWeights>();
 
   size_t count = 0;
   for (auto& group : torch_optimizer().param_groups()) count += group.params().size();
@@ -116,7 +172,7 @@ bool OptimizerBase::begin_step() {
   TORCH_CHECK(!scaled_grads_loss_id_, "amp::Optimizer::step: the gradients are still scaled, because the last "
               "scale_loss used delay_unscale(true). Run the last micro-batch's scale_loss without delay_unscale "
               "before step().");
-  detail::check_no_scaled_grads(model_side_, [this](size_t i) { return model_side_name(i); }, "step");
+  check_no_scaled_model_grads("step");
   if (skip_next_step_) {
     if (properties_.verbosity >= 1) {
       std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
@@ -125,44 +181,36 @@ bool OptimizerBase::begin_step() {
     if (last_overflow_ && !last_overflow_->fp8_layers.empty()) std::cout << " (FP8 layers with a non-finite amax: " << describe_parameters(last_overflow_->fp8_layers) << ")";
     std::cout << std::endl;
     }
-    for (const auto& fp8 : fp8_states()) fp8->end_step(/*taken=*/false);  // the history never sees this step
+    for (const auto& feature : features_) feature->after_step(*this, /*taken=*/false);
     // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
     zero_all_grads(/*set_to_none=*/true);
     ++skipped_steps_;
     return false;
   }
-  masters_->refresh_changed();  // the step starts from the weights the model holds now
-  if (lean_) lean_->refresh_changed();
-  for (size_t i = 0; i < direct_params_.size(); ++i) {
-    if (detail::holds_float32_bytes(direct_params_[i])) detail::fail_float32_bytes("parameter", direct_names_[i], direct_params_[i]);
+  index_->refresh_changed();  // the step starts from the weights the model holds now
+  const auto& direct = index_->direct();
+  for (size_t i = 0; i < direct.size(); ++i) {
+    if (detail::holds_float32_bytes(direct[i])) detail::fail_float32_bytes("parameter", index_->direct_names()[i], direct[i]);
   }
   return true;
 }
 
 void OptimizerBase::end_step() {
-  if (step_writes_model_) {
-    masters_->mark_all_synced();
+  if (index_->step_writes_model()) {
+    index_->masters().mark_all_synced();
   } else {
-    masters_->copy_to_model();
+    index_->masters().copy_to_model();
   }
-  for (const auto& fp8 : fp8_states()) fp8->end_step(/*taken=*/true);
-}
-
-std::vector<std::shared_ptr<detail::Fp8State>> OptimizerBase::fp8_states() const {
-  std::vector<std::shared_ptr<detail::Fp8State>> out;
-  if (!properties_.fp8) return out;
-  for (const auto& model : models()) {
-    if (const auto policy = detail::precision_policy_of(*model); policy && policy->fp8()) out.push_back(policy->fp8());
-  }
-  return out;
+  for (const auto& feature : features_) feature->after_step(*this, /*taken=*/true);
 }
 
 void OptimizerBase::zero_all_grads(bool set_to_none) {
   if (properties_.enabled) sync_param_groups();
-  for (auto& p : masters_->model()) clear_grad(p, set_to_none);
-  for (auto& p : masters_->master()) clear_grad(p, set_to_none);
-  for (auto& p : direct_params_) clear_grad(p, set_to_none);
-  masters_->clear_pending_grads();
+  detail::MasterWeights& masters = index_->masters();
+  for (auto& p : masters.model()) clear_grad(p, set_to_none);
+  for (auto& p : masters.master()) clear_grad(p, set_to_none);
+  for (auto& p : index_->direct()) clear_grad(p, set_to_none);
+  masters.clear_pending_grads();
   stash_.clear();
   backward_prepared_ = false;
   scaled_grads_loss_id_.reset();
@@ -176,7 +224,7 @@ void OptimizerBase::prepare_backward(int loss_id) {
               "out of scope) before scaling the next; for several losses, call scale_loss once per loss, one "
               "after the other.");
   sync_param_groups();
-  detail::check_no_scaled_grads(model_side_, [this](size_t i) { return model_side_name(i); }, "backward");
+  check_no_scaled_model_grads("backward");
   if (scaled_grads_loss_id_) {
     TORCH_CHECK(*scaled_grads_loss_id_ == loss_id, "amp::scale_loss: the gradients hold values scaled by loss "
                 "scaler ", *scaled_grads_loss_id_, " (delay_unscale), so the next scale_loss must use the same "
@@ -187,17 +235,20 @@ void OptimizerBase::prepare_backward(int loss_id) {
   // Apex's grad-copy elision: move existing grads aside so backward writes only this loss's grads,
   // which are then unscaled with this loss's scale and added back. Accumulation stays exact even when
   // the scale changes between backward passes.
-  stash_.assign(direct_params_.size(), at::Tensor());
-  for (size_t i = 0; i < direct_params_.size(); ++i) stash_[i] = std::exchange(direct_params_[i].mutable_grad(), {});
-  for (const auto& p : masters_->model()) p.mutable_grad() = at::Tensor();  // consumed into the masters already
+  const auto& direct = index_->direct();
+  stash_.assign(direct.size(), at::Tensor());
+  for (size_t i = 0; i < direct.size(); ++i) stash_[i] = std::exchange(direct[i].mutable_grad(), {});
+  for (const auto& p : index_->masters().model()) p.mutable_grad() = at::Tensor();  // consumed into the masters already
   backward_prepared_ = true;
 }
 
 void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf) {
   TORCH_INTERNAL_ASSERT(backward_prepared_);
   backward_prepared_ = false;
-  const auto& model = masters_->model();
-  const auto& master = masters_->master();
+  detail::MasterWeights& masters = index_->masters();
+  const auto& model = masters.model();
+  const auto& master = masters.master();
+  const auto& direct = index_->direct();
   if (delay_unscale) {
     // Masters' gradients accumulate in fp32, still scaled, beside the model (whose .grad would round each sum
     // to its dtype); direct parameters keep theirs in .grad, in their own dtype, as Apex.
@@ -206,7 +257,7 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_sc
     for (size_t i = 0; i < model.size(); ++i) {
       at::Tensor& g = model[i].mutable_grad();
       if (!g.defined()) continue;
-      at::Tensor& pending = masters_->take_unreduced(i) ? masters_->unreduced_grad(i) : masters_->pending_grad(i);
+      at::Tensor& pending = masters.take_unreduced(i) ? masters.unreduced_grad(i) : masters.pending_grad(i);
       if (pending.defined()) pending.add_(g);
       else pending = g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
       g = at::Tensor();
@@ -214,7 +265,7 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_sc
     return;
   }
   std::vector<at::Tensor> new_grads;
-  for (auto& p : direct_params_) {
+  for (const auto& p : direct) {
     if (p.grad().defined()) new_grads.push_back(p.grad());
   }
   detail::unscale_(new_grads, inv_scale, found_inf);
@@ -222,8 +273,8 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_sc
   std::vector<at::Tensor> fresh_in, fresh_out, acc_in, acc_out;
   for (size_t i = 0; i < model.size(); ++i) {
     at::Tensor g = model[i].grad();
-    (void)masters_->take_unreduced(i);  // a plain scale_loss inside no_sync(): amp::parallel refuses it next forward
-    if (at::Tensor& pending = masters_->pending_grad(i); pending.defined()) {  // delay_unscale's fp32 sum
+    (void)masters.take_unreduced(i);  // a plain scale_loss inside no_sync(): amp::parallel refuses it next forward
+    if (at::Tensor& pending = masters.pending_grad(i); pending.defined()) {  // delay_unscale's fp32 sum
       if (g.defined()) {
         c10::NoGradGuard no_grad;
         pending.add_(g);
@@ -248,7 +299,7 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_sc
 
   for (size_t i = 0; i < stash_.size(); ++i) {
     if (!stash_[i].defined()) continue;
-    at::Tensor& grad = direct_params_[i].mutable_grad();
+    at::Tensor& grad = direct[i].mutable_grad();
     if (grad.defined()) stash_[i].add_(grad);  // stashed + new * (1/scale), Apex's axpby
     grad = stash_[i];
   }
@@ -270,17 +321,21 @@ void OptimizerBase::record_overflow(int loss_id, double loss_scale) {
     const auto it = model_order.find(model_param.unsafeGetTensorImpl());
     bad.emplace_back(it == model_order.end() ? model_order.size() : it->second, name);
   };
-  for (size_t i = 0; i < masters_->size(); ++i) check(masters_->model()[i], masters_->master()[i].grad(), masters_->name(i));
-  for (size_t i = 0; i < direct_params_.size(); ++i) check(direct_params_[i], direct_params_[i].grad(), direct_names_[i]);
+  const detail::MasterWeights& masters = index_->masters();
+  for (size_t i = 0; i < masters.size(); ++i) check(masters.model()[i], masters.master()[i].grad(), masters.name(i));
+  const auto& direct = index_->direct();
+  for (size_t i = 0; i < direct.size(); ++i) check(direct[i], direct[i].grad(), index_->direct_names()[i]);
   std::sort(bad.begin(), bad.end());
   OverflowReport report;
   report.loss_id = loss_id;
   report.loss_scale = loss_scale;
   for (auto& [order, name] : bad) report.parameters.push_back(std::move(name));
-  for (const auto& fp8 : fp8_states()) {
-    for (auto& name : fp8->non_finite_layers()) report.fp8_layers.push_back(std::move(name));
-  }
+  for (const auto& feature : features_) feature->describe_overflow(*this, report);
   last_overflow_ = std::move(report);
+}
+
+void OptimizerBase::after_backward(bool overflow, double loss_scale, double floor) {
+  for (const auto& feature : features_) feature->after_backward(*this, {overflow, loss_scale, floor});
 }
 
 void OptimizerBase::finish_backward(int loss_id, bool skip) {
@@ -294,7 +349,7 @@ void OptimizerBase::abort_backward() noexcept {
   if (!backward_prepared_) return;
   backward_prepared_ = false;
   if (scaled_grads_loss_id_) return;  // nothing was moved aside
-  for (size_t i = 0; i < stash_.size(); ++i) direct_params_[i].mutable_grad() = stash_[i];
+  for (size_t i = 0; i < stash_.size(); ++i) index_->direct()[i].mutable_grad() = stash_[i];
   stash_.clear();
 }
 
@@ -304,12 +359,12 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
     // a checkpoint taken after loading weights must hold those weights.
     auto& self = const_cast<OptimizerBase&>(*this);
     self.sync_param_groups();
-    self.masters_->refresh_changed();
-    if (lean_) lean_->refresh_changed();
+    self.index_->refresh_changed();
   }
+  const detail::MasterWeights& masters = index_->masters();
   torch::serialize::OutputArchive amp_archive(archive.compilation_unit());
   amp_archive.write("opt_level", c10::IValue(static_cast<int64_t>(properties_.opt_level)));
-  amp_archive.write("master_weights", c10::IValue(static_cast<int64_t>(masters_->size())));
+  amp_archive.write("master_weights", c10::IValue(static_cast<int64_t>(masters.size())));
   const std::vector<LossScaler>& scalers = *scalers_;
   amp_archive.write("num_losses", c10::IValue(static_cast<int64_t>(scalers.size())));
   amp_archive.write("skipped_steps", c10::IValue(skipped_steps_));
@@ -320,129 +375,76 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
     amp_archive.write(prefix + "hysteresis_left", c10::IValue(static_cast<int64_t>(scalers[i].hysteresis_left())));
   }
   for (const auto& [key, value] : scaler_settings(properties_, scalers.front())) amp_archive.write(key, c10::IValue(value));
-  for (size_t i = 0; i < masters_->size(); ++i) amp_archive.write("master/" + std::to_string(i), masters_->master()[i]);
-  if (lean_) lean_->save(amp_archive);
-  // auto_fp32's decisions (src/optim/auto_fp32.cpp), which the load repeats before reading the masters.
-  const AutoFp32State auto_fp32 = auto_fp32_state();
-  for (size_t j = 0; j < auto_fp32.moved.size(); ++j) {
-    const std::string prefix = "auto_fp32/" + std::to_string(j) + "/";
-    amp_archive.write(prefix + "model", c10::IValue(auto_fp32.moved[j].first));
-    amp_archive.write(prefix + "module", c10::IValue(auto_fp32.moved[j].second));
-  }
-  amp_archive.write("auto_fp32/moved", c10::IValue(static_cast<int64_t>(auto_fp32.moved.size())));
-  amp_archive.write("auto_fp32/overflows", c10::IValue(auto_fp32.overflows));
-  amp_archive.write("auto_fp32/armed", c10::IValue(auto_fp32.armed));
-  const auto fp8 = fp8_states();  // Options::fp8's scales and amax histories, one model after the other
-  amp_archive.write("fp8/models", c10::IValue(static_cast<int64_t>(fp8.size())));
-  for (size_t k = 0; k < fp8.size(); ++k) fp8[k]->save(amp_archive, "fp8/" + std::to_string(k) + "/");
+  for (size_t i = 0; i < masters.size(); ++i) amp_archive.write("master/" + std::to_string(i), masters.master()[i]);
+  for (const auto& feature : features_) feature->save(*this, amp_archive);
   archive.write("amp", amp_archive);
 }
 
 void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
+  const char* where = "amp::Optimizer::load";
   torch::serialize::InputArchive amp_archive;
-  TORCH_CHECK(archive.try_read("amp", amp_archive), "amp::Optimizer::load: the checkpoint has no amp state: it was "
-              "saved from a plain torch::optim optimizer, not an amp::Optimizer. Save the optimizer returned by "
-              "amp::initialize.");
+  TORCH_CHECK(archive.try_read("amp", amp_archive), where, ": the checkpoint has no amp state: it was saved from a "
+              "plain torch::optim optimizer, not an amp::Optimizer. Save the optimizer returned by amp::initialize.");
   auto read_int = [&](const std::string& key) {
     c10::IValue v;
-    TORCH_CHECK(amp_archive.try_read(key, v) && v.isInt(), "amp::Optimizer::load: the checkpoint's amp state has "
-                "no integer '", key, "'; it is corrupt or from another program.");
+    TORCH_CHECK(amp_archive.try_read(key, v) && v.isInt(), where, ": the checkpoint's amp state has no integer '", key,
+                "'; it is corrupt or from another program.");
     return v.toInt();
   };
   const auto level = static_cast<OptLevel>(read_int("opt_level"));
-  TORCH_CHECK(level == properties_.opt_level, "amp::Optimizer::load: the checkpoint was saved at opt_level ",
-              to_string(level), ", this optimizer runs at ", to_string(properties_.opt_level),
-              ". Resume at the level the checkpoint was saved with.");
+  TORCH_CHECK(level == properties_.opt_level, where, ": the checkpoint was saved at opt_level ", to_string(level),
+              ", this optimizer runs at ", to_string(properties_.opt_level), ". Resume at the level the checkpoint "
+              "was saved with.");
   const auto num_losses = read_int("num_losses");
-  TORCH_CHECK(num_losses == static_cast<int64_t>(scalers_->size()), "amp::Optimizer::load: the checkpoint has ",
-              num_losses, " loss scalers, this optimizer has ", scalers_->size(), " (num_losses). Resume with "
-              "num_losses=", num_losses, ".");
+  TORCH_CHECK(num_losses == static_cast<int64_t>(scalers_->size()), where, ": the checkpoint has ", num_losses,
+              " loss scalers, this optimizer has ", scalers_->size(), " (num_losses). Resume with num_losses=",
+              num_losses, ".");
   if (properties_.enabled) sync_param_groups();
-  c10::IValue moved;
-  if (amp_archive.try_read("auto_fp32/moved", moved) && moved.isInt()) {  // before the masters, which they change
-    AutoFp32State state;
-    for (int64_t j = 0; j < moved.toInt(); ++j) {
-      c10::IValue name;
-      const std::string prefix = "auto_fp32/" + std::to_string(j) + "/";
-      TORCH_CHECK(amp_archive.try_read(prefix + "module", name) && name.isString(), "amp::Optimizer::load: the "
-                  "checkpoint's amp state has no string '", prefix, "module'; it is corrupt or from another program.");
-      state.moved.emplace_back(read_int(prefix + "model"), name.toStringRef());
-    }
-    state.overflows = read_int("auto_fp32/overflows");
-    c10::IValue armed;
-    state.armed = amp_archive.try_read("auto_fp32/armed", armed) && armed.isBool() && armed.toBool();
-    restore_auto_fp32_state(state);
+  // The features check their state first (auto_fp32 repeats its decisions right away: they decide which
+  // parameters have masters); what they restore waits for the last check.
+  std::vector<std::function<void()>> restore;
+  for (const auto& feature : features_) {
+    if (auto apply = feature->load(*this, amp_archive, where)) restore.push_back(std::move(apply));
   }
-  c10::IValue saved_format;
-  const MasterWeights saved = amp_archive.try_read("lean/format", saved_format) && saved_format.isInt()
-                                  ? static_cast<MasterWeights>(saved_format.toInt())
-                                  : MasterWeights::kCopy;
-  const MasterWeights mine = lean_ ? lean_->format() : MasterWeights::kCopy;
-  TORCH_CHECK(saved == mine, "amp::Optimizer::load: the checkpoint was saved with master_weights_format ",
-              to_string(saved), ", this optimizer runs with ", to_string(mine), ". Resume with the format the "
-              "checkpoint was saved with (amp::Options::master_weights_format / config key master_weights_format).");
+  const detail::MasterWeights& mine = index_->masters();
   const auto num_masters = read_int("master_weights");
-  TORCH_CHECK(num_masters == static_cast<int64_t>(masters_->size()), "amp::Optimizer::load: the checkpoint has ",
-              num_masters, " fp32 master weights, this optimizer has ", masters_->size(),
-              ". Resume with the same model, opt level, master_weights setting and param groups.");
+  TORCH_CHECK(num_masters == static_cast<int64_t>(mine.size()), where, ": the checkpoint has ", num_masters,
+              " fp32 master weights, this optimizer has ", mine.size(), ". Resume with the same model, opt level, "
+              "master_weights setting and param groups.");
   for (const auto& [key, value] : scaler_settings(properties_, scalers_->front())) {
     c10::IValue saved;
     if (!amp_archive.try_read(key, saved)) continue;  // checkpoints from before these settings: Apex's values
-    TORCH_CHECK(saved.isDouble() && saved.toDouble() == value, "amp::Optimizer::load: the checkpoint was saved with ",
-                key, " = ", saved.isDouble() ? detail::format_float(saved.toDouble()) : saved.tagKind(),
-                ", this optimizer has ", key, " = ", detail::format_float(value), ". Resume with the loss-scaler "
-                "settings the checkpoint was saved with (amp::Options / config key ", key, ").");
+    TORCH_CHECK(saved.isDouble() && saved.toDouble() == value, where, ": the checkpoint was saved with ", key, " = ",
+                saved.isDouble() ? detail::format_float(saved.toDouble()) : saved.tagKind(), ", this optimizer has ",
+                key, " = ", detail::format_float(value), ". Resume with the loss-scaler settings the checkpoint was "
+                "saved with (amp::Options / config key ", key, ").");
   }
-  struct ScalerState {
-    double scale;
-    int64_t unskipped;
-    std::optional<int64_t> hysteresis_left;
-  };
-  std::vector<ScalerState> scaler_states;
-  for (size_t i = 0; i < scalers_->size(); ++i) {
-    const std::string prefix = "loss_scaler" + std::to_string(i) + "/";
-    c10::IValue scale;
-    TORCH_CHECK(amp_archive.try_read(prefix + "loss_scale", scale) && scale.isDouble(),
-                "amp::Optimizer::load: the checkpoint's amp state has no '", prefix, "loss_scale'.");
-    c10::IValue left;
-    const bool has_left = amp_archive.try_read(prefix + "hysteresis_left", left) && left.isInt();
-    scaler_states.push_back({scale.toDouble(), read_int(prefix + "unskipped"),
-                             has_left ? std::optional<int64_t>(left.toInt()) : std::nullopt});
-  }
-  std::vector<at::Tensor> masters(masters_->size());
-  for (size_t i = 0; i < masters_->size(); ++i) {
-    amp_archive.read("master/" + std::to_string(i), masters[i]);
-    TORCH_CHECK(masters[i].sizes() == masters_->master()[i].sizes(), "amp::Optimizer::load: master weight ", i, " ('",
-                masters_->name(i), "') has shape ", masters[i].sizes(), " in the checkpoint, ",
-                masters_->master()[i].sizes(), " here.");
-  }
-  const int64_t skipped_steps = read_int("skipped_steps");
   std::vector<LossScaler> scalers = *scalers_;
   for (size_t i = 0; i < scalers.size(); ++i) {
-    scalers[i].load(scaler_states[i].scale, scaler_states[i].unskipped, scaler_states[i].hysteresis_left);
+    const std::string prefix = "loss_scaler" + std::to_string(i) + "/";
+    c10::IValue scale, left;
+    TORCH_CHECK(amp_archive.try_read(prefix + "loss_scale", scale) && scale.isDouble(), where, ": the checkpoint's "
+                "amp state has no '", prefix, "loss_scale'.");
+    const bool has_left = amp_archive.try_read(prefix + "hysteresis_left", left) && left.isInt();
+    scalers[i].load(scale.toDouble(), read_int(prefix + "unskipped"),
+                    has_left ? std::optional<int64_t>(left.toInt()) : std::nullopt);
   }
-  const auto fp8 = fp8_states();
-  c10::IValue fp8_models;
-  const int64_t saved_fp8 = amp_archive.try_read("fp8/models", fp8_models) && fp8_models.isInt() ? fp8_models.toInt() : 0;
-  TORCH_CHECK(saved_fp8 == static_cast<int64_t>(fp8.size()), "amp::Optimizer::load: the checkpoint holds the FP8 "
-              "scaling state of ", saved_fp8, " model(s), this optimizer trains ", fp8.size(), " model(s) with FP8 "
-              "layers. Resume with fp8 ", saved_fp8 > 0 ? "on (config: fp8 = true)" : "off",
-              " as the checkpoint was saved, or start the new recipe from the weights alone (amp::load_weights).");
-  std::vector<std::function<void()>> restore_fp8;
-  for (size_t k = 0; k < fp8.size(); ++k) {
-    restore_fp8.push_back(fp8[k]->load(amp_archive, "fp8/" + std::to_string(k) + "/", "amp::Optimizer::load: the checkpoint"));
+  std::vector<at::Tensor> masters(mine.size());
+  for (size_t i = 0; i < mine.size(); ++i) {
+    amp_archive.read("master/" + std::to_string(i), masters[i]);
+    TORCH_CHECK(masters[i].sizes() == mine.master()[i].sizes(), where, ": master weight ", i, " ('", mine.name(i),
+                "') has shape ", masters[i].sizes(), " in the checkpoint, ", mine.master()[i].sizes(), " here.");
   }
-  // Last check, and the first change: the lean masters' weights and aux (LeanMasters::load checks before writing).
-  if (lean_) lean_->load(amp_archive, "amp::Optimizer::load");
-  for (const auto& restore : restore_fp8) restore();
+  const int64_t skipped_steps = read_int("skipped_steps");
   // Everything validated: now change state.
+  for (const auto& apply : restore) apply();
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
   skipped_steps_ = skipped_steps;
   {
     c10::NoGradGuard no_grad;
-    for (size_t i = 0; i < masters_->size(); ++i) masters_->master()[i].copy_(masters[i]);
+    for (size_t i = 0; i < mine.size(); ++i) mine.master()[i].copy_(masters[i]);
   }
-  masters_->copy_to_model();  // the model's low-precision params follow the restored masters
+  index_->masters().copy_to_model();  // the model's low-precision params follow the restored masters
   zero_all_grads(/*set_to_none=*/true);
 }
 

@@ -198,23 +198,16 @@ Properties Options::resolve() const {
     }
     p.keep_fp32_types = *keep_fp32_types_;
   }
-  if (auto_fp32_) {  // after loss_scale and the level's casts, which it needs
+  if (auto_fp32_) {  // after the level's casts, which it needs
     if (*auto_fp32_ < 0) {
       fail("auto_fp32 is the number of overflows at the loss scale's floor before a module moves to fp32, so it "
            "must be 0 (off) or more, got " + std::to_string(*auto_fp32_) + ". 8 is a good start.");
     }
     const bool low_precision = p.patch_torch_functions || (p.cast_model_type && is_low_precision(*p.cast_model_type));
-    if (*auto_fp32_ > 0 && !(p.enabled && low_precision && p.loss_scale.is_dynamic())) {
-      fail("auto_fp32 acts on overflows the dynamic loss scale can't cure, so it needs low precision and "
-           "loss_scale dynamic; got opt_level " + level + " with loss_scale " + to_string(p.loss_scale) +
-           (low_precision ? "" : " and no low precision") + ". Use O1 or O2, or set auto_fp32 0.");
-    }
-    if (*auto_fp32_ > 0 && !p.patch_torch_functions &&
-        !(p.master_weights && p.master_weights_format == MasterWeights::kCopy)) {
-      fail("auto_fp32 moves a module to fp32 by making its fp32 master weights its parameters, so with a model cast "
-           "to low precision it needs master_weights on in Apex's copy format; got opt_level " + level +
-           " with master_weights " + detail::python_bool(p.master_weights) + " and master_weights_format " +
-           to_string(p.master_weights_format) + ". Use O1 or O2 (master_weights_format copy), or set auto_fp32 0.");
+    if (*auto_fp32_ > 0 && !(p.enabled && low_precision)) {
+      fail("auto_fp32 moves modules that keep overflowing in low precision to fp32, so it needs a level with low "
+           "precision; got opt_level " + level + (p.enabled ? "" : " with enabled false") + ", which computes "
+           "everything in fp32 already. Use O1, O2 or O3, or set auto_fp32 0.");
     }
     p.auto_fp32 = *auto_fp32_;
   }
@@ -222,7 +215,7 @@ Properties Options::resolve() const {
     fail(fp8_fields_.front() + " is set, but fp8 is off, so it would change nothing. Turn FP8 on (config: fp8 = true; "
          "code: Options::fp8()), or remove " + fp8_fields_.front() + ".");
   }
-  if (fp8_) {  // after the level, dtype and auto_fp32, which it depends on
+  if (fp8_) {  // after the level and dtype, which it depends on
     const Fp8Options& f = *fp8_;
     if (f.amax_history_len() < 1) {
       fail("fp8 amax_history_len is the number of steps of amax history delayed scaling keeps, so it must be at "
@@ -245,10 +238,6 @@ Properties Options::resolve() const {
       fail("fp8 computes everything outside the FP8 GEMMs in bfloat16 (Transformer Engine's and torchao's recipes), "
            "got low_precision_dtype " + dtype_name(p.low_precision_dtype) + ". Set low_precision_dtype bfloat16 "
            "(code: low_precision_dtype(torch::kBFloat16)).");
-    }
-    if (p.auto_fp32 > 0) {
-      fail("fp8 and auto_fp32 (" + std::to_string(p.auto_fp32) + ") don't go together: a module moved to fp32 during "
-           "training would leave FP8 midway. Name the modules to keep with keep_fp32 and set auto_fp32 0.");
     }
 #if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
     fail(std::string("fp8 needs FP8 dtypes and at::_scaled_mm, which LibTorch has from 2.1 on; this build is ") +

@@ -24,11 +24,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "collectives.h"
-#include "casting/fp8.h"
-#include "optim/lean_masters.h"
-#include "optim/master_weights.h"
 #include "casting/precision_policy.h"
+#include "collectives.h"
+#include "optim/feature.h"
+#include "optim/master_weights.h"
 
 // NOTE [How gradients are reduced]
 // The reduction hangs off each trainable parameter's gradient accumulator (the AccumulateGrad node), as
@@ -117,6 +116,31 @@ std::string list_names(const std::vector<std::string>& names) {
 
 constexpr const char* kWhere = "amp::parallel::DistributedDataParallel";
 
+// What the wrapper lends the training features of its model (NOTE [Training features] in src/optim/feature.h).
+class Link final : public amp::detail::RankLink {
+ public:
+  explicit Link(const GroupState& state) : state_(state) {}
+  int rank() const override { return state_.rank; }
+  int world_size() const override { return state_.world_size; }
+  void broadcast_from_rank0(std::vector<at::Tensor> tensors, std::function<void()> then) override {
+    outgoing.insert(outgoing.end(), tensors.begin(), tensors.end());
+    thens.push_back(std::move(then));
+  }
+  void max_over_ranks(at::Tensor& t) override {
+    if (state_.world_size == 1) return;
+    std::vector<at::Tensor> tensors{t};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    wait(state_.group->allreduce(tensors, max), state_, "amp (a training feature agreeing over the ranks)");
+  }
+
+  std::vector<at::Tensor> outgoing;  // added to make_distributed's broadcast of rank 0's state
+  std::vector<std::function<void()>> thens;
+
+ private:
+  GroupState state_;
+};
+
 }  // namespace
 
 struct DistributedCore::Impl {
@@ -126,7 +150,8 @@ struct DistributedCore::Impl {
   std::shared_ptr<torch::nn::Module> module;
   ProcessGroup group;
   const GroupState& state;
-  std::weak_ptr<amp::detail::Fp8State> fp8;  // its amax reducer is ours while we live
+  std::shared_ptr<Link> link;
+  amp::detail::Features features;  // the model's training features, joined to the ranks while we live
   DistributedDataParallelOptions options;
   AverageSettings average;
   int64_t bucket_bytes = 0;
@@ -138,6 +163,7 @@ struct DistributedCore::Impl {
   std::vector<at::Tensor> buffers;
   std::vector<Accumulator> accumulators;
   std::vector<uintptr_t> hook_keys;
+  std::vector<c10::ScalarType> dtypes;  // of params when hooked
 #if AMP_HAS_C10D_REDUCER
   std::unique_ptr<c10d::Reducer> reducer;  // overlapped mode
 #else
@@ -162,6 +188,11 @@ struct DistributedCore::Impl {
   // Parameters this rank accumulated a gradient for since the last synchronized backward (no_sync ones included).
   std::vector<bool> used;
 
+  using Masters = std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>>;
+  void broadcast_rank0_state(std::vector<at::Tensor> outgoing, const Masters& masters, const std::string& where);
+  void hook_gradients(const std::string& where);
+  void unhook_gradients();
+  bool rehook_moved_to_fp32();
   void on_ready(size_t i);
   void end_of_backward();
   void reduce_delayed(const std::vector<bool>& used_here);
@@ -396,124 +427,122 @@ DistributedCore::DistributedCore(std::shared_ptr<torch::nn::Module> module, Proc
                 "device types (", all.front().device(), " and ", p.device(), "); one process trains one device.");
   }
 
-  // Same shapes everywhere, then rank 0's values everywhere: parameters, buffers and, at O2, the fp32 masters
-  // (broadcast too, so masters stay bit-identical; writes into the model alone would make the masters
-  // copy the rounded low-precision values).
   verify_same_shapes(d.state, all, all_names, kinds, where);
-  std::vector<at::Tensor> outgoing = all;
   std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>> masters;
   for (size_t i = 0; i < all.size(); ++i) {
     if (kinds[i] != "parameter") continue;
     if (auto m = amp::detail::find_master(all[i])) masters.push_back(std::move(*m));
   }
-  if (d.state.rank == 0) {
+  d.broadcast_rank0_state(all, masters, where);
+  d.hook_gradients(where);
+}
+
+// Same shapes everywhere, then rank 0's values everywhere: parameters, buffers and, at O2, the fp32 masters
+// (broadcast too, so masters stay bit-identical; writes into the model alone would make the masters copy the
+// rounded low-precision values), and whatever the model's training features add (the lean formats' low bits and
+// generator); the features also take the link they agree through later (FP8's delayed amaxes, auto_fp32's module).
+void DistributedCore::Impl::broadcast_rank0_state(std::vector<at::Tensor> outgoing, const Masters& masters,
+                                                 const std::string& where) {
+  if (state.rank == 0) {
     std::unordered_set<amp::detail::MasterWeights*> refreshed;
     for (auto& [table, index] : masters) {
       if (refreshed.insert(table.get()).second) table->refresh_changed();  // masters follow writes into the model
     }
   }
   for (auto& [table, index] : masters) outgoing.push_back(table->master()[index]);
-  // Lean masters (master_weights_format): their low bits or compensation, and the stochastic rounding generator,
-  // so that every rank rebuilds and rounds the same fp32 values.
-  std::vector<std::pair<std::shared_ptr<amp::detail::LeanMasters>, size_t>> lean;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (kinds[i] != "parameter") continue;
-    if (auto m = amp::detail::find_lean(all[i])) lean.push_back(std::move(*m));
-  }
-  std::vector<std::shared_ptr<amp::detail::LeanMasters>> lean_tables;
-  for (auto& [table, index] : lean) {
-    if (std::find(lean_tables.begin(), lean_tables.end(), table) == lean_tables.end()) lean_tables.push_back(table);
-  }
-  std::vector<at::Tensor> generators;
-  for (auto& table : lean_tables) {
-    if (d.state.rank == 0) table->refresh_changed();
-    generators.push_back(at::tensor({static_cast<int64_t>(table->seed()), static_cast<int64_t>(table->counter())},
-                                    at::TensorOptions().dtype(at::kLong)).to(all.front().device()));
-    outgoing.push_back(generators.back());
-  }
-  for (auto& [table, index] : lean) {
-    if (table->aux(index).defined()) outgoing.push_back(table->aux(index));
-  }
-  d.counters.broadcast_bytes.fetch_add(
-      broadcast_from_rank0(d.state, outgoing, int64_t{250} * 1024 * 1024, where + " (broadcasting rank 0's weights)"));
+  link = std::make_shared<Link>(state);
+  features = amp::detail::features_of(*module);
+  for (const auto& feature : features) feature->join_ranks(*module, link);
+  outgoing.insert(outgoing.end(), link->outgoing.begin(), link->outgoing.end());
+  counters.broadcast_bytes.fetch_add(
+      broadcast_from_rank0(state, outgoing, int64_t{250} * 1024 * 1024, where + " (broadcasting rank 0's weights)"));
   for (auto& [table, index] : masters) table->mark_synced(index);
-  for (size_t t = 0; t < lean_tables.size(); ++t) {
-    const at::Tensor state = generators[t].cpu();
-    lean_tables[t]->set_generator(static_cast<uint64_t>(state[0].item<int64_t>()),
-                                  static_cast<uint64_t>(state[1].item<int64_t>()));
-  }
-  for (auto& [table, index] : lean) table->mark_synced(index);
+  for (const auto& then : link->thens) then();
+  link->outgoing.clear();
+  link->thens.clear();
+}
 
-  // Delayed FP8 scaling: every rank commits the same amax history, the max over the ranks of each step's amaxes
-  // (Transformer Engine reduces its amaxes over the data-parallel group the same way). Dynamic scaling scales each
-  // rank's tensors by their own amax, as torchao's tensorwise recipe under DDP.
-  if (const auto policy = amp::detail::precision_policy_of(*d.module); policy && policy->fp8() &&
-      policy->fp8()->options().scaling() == amp::Fp8Options::Scaling::kDelayed) {
-    d.fp8 = policy->fp8();
-    policy->fp8()->set_amax_reducer([state = d.state](at::Tensor& amax) {
-      std::vector<at::Tensor> tensors{amax};
-      c10d::AllreduceOptions max;
-      max.reduceOp = c10d::ReduceOp::MAX;
-      wait(state.group->allreduce(tensors, max), state, "amp fp8 (reducing the step's amaxes over the ranks)");
-    });
-  }
-
-  // Our hook first, then the Reducer's on the same accumulators (post hooks run in registration order).
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(d.params[i]);
-    TORCH_CHECK(accumulator, where, ": parameter '", d.names[i], "' has no gradient accumulator; it must be a leaf "
+// Our hook first, then the Reducer's on the same accumulators (post hooks run in registration order).
+void DistributedCore::Impl::hook_gradients(const std::string& where) {
+  dtypes.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
+    TORCH_CHECK(accumulator, where, ": parameter '", names[i], "' has no gradient accumulator; it must be a leaf "
                 "tensor that requires grad.");
-    d.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>([&d, i] { d.on_ready(i); })));
-    d.accumulators.push_back(std::move(accumulator));
+    hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>([this, i] { on_ready(i); })));
+    accumulators.push_back(std::move(accumulator));
+    dtypes.push_back(params[i].scalar_type());
   }
 
 #if AMP_HAS_C10D_REDUCER
-  const int64_t first_bucket = std::min<int64_t>(c10d::kDefaultFirstBucketBytes, d.bucket_bytes);
+  const int64_t first_bucket = std::min<int64_t>(c10d::kDefaultFirstBucketBytes, bucket_bytes);
   if (!options.delay_allreduce()) {
-    std::vector<bool> sparse(d.params.size(), false);
+    std::vector<bool> sparse(params.size(), false);
     auto assignment = c10d::compute_bucket_assignment_by_size(
-        d.params, {static_cast<size_t>(first_bucket), static_cast<size_t>(d.bucket_bytes)}, sparse);
+        params, {static_cast<size_t>(first_bucket), static_cast<size_t>(bucket_bytes)}, sparse);
     auto buckets = std::get<0>(assignment);
     // Buckets come out in parameter order; gradients arrive in reverse order, so reduce the last layers'
     // bucket first (as Python's DDP does), or nothing would start until backward has ended.
     std::reverse(buckets.begin(), buckets.end());
     std::unordered_map<size_t, std::string> param_names;
-    for (size_t i = 0; i < d.names.size(); ++i) param_names.emplace(i, d.names[i]);
-    d.reducer = std::make_unique<c10d::Reducer>(d.params, buckets, d.state.group, sparse, d.bucket_bytes,
-                                                /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
-                                                param_names, first_bucket, /*skip_all_reduce_unused_params=*/false,
-                                                /*use_python_reducer=*/false, std::vector<int64_t>{});
-    d.reducer->register_comm_hook(std::make_unique<AverageHook>(d.state, d.average, d.counters));
-  } else
-#endif
-  {
-    // One flat buffer per dtype and device, split at bucket_cap_mb.
-    std::vector<std::pair<std::pair<c10::ScalarType, std::string>, std::vector<size_t>>> groups;
-    std::vector<int64_t> filled;
-    for (size_t i = 0; i < d.params.size(); ++i) {
-      const auto key = std::make_pair(d.params[i].scalar_type(), d.params[i].device().str());
-      const int64_t bytes = d.params[i].numel() * static_cast<int64_t>(d.params[i].element_size());
-      size_t g = 0;
-      for (; g < groups.size(); ++g) {
-        if (groups[g].first == key && filled[g] + bytes <= d.bucket_bytes) break;
-      }
-      if (g == groups.size()) {
-        groups.push_back({key, {}});
-        filled.push_back(0);
-      }
-      groups[g].second.push_back(i);
-      filled[g] += bytes;
-    }
-    for (auto& g : groups) d.delay_buckets.push_back(std::move(g.second));
+    for (size_t i = 0; i < names.size(); ++i) param_names.emplace(i, names[i]);
+    reducer = std::make_unique<c10d::Reducer>(params, buckets, state.group, sparse, bucket_bytes,
+                                              /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
+                                              param_names, first_bucket, /*skip_all_reduce_unused_params=*/false,
+                                              /*use_python_reducer=*/false, std::vector<int64_t>{});
+    reducer->register_comm_hook(std::make_unique<AverageHook>(state, average, counters));
+    return;
   }
+#endif
+  // One flat buffer per dtype and device, split at bucket_cap_mb.
+  std::vector<std::pair<std::pair<c10::ScalarType, std::string>, std::vector<size_t>>> groups;
+  std::vector<int64_t> filled;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto key = std::make_pair(params[i].scalar_type(), params[i].device().str());
+    const int64_t bytes = params[i].numel() * static_cast<int64_t>(params[i].element_size());
+    size_t g = 0;
+    for (; g < groups.size(); ++g) {
+      if (groups[g].first == key && filled[g] + bytes <= bucket_bytes) break;
+    }
+    if (g == groups.size()) {
+      groups.push_back({key, {}});
+      filled.push_back(0);
+    }
+    groups[g].second.push_back(i);
+    filled[g] += bytes;
+  }
+  delay_buckets.clear();
+  for (auto& g : groups) delay_buckets.push_back(std::move(g.second));
+}
+
+void DistributedCore::Impl::unhook_gradients() {
+  reducer.reset();
+  for (size_t i = 0; i < accumulators.size(); ++i) accumulators[i]->del_post_hook(hook_keys[i]);
+  accumulators.clear();
+  hook_keys.clear();
+}
+
+// auto_fp32 moved a module to fp32 (the same one on every rank: features/auto_fp32.cpp): its parameters have new
+// gradient accumulators and another dtype, so the hooks and buckets are built again, on every rank alike.
+bool DistributedCore::Impl::rehook_moved_to_fp32() {
+  const auto policy = amp::detail::precision_policy_of(*module);
+  bool moved = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].scalar_type() == dtypes[i]) continue;
+    if (!policy || params[i].scalar_type() != at::kFloat || !policy->in_island(params[i].unsafeGetTensorImpl())) return false;
+    moved = true;
+  }
+  if (!moved) return false;
+  unhook_gradients();
+  hook_gradients(kWhere);
+  return true;
 }
 
 DistributedCore::~DistributedCore() {
   if (!impl_) return;
   try {
-    impl_->reducer.reset();
-    if (const auto fp8 = impl_->fp8.lock()) fp8->set_amax_reducer(nullptr);
-    for (size_t i = 0; i < impl_->accumulators.size(); ++i) impl_->accumulators[i]->del_post_hook(impl_->hook_keys[i]);
+    impl_->unhook_gradients();
+    for (const auto& feature : impl_->features) feature->leave_ranks(*impl_->module);
   } catch (...) {
     // A destructor never throws; the hooks die with the accumulators anyway.
   }
@@ -526,6 +555,7 @@ void DistributedCore::before_forward() {
     d.in_backward = false;  // a backward that threw before its end: start afresh
   }
   for (size_t i = 0; i < d.params.size(); ++i) {
+    if (torch::autograd::impl::try_get_grad_accumulator(d.params[i]) != d.accumulators[i] && d.rehook_moved_to_fp32()) break;
     TORCH_CHECK(torch::autograd::impl::try_get_grad_accumulator(d.params[i]) == d.accumulators[i], kWhere,
                 ": parameter '", d.names[i], "' was replaced or changed dtype or device after make_distributed (its "
                 "gradients would no longer be reduced). Finish changing the model (amp::initialize, .to(), loading "

@@ -82,13 +82,14 @@ void ScaledLoss::backward() {
   }
   // One scale update per backward, whatever the number of optimizers (they share the scaler).
   LossScaler& scaler = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)];
-  const bool skip = scaler.update_scale(overflow_);
+  // auto_fp32 must see a module overflow more than once to move it, so with a static scale (which Apex steps
+  // through overflows with) it skips the overflowing steps, as torch.amp's GradScaler always does.
+  const bool skip = scaler.update_scale(overflow_) || (overflow_ && optimizers_[0]->properties().auto_fp32 > 0);
   for (auto* o : optimizers_) o->finish_backward(loss_id, skip);
-  if (scaler.dynamic()) {
-    // At or below a scale of 1 (or the floor), a smaller scale can't cure an overflow (auto_fp32).
-    const double floor = std::max(scaler.min_loss_scale(), 1.0);
-    for (auto* o : optimizers_) o->auto_fp32_after_backward(overflow_, scale_, floor);
-  }
+  // At or below a scale of 1 (or the dynamic scale's floor), a smaller scale can't cure an overflow; a static scale
+  // is its own floor.
+  const double floor = scaler.dynamic() ? std::max(scaler.min_loss_scale(), 1.0) : scale_;
+  for (auto* o : optimizers_) o->after_backward(overflow_, scale_, floor);
   if (overflow_ && scaler.dynamic() && scale_ <= scaler.min_loss_scale()) warn_overflow_at_minimum();
 }
 

@@ -128,14 +128,7 @@ class DistributedDataParallel {
  public:
   DistributedDataParallel(Model<Module> model, ProcessGroup group, DistributedDataParallelOptions options = {})
       : model_(std::move(model)),
-        core_([&] {
-          TORCH_CHECK(model_.properties().auto_fp32 == 0, "amp::parallel::make_distributed: auto_fp32 (",
-                      model_.properties().auto_fp32, ") moves modules to fp32 during training, which would change the "
-                      "dtype of gradients the ranks' buckets were built for, and each rank's diagnosis sees its own "
-                      "batch. Set auto_fp32 0 under amp::parallel and name the modules with keep_fp32 instead (a "
-                      "single-process run with auto_fp32 finds them: amp::fp32_modules).");
-          return std::make_shared<detail::DistributedCore>(detail::distributed_module(model_), std::move(group), options);
-        }()) {}
+        core_(std::make_shared<detail::DistributedCore>(detail::distributed_module(model_), std::move(group), options)) {}
 
   /// Runs the model's forward (with amp's casts), after broadcasting buffers from rank 0.
   template <class... Args>

@@ -1,0 +1,55 @@
+#pragma once
+// The one way into an amp::OptimizerBase's internals, for amp's own code: the checkpoint formats, the gradient
+// tools and the training features. Training scripts use the public API of amp/optimizer.h.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "amp/loss_scaler.h"
+#include "amp/optimizer.h"
+
+namespace amp::detail {
+
+class Feature;
+class ParamIndex;
+
+struct OptimizerAccess {
+  /// Adopts param groups added since initialize, as scale_loss and step do, and returns the torch optimizer.
+  static torch::optim::Optimizer& synced_torch_optimizer(OptimizerBase& o);
+  /// The torch optimizer as it is (param_groups not synced).
+  static torch::optim::Optimizer& torch_optimizer(OptimizerBase& o) { return o.torch_optimizer(); }
+  /// Adopts param groups added since initialize.
+  static void sync_param_groups(OptimizerBase& o) { o.sync_param_groups(); }
+  static ParamIndex& index(const OptimizerBase& o) { return *o.index_; }
+  static const std::shared_ptr<ParamIndex>& index_pointer(const OptimizerBase& o) { return o.index_; }
+  /// Names of the tensors param_groups hold, by TensorImpl (fp32 masters carry their model parameter's name).
+  static std::unordered_map<const c10::TensorImpl*, std::string> param_group_names(const OptimizerBase& o);
+  /// The models the optimizer trains (those still alive), in initialize's order.
+  static std::vector<std::shared_ptr<torch::nn::Module>> models(const OptimizerBase& o) { return o.models(); }
+  /// Every loss scaler, by loss_id (shared by the optimizers initialized together).
+  static const std::vector<LossScaler>& loss_scalers(const OptimizerBase& o) { return *o.scalers_; }
+  /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.
+  static void restore_loss_scalers(OptimizerBase& o, std::vector<LossScaler> scalers);
+  /// The defined gradients the next step() will use (the fp32 masters' at O2), after checking that none is still
+  /// multiplied by a loss scale; `caller` names the call in the error.
+  static std::vector<at::Tensor> grads_for_step(OptimizerBase& o, const char* caller) { return o.grads_for_step(caller); }
+  static const std::optional<OverflowReport>& last_overflow(const OptimizerBase& o) { return o.last_overflow_; }
+  static const std::vector<std::shared_ptr<Feature>>& features(const OptimizerBase& o) { return o.features_; }
+  static void add_feature(OptimizerBase& o, std::shared_ptr<Feature> feature) { o.features_.push_back(std::move(feature)); }
+  /// The optimizer's feature of type F.
+  template <class F>
+  static std::shared_ptr<F> feature(const OptimizerBase& o) {
+    for (const auto& f : o.features_) {
+      if (auto typed = std::dynamic_pointer_cast<F>(f)) return typed;
+    }
+    return nullptr;
+  }
+};
+
+}  // namespace amp::detail
