@@ -13,7 +13,8 @@
 
 #include "amp/clip_grad.h"
 #include "scaling/multi_tensor.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -4,7 +4,9 @@
 // reads its inf/NaN flag once per step and nothing else may wait for the GPU. Skips without a GPU.
 #include <cmath>
 
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
 
 #ifdef AMP_TEST_CUDA
 #include <c10/cuda/CUDAFunctions.h>

@@ -18,7 +18,8 @@
 #include "../bench/fp8_task.h"
 #include "casting/fp8.h"
 #include "casting/model_casting.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace fs = std::filesystem;
 

@@ -12,7 +12,9 @@
 #include "amp/fused_optimizers.h"
 #include "optim/fused_route.h"
 #include "optim/optimizer_state_key.h"
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -35,7 +35,9 @@
 #include <sstream>
 #include <thread>
 
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

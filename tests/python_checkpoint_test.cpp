@@ -15,7 +15,7 @@
 
 #include <unistd.h>
 
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

@@ -6,7 +6,8 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -1,5 +1,6 @@
 // The ScaledLoss handle: RAII, overflow handling, skipped steps, accumulation and delay_unscale.
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 using amp_test::Mlp;
 

@@ -1,6 +1,8 @@
 // End to end: every level x {fp16, bf16} trains an MLP and a conv+BatchNorm net to a low loss on every
 // device; O0 is bitwise identical to plain LibTorch on the same device.
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 
