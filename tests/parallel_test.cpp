@@ -38,6 +38,7 @@
 #include "support/data.h"
 #include "support/models.h"
 #include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -310,16 +311,8 @@ TEST_P(SingleRankDeviceTest, DistributedTrainingOnOneRankIsBitwisePlainTraining)
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
     std::optional<amp::parallel::DistributedDataParallel<amp_test::Mlp>> ddp;
     if (distributed) ddp.emplace(amp::parallel::make_distributed(model, group));
-    for (int step = 0; step < 4; ++step) {
-      optimizer.zero_grad();
-      auto out = ddp ? (*ddp)(x) : model(x);
-      auto loss = torch::nn::functional::cross_entropy(out, y);
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    }
+    auto forward = [&, &model = model](const torch::Tensor& input) { return ddp ? (*ddp)(input) : model(input); };
+    for (int step = 0; step < 4; ++step) amp_test::train_step(forward, optimizer, x, y);
     for (auto& p : amp::master_params(optimizer)) results[distributed].push_back(p.detach().cpu().clone());
     if (ddp) {
       EXPECT_EQ(ddp->communication_stats().synced_backwards, 4);
