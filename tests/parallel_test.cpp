@@ -1,5 +1,5 @@
 // amp::parallel: options, environment errors, SyncBatchNorm conversion and a one-rank group in this process;
-// the two-rank behaviour in tests/parallel_worker.cpp, launched here as 2 processes on 127.0.0.1, by hand
+// the two-rank behaviour in tests/parallel/ (amp_parallel_worker), launched here as 2 processes on 127.0.0.1, by hand
 // (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and once through `torchrun --no-python`.
 //
 // Ported from PyTorch's test/distributed/test_c10d_common.py / test_c10d_gloo.py and
@@ -19,7 +19,7 @@
 // From Apex's tests/distributed (DDP/ddp_race_condition_test.py, synced_batchnorm/*): parameters identical on all
 // ranks after every step; SyncBatchNorm forward/backward and running statistics vs. BatchNorm, fp32 and half.
 //
-// Tolerances (tests/parallel_worker.cpp states each where it checks it): O0 1e-5 (summation order only), O1
+// Tolerances (tests/parallel/*_scenarios.cpp state each where it checks it): O0 1e-5 (summation order only), O1
 // 1e-3, O2 bf16 2e-2 (each rank's gradient is rounded to bf16 before the sum: a few bf16 ulps per step; measured
 // ~1e-3), loss scales and skipped steps exactly equal.
 #include <arpa/inet.h>
