@@ -8,7 +8,7 @@
 // double backward refusal; test_checkpointing_without_reentrant_nested).
 
 #include "../examples/common/memory_meter.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

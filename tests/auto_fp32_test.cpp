@@ -15,7 +15,7 @@
 #include "casting/model_casting.h"
 #include "casting/precision_policy.h"
 #include "optim/optimizer_state_key.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

@@ -2,7 +2,8 @@
 // track_running_stats on/off x {train, eval, frozen}. Checks no dtype error (apex #122/#614/#121/#133), the
 // dtypes each level promises, gradients flowing through eval-mode BN to the layers before it, frozen
 // statistics never changing (skipped steps included), and results close to an fp32 reference.
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <map>
 
 #include "casting/autocast_adapter.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

@@ -1,7 +1,8 @@
 // Checkpoints. Ports Apex's test_checkpointing.py: test_restoring (every level x num_losses 1..2,
 // checkpoint at step 5 of 10, restore into fresh objects in either load order, bitwise-equal continuation) and
 // test_loss_scale_decrease (forced overflows per scaler survive a save/load).
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -14,7 +14,8 @@
 #include "amp/clip_grad.h"
 #include "optim/optimizer_access.h"
 #include "scaling/multi_tensor.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 
 #include "amp/config.h"
 #include "casting/fp8.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

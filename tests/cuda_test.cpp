@@ -4,7 +4,10 @@
 // reads its inf/NaN flag once per step and nothing else may wait for the GPU. Skips without a GPU.
 #include <cmath>
 
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 #ifdef AMP_TEST_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -113,16 +116,7 @@ TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
   const auto options = amp::Options(c.level).low_precision_dtype(c.dtype).verbosity(0);
   auto run = [&](auto optimizer_in) {
     auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
-    auto step = [&, &model = model, &optimizer = optimizer] {
-      optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model(x), y);
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-      return loss;
-    };
+    auto step = [&, &model = model, &optimizer = optimizer] { return amp_test::train_step(model, optimizer, x, y); };
     const SyncCounts syncs = syncs_over(step);
     EXPECT_LE(syncs.cuda, kSteps) << "CUDA reported " << syncs.cuda << " synchronizations in " << kSteps << " steps";
     EXPECT_EQ(syncs.cuda, syncs.amp) << "syncs that amp did not make itself (amp counted " << syncs.amp << ")";

@@ -8,7 +8,7 @@
 // backward (pytorch #87979, PR #88029), amp's O1 rows follow into backward, the state the guards found comes back,
 // and the errors.
 #include "casting/autocast_adapter.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

@@ -20,7 +20,9 @@
 #include "casting/model_casting.h"
 #include "casting/precision_policy.h"
 #include "optim/optimizer_access.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace fs = std::filesystem;
 
@@ -126,14 +128,8 @@ std::vector<double> f8_scales(const amp::OptimizerBase& optimizer) {
 
 // One training step as tests/python/fp8.py's loop takes it; `loss_factor` multiplies the loss (inf: an overflow).
 double f8_step(amp::Model<F8Mlp>& model, F8Optimizer& optimizer, int step, double loss_factor = 1.0) {
-  optimizer.zero_grad();
-  const torch::Tensor loss = torch::nn::functional::cross_entropy(model(f8_x(step)), f8_y(step));
-  {
-    auto scaled = amp::scale_loss(loss * loss_factor, optimizer);
-    scaled.backward();
-  }
-  optimizer.step();
-  return loss.item<double>();
+  return amp_test::train_step(model, optimizer, f8_x(step), f8_y(step), amp_test::StepOptions().loss_factor(loss_factor))
+      .item<double>();
 }
 
 F8Run f8_train(const amp::Options& options, int steps = kF8Steps) {

@@ -16,7 +16,10 @@
 #include "amp/fused_optimizers.h"
 #include "optim/fused_route.h"
 #include "optim/optimizer_state_key.h"
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -220,16 +223,7 @@ TEST_P(FusedLAMBLevelTest, TrainsSkipsOverflowsAndResumesBitwise) {
   };
   auto train = [&](auto& model, auto& optimizer, int steps) {
     double last = 0;
-    for (int s = 0; s < steps; ++s) {
-      optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model(x.to(device())), y.to(device()));
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-      last = loss.template item<double>();
-    }
+    for (int s = 0; s < steps; ++s) last = amp_test::train_step(model, optimizer, x.to(device()), y.to(device())).template item<double>();
     return last;
   };
   auto [net, lamb] = make();
@@ -290,12 +284,7 @@ TEST(FusedLAMBTest, O2WritesTheModelCopyInItsPass) {
     auto [model, optimizer] = amp::initialize(net, FusedLAMB(net->parameters()),
                                               amp::Options("O2").low_precision_dtype(dtype).verbosity(0));
     const auto [x, y] = amp_test::blobs(16, 8, 4, 1);
-    optimizer.zero_grad();
-    {
-      auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), optimizer);
-      scaled.backward();
-    }
-    optimizer.step();
+    amp_test::train_step(model, optimizer, x, y);
     const auto masters = optimizer.master_params();
     const auto params = net->parameters();
     ASSERT_EQ(masters.size(), params.size());

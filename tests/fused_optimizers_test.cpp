@@ -12,7 +12,10 @@
 #include "amp/fused_optimizers.h"
 #include "optim/fused_route.h"
 #include "optim/optimizer_state_key.h"
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -565,14 +568,7 @@ TEST_P(FusedO2Test, ResumeIsBitwiseIdenticalToNotStopping) {
                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
   };
   auto train = [&x, &y](auto& model, auto& opt, int steps) {
-    for (int s = 0; s < steps; ++s) {
-      opt.zero_grad();
-      {
-        auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), opt);
-        scaled.backward();
-      }
-      opt.step();
-    }
+    for (int s = 0; s < steps; ++s) amp_test::train_step(model, opt, x, y);
   };
   amp_test::ConvBnNet straight_net, first_net, resumed_net;
   auto [straight_model, straight_opt] = make(straight_net);

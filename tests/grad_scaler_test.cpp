@@ -5,7 +5,9 @@
 // every device: on CUDA the unscale and inf/NaN check are ATen's _amp_foreach_non_finite_check_and_unscale_, and
 // control and scaled runs do the same ops on the same device, so the expectations are the same.
 #include "scaling/multi_tensor.h"
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -1,6 +1,7 @@
 // amp::initialize: what each level does to parameters, buffers and the optimizer, and every
 // mistake it refuses (reference §1.1-§1.3, §5).
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 using amp_test::ConvBnNet;
 using amp_test::Mlp;

@@ -1,6 +1,6 @@
 // Apex's LossScaler algorithm (reference §1.5), every transition; PyTorch's
 // test_grad_scaling_update_scale and test_grad_scale_will_not_overflow in Apex's terms.
-#include "support.h"
+#include "support/support.h"
 
 using amp::LossScale;
 using amp::LossScaler;

@@ -14,7 +14,7 @@
 #include "../examples/common/memory_meter.h"
 #include "optim/fused_route.h"
 #include "optim/lean_masters.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

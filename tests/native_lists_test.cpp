@@ -9,7 +9,8 @@
 #include <unistd.h>
 
 #include "casting/autocast_adapter.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "support.h"
+#include "support/support.h"
 
 TEST(OptLevelTest, ParsesTheFourLevels) {
   EXPECT_EQ(amp::parse_opt_level("O0"), amp::OptLevel::O0);

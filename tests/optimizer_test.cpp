@@ -2,7 +2,8 @@
 // (test_grad_scaling_autocast with SGD/Adam/AdamW, _clipping, _accumulation, _multiple) in Apex's terms
 // (init 2^16, halve on overflow) and Apex's test_multiple_models_optimizers_losses for one model,
 // two losses and one optimizer.
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Apex's frontend.py table and Properties.__setattr__ rules (reference §1.1).
-#include "support.h"
+#include "support/support.h"
 
 using amp::OptLevel;
 

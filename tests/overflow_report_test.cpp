@@ -3,7 +3,8 @@
 #include <sstream>
 
 #include "casting/cpu_features.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

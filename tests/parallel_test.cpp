@@ -1,5 +1,5 @@
 // amp::parallel: options, environment errors, SyncBatchNorm conversion and a one-rank group in this process;
-// the two-rank behaviour in tests/parallel_worker.cpp, launched here as 2 processes on 127.0.0.1, by hand
+// the two-rank behaviour in tests/parallel/ (amp_parallel_worker), launched here as 2 processes on 127.0.0.1, by hand
 // (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and once through `torchrun --no-python`.
 //
 // Ported from PyTorch's test/distributed/test_c10d_common.py / test_c10d_gloo.py and
@@ -19,7 +19,7 @@
 // From Apex's tests/distributed (DDP/ddp_race_condition_test.py, synced_batchnorm/*): parameters identical on all
 // ranks after every step; SyncBatchNorm forward/backward and running statistics vs. BatchNorm, fp32 and half.
 //
-// Tolerances (tests/parallel_worker.cpp states each where it checks it): O0 1e-5 (summation order only), O1
+// Tolerances (tests/parallel/*_scenarios.cpp state each where it checks it): O0 1e-5 (summation order only), O1
 // 1e-3, O2 bf16 2e-2 (each rank's gradient is rounded to bf16 before the sum: a few bf16 ulps per step; measured
 // ~1e-3), loss scales and skipped steps exactly equal.
 #include <arpa/inet.h>
@@ -35,7 +35,10 @@
 #include <sstream>
 #include <thread>
 
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -338,16 +341,8 @@ TEST_P(SingleRankDeviceTest, DistributedTrainingOnOneRankIsBitwisePlainTraining)
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
     std::optional<amp::parallel::DistributedDataParallel<amp_test::Mlp>> ddp;
     if (distributed) ddp.emplace(amp::parallel::make_distributed(model, group));
-    for (int step = 0; step < 4; ++step) {
-      optimizer.zero_grad();
-      auto out = ddp ? (*ddp)(x) : model(x);
-      auto loss = torch::nn::functional::cross_entropy(out, y);
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    }
+    auto forward = [&, &model = model](const torch::Tensor& input) { return ddp ? (*ddp)(input) : model(input); };
+    for (int step = 0; step < 4; ++step) amp_test::train_step(forward, optimizer, x, y);
     for (auto& p : amp::master_params(optimizer)) results[distributed].push_back(p.detach().cpu().clone());
     if (ddp) {
       EXPECT_EQ(ddp->communication_stats().synced_backwards, 4);
@@ -541,6 +536,16 @@ TEST(TwoRanksTest, LeanMastersStayIdenticalAcrossRanks) {
   ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
   ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
   expect_same_line_on_both_ranks(ranks, "lean params", {"split", "stochastic_rounding", "kahan"});
+}
+
+// auto_fp32 under amp::parallel: only rank 1's forward overflows, both ranks move the module it found, and the
+// replicas stay bit-identical (the worker checks them after the move).
+TEST(TwoRanksTest, AutoFp32MovesTheSameModuleOnEveryRank) {
+  const auto ranks = two_ranks("auto_fp32");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  expect_same_line_on_both_ranks(ranks, "auto_fp32 params", {"O2 bf16"});
 }
 
 // The precision policy under amp::parallel: no_sync accumulation sums in fp32 (the worker checks the value), and

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "interop/pickle.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

@@ -12,7 +12,8 @@
 #include "amp/amp.h"
 #include "interception/interception.h"
 #include "options/format.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

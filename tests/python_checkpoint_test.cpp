@@ -15,7 +15,8 @@
 
 #include <unistd.h>
 
-#include "support.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -160,15 +161,7 @@ void resume_python_run(const Case& c, MakeOptimizer make_optimizer) {
                                                 .growth_interval(kGrowthInterval).verbosity(0));
   auto train = [&, &model = model, &optimizer = optimizer](int from, int to) {
     model.train();
-    for (int i = from; i < to; ++i) {
-      optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model(xs[i]), ys[i]);
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    }
+    for (int i = from; i < to; ++i) amp_test::train_step(model, optimizer, xs[i], ys[i]);
   };
 
   // Python -> C++: the standard calls' files, read with the standard names.

@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -205,12 +207,7 @@ TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
   {
     BackboneHead net = make_net();
     auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.1), options());
-    for (int i = 0; i < 3; ++i) {
-      optimizer.zero_grad();
-      auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), optimizer);
-      scaled.backward();
-      optimizer.step();
-    }
+    for (int i = 0; i < 3; ++i) amp_test::train_step(model, optimizer, x, y);
     torch::save(net, path);
   }
   BackboneHead fresh = make_net();
@@ -220,12 +217,7 @@ TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
   amp::initialize(saved, options());
   torch::load(saved, path);
   // lr = 0: the step must leave the loaded weights exactly as loaded (it used to write the old masters back).
-  optimizer.zero_grad();
-  {
-    auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), optimizer);
-    scaled.backward();
-  }
-  optimizer.step();
+  amp_test::train_step(model, optimizer, x, y);
   for (size_t i = 0; i < fresh->parameters().size(); ++i) {
     EXPECT_TRUE(amp_test::bitwise_equal(fresh->parameters()[i], saved->parameters()[i])) << "parameter " << i;
   }
@@ -243,13 +235,7 @@ TEST_P(RealScriptsTest, ResumeContinuesBitwiseWhicheverIsLoadedFirst) {
   const auto y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
   auto train = [&](auto& model, auto& optimizer, int steps) {
     std::vector<torch::Tensor> losses;
-    for (int i = 0; i < steps; ++i) {
-      optimizer.zero_grad();
-      const auto loss = torch::nn::functional::cross_entropy(model(x * (1 + 0.1 * i)), y);
-      losses.push_back(loss.detach().cpu());
-      amp::scale_loss(loss, optimizer).backward();
-      optimizer.step();
-    }
+    for (int i = 0; i < steps; ++i) losses.push_back(amp_test::train_step(model, optimizer, x * (1 + 0.1 * i), y).detach().cpu());
     return losses;
   };
   // eps 1e-4: O3 fp16 refuses 1e-8, which rounds to 0 in fp16.
@@ -407,10 +393,7 @@ TEST(RealScriptsTest, AdagradAtO0IsBitwisePlainLibTorch) {
     ref_opt.zero_grad();
     torch::nn::functional::cross_entropy(reference->forward(x), y).backward();
     ref_opt.step();
-    optimizer.zero_grad();
-    auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(x), y), optimizer);
-    scaled.backward();
-    optimizer.step();
+    amp_test::train_step(model, optimizer, x, y);
   }
   for (size_t i = 0; i < net->parameters().size(); ++i) {
     EXPECT_TRUE(amp_test::bitwise_equal(net->parameters()[i], reference->parameters()[i])) << i;

@@ -4,7 +4,8 @@
 // and the last test checks that rule.
 #include <torch/library.h>
 
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace {
 

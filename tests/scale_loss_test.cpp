@@ -1,6 +1,7 @@
 // The ScaledLoss handle: RAII, overflow handling, skipped steps, accumulation and delay_unscale.
 #include "optim/optimizer_access.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 using amp_test::Mlp;
 

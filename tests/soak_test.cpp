@@ -7,7 +7,7 @@
 // AMP_SOAK_STEPS sets the length (default 10000; CI's long mode runs more under a time budget).
 #include <random>
 
-#include "support.h"
+#include "support/support.h"
 
 namespace {
 

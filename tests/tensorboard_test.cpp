@@ -21,7 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 namespace fs = std::filesystem;
 

@@ -4,7 +4,8 @@
 // at once is not supported, as in LibTorch: optimizers and BatchNorm statistics are not synchronized.)
 #include <thread>
 
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 TEST(ThreadTest, ConcurrentO1ForwardsMatchTheSingleThreadedResult) {
   amp_test::ConvBnNet net;

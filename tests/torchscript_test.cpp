@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "casting/model_casting.h"
-#include "support.h"
+#include "support/support.h"
 
 namespace fs = std::filesystem;
 

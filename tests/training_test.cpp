@@ -1,6 +1,9 @@
 // End to end: every level x {fp16, bf16} trains an MLP and a conv+BatchNorm net to a low loss on every
 // device; O0 is bitwise identical to plain LibTorch on the same device.
-#include "support.h"
+#include "support/data.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
 
 namespace {
 
@@ -25,14 +28,7 @@ std::pair<double, double> train(Net net, torch::Tensor x, torch::Tensor y, const
     for (int64_t start = 0; start < x.size(0); start += 32) {
       auto xb = x.narrow(0, start, std::min<int64_t>(32, x.size(0) - start));
       auto yb = y.narrow(0, start, xb.size(0));
-      optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model(xb), yb);
-      {
-        auto scaled = amp::scale_loss(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-      total += loss.template item<double>();
+      total += amp_test::train_step(model, optimizer, xb, yb).template item<double>();
       ++batches;
     }
     (epoch == 0 ? first : last) = total / batches;

@@ -4,7 +4,8 @@
 // On CUDA the same calls run ATen's _amp_foreach_non_finite_check_and_unscale_ (amp's own loop on the CPU).
 #include "scaling/cpu_kernels.h"
 #include "scaling/multi_tensor.h"
-#include "support.h"
+#include "support/models.h"
+#include "support/support.h"
 
 using amp::detail::FoundInf;
 

@@ -15,7 +15,7 @@
 #include "optim/fused_route.h"
 #include "optim/lean_masters.h"
 #include "scaling/multi_tensor.h"
-#include "optim/optimizer_grads.h"
+#include "scaling/optimizer_grads.h"
 #include "optim/optimizer_state_key.h"
 
 // ATen's fused optimizer kernels with CPU implementations (and _fused_sgd_) arrived in LibTorch 2.4.
@@ -148,6 +148,12 @@ Work work_for(const at::Tensor& p, const LeanTable& lean) {
 // ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).
 struct AtenBatch {
   std::vector<at::Tensor> params, grads, buffers_a, buffers_b, buffers_c, steps, copies_from, copies_to;
+  // After the step, `p` is copied into the model's low-precision `copy` (where there is one: O2's masters).
+  void copy_after(const at::Tensor& p, const at::Tensor* copy) {
+    if (!copy) return;
+    copies_from.push_back(p);
+    copies_to.push_back(*copy);
+  }
 };
 using BatchKey = std::tuple<std::string, int, bool>;
 BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
@@ -262,10 +268,7 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTa
           batch.buffers_b.push_back(state.exp_avg_sq());
           if (o.amsgrad()) batch.buffers_c.push_back(vmax);
           batch.steps.push_back(at::full({}, static_cast<double>(state.step()), p.options().dtype(at::kFloat)));
-          if (copy) {
-            batch.copies_from.push_back(p);
-            batch.copies_to.push_back(*copy);
-          }
+          batch.copy_after(p, copy);
           if (work.lean) after_batches.push_back(std::move(work));
           break;
         }
@@ -596,10 +599,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
           batch.params.push_back(p);
           batch.grads.push_back(grad);
           if (state) batch.buffers_a.push_back(state->momentum_buffer());
-          if (copy) {
-            batch.copies_from.push_back(p);
-            batch.copies_to.push_back(*copy);
-          }
+          batch.copy_after(p, copy);
           if (work.lean) after_batches.push_back(std::move(work));
           break;
         }

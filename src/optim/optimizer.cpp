@@ -18,7 +18,7 @@
 #include "options/format.h"
 #include "optim/master_weights.h"
 #include "optim/optimizer_access.h"
-#include "optim/optimizer_grads.h"
+#include "scaling/optimizer_grads.h"
 #include "optim/param_index.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/scaled_grads.h"

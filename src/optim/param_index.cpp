@@ -23,7 +23,7 @@
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
 #include "casting/model_casting.h"
-#include "optim/optimizer_grads.h"
+#include "scaling/optimizer_grads.h"
 #include "optim/optimizer_state_key.h"
 #include "scaling/scaled_grads.h"
 

@@ -9,7 +9,7 @@
 #include <torch/version.h>
 // LibTorch 1.13 as Debian ships it lacks a header reducer.hpp includes (torch/csrc/distributed/autograd/context/
 // context.h), so there the gradients are reduced after backward (delay_allreduce's path), which computes the same
-// averages bit for bit (tests/parallel_worker.cpp checks delay_allreduce against the overlapped path on 2.x).
+// averages bit for bit (tests/parallel/ checks delay_allreduce against the overlapped path on 2.x).
 #if TORCH_VERSION_MAJOR >= 2
 #define AMP_HAS_C10D_REDUCER 1
 #include <torch/csrc/distributed/c10d/reducer.hpp>

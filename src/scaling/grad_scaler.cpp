@@ -7,7 +7,7 @@
 #include "amp/fused_optimizers.h"
 #include "options/format.h"
 #include "scaling/multi_tensor.h"
-#include "optim/optimizer_grads.h"
+#include "scaling/optimizer_grads.h"
 
 namespace amp {
 namespace {

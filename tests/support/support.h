@@ -1,5 +1,6 @@
 #pragma once
-// Shared test helpers: message checks, dtype availability, small networks.
+// Shared test helpers: message checks, dtype availability, device and level fixtures.
+// The test models are in models.h, their data in data.h, the training step in training.h.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -118,37 +119,6 @@ bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b);
 inline std::vector<c10::ScalarType> low_precision_dtypes() { return {torch::kHalf, torch::kBFloat16}; }
 
 inline std::string dtype_label(c10::ScalarType t) { return t == torch::kHalf ? "fp16" : "bf16"; }
-
-struct MlpImpl : torch::nn::Module {
-  MlpImpl(int in = 8, int hidden = 16, int out = 4)
-      : fc1(register_module("fc1", torch::nn::Linear(in, hidden))),
-        fc2(register_module("fc2", torch::nn::Linear(hidden, out))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(Mlp);
-
-/// conv -> BatchNorm -> relu -> pool -> linear: the shape of the nets amp is used on.
-struct ConvBnNetImpl : torch::nn::Module {
-  ConvBnNetImpl(int classes = 4)
-      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)))),
-        bn(register_module("bn", torch::nn::BatchNorm2d(8))),
-        fc(register_module("fc", torch::nn::Linear(8 * 4 * 4, classes))) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto h = torch::max_pool2d(torch::relu(bn(conv(x))), 2);
-    return fc(h.flatten(1));
-  }
-  torch::nn::Conv2d conv;
-  torch::nn::BatchNorm2d bn;
-  torch::nn::Linear fc;
-};
-TORCH_MODULE(ConvBnNet);
-
-/// A separable classification problem: `n` points in `features` dims, `classes` Gaussian blobs.
-std::pair<torch::Tensor, torch::Tensor> blobs(int64_t n, int64_t features, int64_t classes, uint64_t seed);
-
-/// 8x8 one-channel images whose class is the quadrant holding a bright square.
-std::pair<torch::Tensor, torch::Tensor> quadrant_images(int64_t n, uint64_t seed);
 
 }  // namespace amp_test
 
