@@ -55,7 +55,7 @@ bool is_island(const PrecisionPolicy& policy, const std::string& name) {
 }
 
 // The index of `name` among `root`'s named modules (-1: none), the same on every rank for one model.
-int64_t module_index(torch::nn::Module& root, const std::string& name) {
+int64_t index_of_module(torch::nn::Module& root, const std::string& name) {
   int64_t i = 0;
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     if (item.key() == name) return i;
@@ -64,7 +64,7 @@ int64_t module_index(torch::nn::Module& root, const std::string& name) {
   return -1;
 }
 
-std::string module_at(torch::nn::Module& root, int64_t index) {
+std::string module_at_index(torch::nn::Module& root, int64_t index) {
   int64_t i = 0;
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     if (i++ == index) return item.key();
@@ -72,21 +72,21 @@ std::string module_at(torch::nn::Module& root, int64_t index) {
   return {};
 }
 
-using Culprit = std::optional<std::pair<size_t, std::string>>;
+using AutoFp32Culprit = std::optional<std::pair<size_t, std::string>>;
 
 // The ranks' culprits, one row per rank of (model + 1, module index + 1) (0: found none), gathered as a maximum:
 // the lowest rank that found one decides.
-Culprit agree(const Culprit& mine, const std::vector<std::shared_ptr<torch::nn::Module>>& models, RankLink& link) {
+AutoFp32Culprit agree_on_culprit(const AutoFp32Culprit& mine, const std::vector<std::shared_ptr<torch::nn::Module>>& models, RankLink& link) {
   at::Tensor rows = at::zeros({link.world_size(), 2}, at::kLong);
   if (mine) {
     rows[link.rank()][0] = static_cast<int64_t>(mine->first) + 1;
-    rows[link.rank()][1] = module_index(*models[mine->first], mine->second) + 1;
+    rows[link.rank()][1] = index_of_module(*models[mine->first], mine->second) + 1;
   }
   link.max_over_ranks(rows);
   for (int64_t r = 0; r < rows.size(0); ++r) {
     const int64_t model = rows[r][0].item<int64_t>() - 1, module = rows[r][1].item<int64_t>() - 1;
     if (model >= 0 && module >= 0 && static_cast<size_t>(model) < models.size()) {
-      return std::make_pair(static_cast<size_t>(model), module_at(*models[static_cast<size_t>(model)], module));
+      return std::make_pair(static_cast<size_t>(model), module_at_index(*models[static_cast<size_t>(model)], module));
     }
   }
   return std::nullopt;
@@ -120,7 +120,7 @@ void AutoFp32::after_backward(OptimizerBase& optimizer, const BackwardOutcome& o
   // This backward followed a diagnosed forward and overflowed again: find the module.
   const auto models = OptimizerAccess::models(optimizer);
   const auto& report = OptimizerAccess::last_overflow(optimizer);
-  Culprit culprit;
+  AutoFp32Culprit culprit;
   for (size_t k = 0; k < models.size() && !culprit; ++k) {
     if (auto policy = precision_policy_of(*models[k])) {
       if (auto name = policy->diagnosed_module()) culprit.emplace(k, *name);
@@ -140,7 +140,7 @@ void AutoFp32::after_backward(OptimizerBase& optimizer, const BackwardOutcome& o
       }
     }
   }
-  if (const auto link = link_.lock()) culprit = agree(culprit, models, *link);
+  if (const auto link = link_.lock()) culprit = agree_on_culprit(culprit, models, *link);
   set_armed(optimizer, false);
   const Properties& p = optimizer.properties();
   if (!culprit) {

@@ -17,7 +17,7 @@ namespace {
 
 
 // The FP8 states of the optimizer's models, in initialize's order.
-std::vector<std::shared_ptr<Fp8State>> fp8_states(const OptimizerBase& optimizer) {
+std::vector<std::shared_ptr<Fp8State>> feature_fp8_states(const OptimizerBase& optimizer) {
   std::vector<std::shared_ptr<Fp8State>> out;
   if (!optimizer.properties().fp8) return out;
   for (const auto& model : OptimizerAccess::models(optimizer)) {
@@ -29,24 +29,24 @@ std::vector<std::shared_ptr<Fp8State>> fp8_states(const OptimizerBase& optimizer
 }  // namespace
 
 void Fp8Feature::describe_overflow(const OptimizerBase& optimizer, OverflowReport& report) const {
-  for (const auto& fp8 : fp8_states(optimizer)) {
+  for (const auto& fp8 : feature_fp8_states(optimizer)) {
     for (auto& name : fp8->non_finite_layers()) report.fp8_layers.push_back(std::move(name));
   }
 }
 
 void Fp8Feature::after_step(OptimizerBase& optimizer, bool taken) {
-  for (const auto& fp8 : fp8_states(optimizer)) fp8->end_step(taken);  // a skipped step never reaches the history
+  for (const auto& fp8 : feature_fp8_states(optimizer)) fp8->end_step(taken);  // a skipped step never reaches the history
 }
 
 void Fp8Feature::save(const OptimizerBase& optimizer, torch::serialize::OutputArchive& archive) const {
-  const auto fp8 = fp8_states(optimizer);  // one model after the other
+  const auto fp8 = feature_fp8_states(optimizer);  // one model after the other
   archive.write("fp8/models", c10::IValue(static_cast<int64_t>(fp8.size())));
   for (size_t k = 0; k < fp8.size(); ++k) fp8[k]->save(archive, "fp8/" + std::to_string(k) + "/");
 }
 
 std::function<void()> Fp8Feature::load(OptimizerBase& optimizer, torch::serialize::InputArchive& archive,
                                        const std::string& where) {
-  const auto fp8 = fp8_states(optimizer);
+  const auto fp8 = feature_fp8_states(optimizer);
   c10::IValue models;
   const int64_t saved = archive.try_read("fp8/models", models) && models.isInt() ? models.toInt() : 0;
   TORCH_CHECK(saved == static_cast<int64_t>(fp8.size()), where, ": the checkpoint holds the FP8 scaling state of ",
@@ -65,7 +65,7 @@ std::function<void()> Fp8Feature::load(OptimizerBase& optimizer, torch::serializ
 // put_amp's entry: one dict per model with FP8 layers, {'layers': [str], 'scales', 'history', 'history_amax',
 // 'position': Tensor}.
 std::optional<c10::IValue> Fp8Feature::python_state(const OptimizerBase& optimizer) const {
-  const auto states = fp8_states(optimizer);
+  const auto states = feature_fp8_states(optimizer);
   if (states.empty()) return std::nullopt;
   c10::impl::GenericList models(c10::AnyType::get());
   for (const auto& state : states) {
@@ -81,7 +81,7 @@ std::function<void()> Fp8Feature::load_python_state(OptimizerBase& optimizer, co
                                                     const std::string& at) {
   if (!entry) return nullptr;  // an Apex or pre-FP8 checkpoint: FP8 layers start their scales afresh
   const char* m = "amp::PythonCheckpoint::load_amp: ";
-  const auto states = fp8_states(optimizer);
+  const auto states = feature_fp8_states(optimizer);
   TORCH_CHECK(entry->isList(), m, at, " is ", type_of(*entry), ", not the list of dicts put_amp writes.");
   const auto list = entry->toListRef();
   TORCH_CHECK(list.size() == states.size(), m, at, " holds the FP8 scaling state of ", list.size(), " model(s), this "
@@ -132,7 +132,7 @@ namespace amp {
 
 std::vector<Fp8LayerState> fp8_layers(const OptimizerBase& optimizer) {
   std::vector<Fp8LayerState> out;
-  for (const auto& state : detail::fp8_states(optimizer)) {
+  for (const auto& state : detail::feature_fp8_states(optimizer)) {
     for (auto& layer : state->report()) out.push_back(std::move(layer));
   }
   return out;

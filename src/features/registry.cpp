@@ -25,31 +25,31 @@ Features make_features(OptimizerBase& optimizer) {
 }
 
 // Which features ride on which model, for amp::parallel (which wraps a model, not an optimizer).
-struct Entry {
+struct FeatureEntry {
   std::weak_ptr<torch::nn::Module> model;
   std::weak_ptr<Feature> feature;
 };
-std::mutex registry_mutex;
-std::vector<Entry> registry;
+std::mutex feature_registry_mutex;
+std::vector<FeatureEntry> feature_registry;
 
 }  // namespace
 
 void attach_features(OptimizerBase& optimizer, const std::vector<torch::nn::Module*>& modules) {
   const Features features = make_features(optimizer);
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  registry.erase(std::remove_if(registry.begin(), registry.end(),
-                                [](const Entry& e) { return e.model.expired() || e.feature.expired(); }),
-                 registry.end());
+  std::lock_guard<std::mutex> lock(feature_registry_mutex);
+  feature_registry.erase(std::remove_if(feature_registry.begin(), feature_registry.end(),
+                                [](const FeatureEntry& e) { return e.model.expired() || e.feature.expired(); }),
+                 feature_registry.end());
   for (const auto& feature : features) {
     OptimizerAccess::add_feature(optimizer, feature);
-    for (torch::nn::Module* m : modules) registry.push_back({m->shared_from_this(), feature});
+    for (torch::nn::Module* m : modules) feature_registry.push_back({m->shared_from_this(), feature});
   }
 }
 
 Features features_of(const torch::nn::Module& model) {
   Features out;
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  for (const auto& e : registry) {
+  std::lock_guard<std::mutex> lock(feature_registry_mutex);
+  for (const auto& e : feature_registry) {
     const auto m = e.model.lock();
     auto f = e.feature.lock();
     if (m.get() == &model && f) out.push_back(std::move(f));
