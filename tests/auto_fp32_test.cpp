@@ -166,3 +166,44 @@ TEST(AutoFp32Test, AnFp8LayerDropsToBf16BeforeFp32) {
   EXPECT_TRUE(amp::fp32_modules(optimizer2).empty());
   std::filesystem::remove(path);
 }
+
+namespace {
+
+// An optimizer whose per-parameter state amp does not know: SGD's, re-wrapped after each step.
+struct AfOpaqueState : torch::optim::OptimizerCloneableParamState<AfOpaqueState> {
+  torch::Tensor buffer;
+};
+
+struct AfOpaqueSgd : torch::optim::SGD {
+  using torch::optim::SGD::SGD;
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    torch::Tensor loss = torch::optim::SGD::step(std::move(closure));
+    for (auto& [key, state] : this->state()) {
+      auto opaque = std::make_unique<AfOpaqueState>();
+      opaque->buffer = static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer();
+      state = std::move(opaque);
+    }
+    return loss;
+  }
+};
+
+}  // namespace
+
+// Without masters the optimizer state must follow its parameter to fp32; a state amp can't cast stops the move with
+// the parameter's name and the fixes.
+TEST(AutoFp32Test, AtO3AnOptimizerStateAmpCannotCastIsNamed) {
+  torch::manual_seed(4);
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Linear(8, 1));
+  auto [model, optimizer] = amp::initialize(
+      net, AfOpaqueSgd(net->parameters(), torch::optim::SGDOptions(1e-6).momentum(0.9)),
+      amp::Options("O3").low_precision_dtype(torch::kBFloat16).auto_fp32(2).verbosity(0));
+  af_train(model, optimizer, 0, 1);  // a clean step: every parameter gets an opaque state
+  ASSERT_EQ(optimizer.skipped_steps(), 0);
+  af_make_overflow(net, 0, 1);
+  af_train(model, optimizer, 1, 3);  // two overflows arm the diagnosis
+  optimizer.zero_grad();
+  torch::manual_seed(60);
+  const torch::Tensor loss = model(torch::randn({16, 4})).pow(2).mean();
+  ASSERT_THROWS_WITH(amp::scale_loss(loss, optimizer).backward(),
+                     "amp::Optimizer: auto_fp32 moves parameter '1.weight' to fp32, but its optimizer state is a");
+}

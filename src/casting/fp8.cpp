@@ -428,7 +428,7 @@ std::function<void()> Fp8State::load(torch::serialize::InputArchive& archive, co
 bool Fp8State::leave_fp8(const std::string& name) {
   bool left = false;
   for (const auto& layer : layers_) {
-    const bool under = name.empty() || layer.name == name || layer.name.compare(0, name.size() + 1, name + ".") == 0;
+    const bool under = layer.name == name || layer.name.compare(0, name.size() + 1, name + ".") == 0;
     if (under && by_weight_.erase(layer.weight.unsafeGetTensorImpl()) > 0) left = true;
   }
   return left;

@@ -119,7 +119,7 @@ void AutoFp32::after_backward(OptimizerBase& optimizer, const BackwardOutcome& o
   }
   // This backward followed a diagnosed forward and overflowed again: find the module.
   const auto models = OptimizerAccess::models(optimizer);
-  const auto& report = OptimizerAccess::last_overflow(optimizer);
+  const auto& report = optimizer.last_overflow();
   AutoFp32Culprit culprit;
   for (size_t k = 0; k < models.size() && !culprit; ++k) {
     if (auto policy = precision_policy_of(*models[k])) {
@@ -183,7 +183,8 @@ bool AutoFp32::move_up(OptimizerBase& optimizer, size_t model, const std::string
   auto& state = opt.state();
   ParamIndex& index = OptimizerAccess::index(optimizer);
   if (index.lean()) index.lean()->refresh_changed();  // lean values follow writes into the model before they are read
-  for (at::Tensor p : module->parameters(/*recurse=*/true)) {
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    at::Tensor p = item.value();
     if (p.scalar_type() == at::kFloat || !p.is_floating_point()) continue;
     if (const auto master = find_master(p); master && master->first.get() == &index.masters()) {
       at::Tensor m = master->first->master()[master->second];
@@ -211,9 +212,10 @@ bool AutoFp32::move_up(OptimizerBase& optimizer, size_t model, const std::string
     } else if (const auto lean = find_lean(p); lean && lean->first == index.lean()) {
       p.set_data(lean->first->value(lean->second));  // bf16 weight + low bits: the fp32 value, exactly (kSplit)
     } else {
-      // No master (O3, or master_weights off): the value is the low-precision one, and its state follows it up.
+      // No master (O3, or master_weights off): the value is the low-precision one, and its state follows it up
+      // (first: a state amp can't cast stops the move before the parameter changed).
+      if (auto it = state.find(state_key(state, p)); it != state.end()) cast_state_to_float(*it->second, name + "." + item.key());
       p.set_data(p.to(at::kFloat));
-      if (auto it = state.find(state_key(state, p)); it != state.end()) cast_state_to_float(*it->second, name);
     }
     p.mutable_grad() = at::Tensor();
   }

@@ -15,7 +15,6 @@
 namespace amp::detail {
 namespace {
 
-
 // The FP8 states of the optimizer's models, in initialize's order.
 std::vector<std::shared_ptr<Fp8State>> feature_fp8_states(const OptimizerBase& optimizer) {
   std::vector<std::shared_ptr<Fp8State>> out;

@@ -15,7 +15,7 @@ namespace amp::detail {
 void IslandsFeature::join_ranks(torch::nn::Module& model, const std::shared_ptr<RankLink>& link) {
   std::string kept;
   if (const auto policy = precision_policy_of(model)) {
-    for (const auto& k : policy->kept()) kept += k.name + " (" + k.reason + "); ";
+    for (const auto& k : policy->kept()) kept += (kept.empty() ? "" : ", ") + k.name + " (" + k.reason + ")";
   }
   // 52 bits of the list's hash, exact in a double's mantissa and in int64: its maximum and minimum over the ranks
   // agree only if every rank keeps the same list.

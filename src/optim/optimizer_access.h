@@ -22,8 +22,6 @@ class ParamIndex;
 struct OptimizerAccess {
   /// Adopts param groups added since initialize, as scale_loss and step do, and returns the torch optimizer.
   static torch::optim::Optimizer& synced_torch_optimizer(OptimizerBase& o);
-  /// The torch optimizer as it is (param_groups not synced).
-  static torch::optim::Optimizer& torch_optimizer(OptimizerBase& o) { return o.torch_optimizer(); }
   /// Adopts param groups added since initialize.
   static void sync_param_groups(OptimizerBase& o) { o.sync_param_groups(); }
   static ParamIndex& index(const OptimizerBase& o) { return *o.index_; }
@@ -39,17 +37,8 @@ struct OptimizerAccess {
   /// The defined gradients the next step() will use (the fp32 masters' at O2), after checking that none is still
   /// multiplied by a loss scale; `caller` names the call in the error.
   static std::vector<at::Tensor> grads_for_step(OptimizerBase& o, const char* caller) { return o.grads_for_step(caller); }
-  static const std::optional<OverflowReport>& last_overflow(const OptimizerBase& o) { return o.last_overflow_; }
   static const std::vector<std::shared_ptr<Feature>>& features(const OptimizerBase& o) { return o.features_; }
   static void add_feature(OptimizerBase& o, std::shared_ptr<Feature> feature) { o.features_.push_back(std::move(feature)); }
-  /// The optimizer's feature of type F.
-  template <class F>
-  static std::shared_ptr<F> feature(const OptimizerBase& o) {
-    for (const auto& f : o.features_) {
-      if (auto typed = std::dynamic_pointer_cast<F>(f)) return typed;
-    }
-    return nullptr;
-  }
 };
 
 }  // namespace amp::detail

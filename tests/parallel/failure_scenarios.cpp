@@ -32,6 +32,24 @@ void scenario_mismatch(const ProcessGroup& group) {
   report(error.find("the models differ across ranks: parameter '2.weight' is [4, 16] (BFloat16) on rank 0 but [5, 16] "
                     "(BFloat16) on rank 1") != std::string::npos,
          "make_distributed refuses different models on every rank, naming the parameter", error.substr(0, 200));
+
+  // At O1 the islands change no dtype, so only the islands' own check sees ranks that keep different modules in
+  // fp32 (their replicas would compute in different dtypes).
+  torch::manual_seed(1);
+  auto same = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
+  auto options = amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  if (group.rank() == 1) options.keep_fp32({"2"});
+  auto [model1, optimizer1] = amp::initialize(same, torch::optim::SGD(same->parameters(), torch::optim::SGDOptions(0.1)),
+                                              options);
+  error.clear();
+  try {
+    auto ddp = amp::parallel::make_distributed(model1, group);
+  } catch (const std::exception& e) {
+    error = amp::detail::message_of(e);
+  }
+  report(error.find("rank " + std::to_string(group.rank()) + " keeps other modules in fp32 than another rank (this "
+                    "rank: " + (group.rank() == 1 ? "2 (keep_fp32))" : "none)")) != std::string::npos,
+         "make_distributed refuses ranks that keep different fp32 islands, on every rank", error.substr(0, 200));
 }
 
 void scenario_dies(const ProcessGroup& group) {
