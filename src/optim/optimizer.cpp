@@ -2,7 +2,7 @@
 
 // The step, the backward protocol (scale_loss's side) and torch::save archives of amp::OptimizerBase. Which
 // tensors it steps and how groups added after initialize are adopted is its parameter index (param_index.h); what
-// rides on its steps beside them are its training features (NOTE [Training features] in src/features/feature.h).
+// rides on its steps beside them are its training features (NOTE [Training features] in src/optim/feature.h).
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
@@ -15,12 +15,12 @@
 
 #include "amp/opt_level.h"
 #include "optim/feature.h"
-#include "options/format.h"
 #include "optim/master_weights.h"
 #include "optim/optimizer_access.h"
-#include "scaling/optimizer_grads.h"
 #include "optim/param_index.h"
+#include "options/format.h"
 #include "scaling/multi_tensor.h"
+#include "scaling/optimizer_grads.h"
 #include "scaling/scaled_grads.h"
 
 namespace amp {

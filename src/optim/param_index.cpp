@@ -19,13 +19,11 @@
 
 #include "amp/fused_optimizers.h"
 #include "amp/opt_level.h"
-#include "options/format.h"
+#include "casting/model_casting.h"
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
-#include "casting/model_casting.h"
-#include "scaling/optimizer_grads.h"
 #include "optim/optimizer_state_key.h"
-#include "scaling/scaled_grads.h"
+#include "options/format.h"
 
 namespace amp::detail {
 namespace {
