@@ -13,6 +13,7 @@
 #include "amp/amp.h"
 #include "casting/fp8.h"
 #include "casting/model_casting.h"
+#include "optim/fp32_values.h"
 #include "casting/precision_policy.h"
 #include "optim/optimizer_state_key.h"
 #include "support/support.h"

@@ -18,6 +18,7 @@
 #include "../bench/fp8_task.h"
 #include "casting/fp8.h"
 #include "casting/model_casting.h"
+#include "optim/fp32_values.h"
 #include "casting/precision_policy.h"
 #include "optim/optimizer_access.h"
 #include "support/models.h"

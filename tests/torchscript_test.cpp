@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "casting/model_casting.h"
+#include "optim/fp32_values.h"
 #include "support/support.h"
 
 namespace fs = std::filesystem;

@@ -1,8 +1,6 @@
 #include "casting/model_casting.h"
 
 #include "amp/batchnorm.h"
-#include "optim/lean_masters.h"
-#include "optim/master_weights.h"
 #include "casting/precision_policy.h"
 
 namespace amp::detail {
@@ -48,23 +46,5 @@ std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module&
   return out;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
-  auto out = named_tensors(module);
-  std::unordered_set<const MasterWeights*> refreshed;
-  for (auto& [name, value] : out) {
-    if (auto master = find_master(value)) {
-      auto& [table, index] = *master;
-      if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
-      value = table->master()[index];
-    } else if (auto lean = find_lean(value)) {
-      auto& [table, index] = *lean;
-      table->refresh_changed();
-      value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
-    } else if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) {
-      value = value.to(at::kFloat);
-    }
-  }
-  return out;
-}
 
 }  // namespace amp::detail

@@ -22,11 +22,6 @@ std::unordered_set<const c10::TensorImpl*> tensors_to_cast(torch::nn::Module& mo
 /// parameters, then its buffers, then its children).
 std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module& module);
 
-/// Returns the module's parameters and buffers as a Python state_dict orders them, each with its fp32 value where
-/// amp keeps one: a parameter's fp32 master (O2), the value a lean master format keeps, else low-precision tensors
-/// cast to fp32 (Apex's O2 state_dict hook). Not copied: a tensor already fp32 is the model's own.
-std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module);
-
 /// Records that amp::initialize ran (user cast registrations must come before it; defined beside them in
 /// src/casting/cast_kernels.cpp).
 void note_initialize();

@@ -27,7 +27,6 @@
 #include <utility>
 
 #include "amp/batchnorm.h"
-#include "amp/python_checkpoint.h"
 #include "options/format.h"
 #include "casting/jit_mirror.h"
 #include "casting/model_casting.h"
@@ -320,42 +319,11 @@ void Model<torch::jit::Module>::train(bool on) {
              "For evaluation, trace the model in eval mode or script it.");
 }
 
-void Model<torch::jit::Module>::save(const std::string& path) const {
-  torch::jit::Module copy = module_.clone();
-  c10::NoGradGuard no_grad;
-  for (const auto& [name, value] : detail::fp32_state(*mirror_)) {
-    torch::jit::Module owner = copy;
-    size_t start = 0;
-    for (size_t dot = name.find('.'); dot != std::string::npos; start = dot + 1, dot = name.find('.', start)) {
-      owner = owner.attr(name.substr(start, dot - start)).toModule();
-    }
-    const std::string attribute = name.substr(start);
-    const bool requires_grad = owner.attr(attribute).toTensor().requires_grad();
-    at::Tensor fp32 = value.detach().clone();
-    fp32.set_requires_grad(requires_grad);
-    owner.setattr(attribute, fp32);
-  }
-  copy.save(path);
-}
-
 Model<torch::jit::Module> initialize(torch::jit::Module model, const Options& options) {
   const Properties properties = options.resolve();
   auto [mirror, device] = detail::begin_initialize(model, options, properties);
   detail::cast_model(*mirror, properties);
   return Model<torch::jit::Module>(std::move(model), mirror, properties, device);
-}
-
-void PythonCheckpoint::load_model(torch::jit::Module& module, std::string_view key) const {
-  load_model(module, key, PythonCheckpointLoadOptions());
-}
-
-void PythonCheckpoint::load_model(torch::jit::Module& module, std::string_view key,
-                                  const PythonCheckpointLoadOptions& options) const {
-  load_model(*detail::jit_mirror_node(module), key, options);
-}
-
-void PythonCheckpoint::put_model(std::string_view key, torch::jit::Module& module) {
-  put_model(key, *detail::jit_mirror_node(module));
 }
 
 }  // namespace amp

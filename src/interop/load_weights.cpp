@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "optim/master_weights.h"
-#include "optim/write_loaded.h"
+#include "optim/fp32_values.h"
 
 namespace amp {
 namespace {

@@ -28,7 +28,7 @@
 #include "options/format.h"
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
-#include "optim/write_loaded.h"
+#include "optim/fp32_values.h"
 #include "casting/model_casting.h"
 #include "interop/optimizer_formats.h"
 #include "optim/optimizer_access.h"

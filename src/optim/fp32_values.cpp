@@ -1,0 +1,51 @@
+#include "optim/fp32_values.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+
+#include <unordered_set>
+
+#include "casting/model_casting.h"
+#include "optim/float32_bytes.h"
+#include "optim/lean_masters.h"
+#include "optim/master_weights.h"
+
+namespace amp::detail {
+
+void write_loaded(const at::Tensor& target, const at::Tensor& value) {
+  c10::NoGradGuard no_grad;
+  at::Tensor t = target;
+  if (holds_float32_bytes(t)) t.set_(at::empty(t.sizes(), t.options()));
+  if (auto master = find_master(t)) {
+    auto& [table, index] = *master;
+    table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
+    t.copy_(table->master()[index]);
+    table->mark_synced(index);
+  } else if (auto lean = find_lean(t)) {
+    auto& [table, index] = *lean;
+    table->store(index, value.to(t.device(), at::kFloat));  // the fp32 value in the lean form, not its rounded copy
+  } else {
+    t.copy_(value);
+  }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
+  auto out = named_tensors(module);
+  std::unordered_set<const MasterWeights*> refreshed;
+  for (auto& [name, value] : out) {
+    if (auto master = find_master(value)) {
+      auto& [table, index] = *master;
+      if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
+      value = table->master()[index];
+    } else if (auto lean = find_lean(value)) {
+      auto& [table, index] = *lean;
+      table->refresh_changed();
+      value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
+    } else if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) {
+      value = value.to(at::kFloat);
+    }
+  }
+  return out;
+}
+
+}  // namespace amp::detail
