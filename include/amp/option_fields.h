@@ -3,9 +3,10 @@
 //   type     the resolved value's type in amp::Properties (a std::optional where Apex's "None" is a value);
 //   default  the value Properties starts from before an opt level's table (opt_levels/) sets its own;
 //   help     the field's documentation, and its config key's help text (values first).
-// The rows make Options' setters and overrides, Properties' members, the config keys (amp/config.h), and
-// the rows of the initialize banner and of describe_overrides(). Apex's rules stay hand-written in
-// Options::resolve() (src/options/options.cpp): a new option is a row here and its rule there.
+// The rows make Options' setters and overrides, Properties' members, the config keys (amp/config.h), the copies
+// Options::resolve() makes of what was set, and the rows of the initialize banner and of describe_overrides().
+// Apex's rules stay hand-written in Options::check_rules (src/options/options.cpp): a new option is a row here and
+// its rule there.
 
 #include <c10/core/ScalarType.h>
 

@@ -78,6 +78,8 @@ class Options {
 #undef AMP_OPTIONS_OVERRIDE
   template <class F>
   Options& set_fp8_field(const char* key, F&& set);
+  // Throws when the resolved `p` breaks a rule (resolve()'s checks).
+  void check_rules(const Properties& p) const;
   Fp8Options fp8_recipe_;                 // what the fp8_* setters built, applied by fp8(true)
   std::vector<std::string> fp8_fields_;   // the fp8_* setters called, for resolve's check
 };

@@ -28,21 +28,31 @@ Options::Options(std::string_view level) : level_(parse_opt_level(level)) {}
 
 Properties Options::resolve() const {
   Properties p = properties(level_);
+  // Every override replaces the level's value (the option table writes the copies) ...
+#define AMP_APPLY_OVERRIDE(type, name, default_value, help) \
+  if (name##_) p.name = *name##_;
+  AMP_OPTION_FIELDS(AMP_APPLY_OVERRIDE)
+#undef AMP_APPLY_OVERRIDE
+  // ... and the level's "low precision" is low_precision_dtype (Apex hard-codes float16), unless cast_model_type
+  // names it.
+  if (cast_model_type_) {
+    if (is_low_precision(*cast_model_type_)) p.low_precision_dtype = *cast_model_type_;
+  } else if (p.cast_model_type && is_low_precision(*p.cast_model_type)) {
+    p.cast_model_type = p.low_precision_dtype;
+  }
+  check_rules(p);
+  return p;
+}
+
+// Apex's Properties.__setattr__ rules and amp's own, one field at a time in Apex's order. Each reads only the
+// fields before it, so checking the resolved properties is checking them as Apex sets them.
+void Options::check_rules(const Properties& p) const {
   const std::string level = to_string(level_);
 
-  if (low_precision_dtype_) {
-    if (!is_low_precision(*low_precision_dtype_)) {
-      fail("low_precision_dtype must be torch::kHalf (float16) or torch::kBFloat16 (bfloat16), got " +
-           dtype_name(*low_precision_dtype_) + ".");
-    }
-    p.low_precision_dtype = *low_precision_dtype_;
+  if (low_precision_dtype_ && !is_low_precision(*low_precision_dtype_)) {
+    fail("low_precision_dtype must be torch::kHalf (float16) or torch::kBFloat16 (bfloat16), got " +
+         dtype_name(*low_precision_dtype_) + ".");
   }
-  // The level's "low precision" follows low_precision_dtype (Apex hard-codes float16).
-  if (p.cast_model_type && is_low_precision(*p.cast_model_type)) p.cast_model_type = p.low_precision_dtype;
-
-  if (enabled_) p.enabled = *enabled_;
-
-  // Apex's Properties.__setattr__ rules, one field at a time, in Apex's order.
   if (cast_model_type_) {
     if (!is_model_dtype(*cast_model_type_)) {
       fail("cast_model_type must be torch::kFloat, torch::kHalf or torch::kBFloat16, got " +
@@ -57,15 +67,12 @@ Properties Options::resolve() const {
       fail("cast_model_type " + dtype_name(*cast_model_type_) + " contradicts low_precision_dtype " +
            dtype_name(*low_precision_dtype_) + ". Set only one of them, or set both to the same dtype.");
     }
-    p.cast_model_type = *cast_model_type_;
-    if (is_low_precision(*cast_model_type_)) p.low_precision_dtype = *cast_model_type_;
   }
   if (patch_torch_functions_) {
     if (*patch_torch_functions_ && level_ != OptLevel::O1) {
       fail("Currently, patch_torch_functions=True should only be set by selecting opt_level='O1' (got opt_level " +
            level + ").");
     }
-    p.patch_torch_functions = *patch_torch_functions_;
   }
   if (cast_lists_) {
     if (*cast_lists_ != CastLists::kApex && !p.patch_torch_functions) {
@@ -73,7 +80,6 @@ Properties Options::resolve() const {
                        "them (O1) only; got cast_lists ") + to_string(*cast_lists_) + " at opt_level " + level +
            ". Remove it, or use O1.");
     }
-    p.cast_lists = *cast_lists_;
   }
   if (keep_batchnorm_fp32_) {
     if (level_ == OptLevel::O1) {
@@ -81,36 +87,30 @@ Properties Options::resolve() const {
            "keep_batchnorm_fp32 should be None (do not set it). It was set to " + detail::python_bool(*keep_batchnorm_fp32_) +
            ".");
     }
-    p.keep_batchnorm_fp32 = *keep_batchnorm_fp32_;
   }
   if (cast_frozen_batchnorm_) {
     if (*cast_frozen_batchnorm_ && !(p.cast_model_type && is_low_precision(*p.cast_model_type))) {
       fail("cast_frozen_batchnorm casts frozen BatchNorm layers along with a model cast to low precision, so it "
            "applies at O2 and O3 only (got opt_level " + level + "). Remove it, or use O2.");
     }
-    p.cast_frozen_batchnorm = *cast_frozen_batchnorm_;
   }
   if (master_weights_) {
     if (level_ == OptLevel::O1) {  // Apex rejects any value here, False included
       fail("It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should "
            "be FP32. Remove master_weights (it was set to " + detail::python_bool(*master_weights_) + "), or use opt_level O2.");
     }
-    p.master_weights = *master_weights_;
   }
-  if (loss_scale_) p.loss_scale = *loss_scale_;
   if (cast_model_outputs_) {
     if (!is_model_dtype(*cast_model_outputs_) && *cast_model_outputs_ != c10::ScalarType::Double) {
       fail("cast_model_outputs must be a floating dtype (kFloat, kHalf, kBFloat16 or kDouble), got " +
            dtype_name(*cast_model_outputs_) + ".");
     }
-    p.cast_model_outputs = *cast_model_outputs_;
   }
   if (num_losses_) {
     if (*num_losses_ < 1 || *num_losses_ > kMaxNumLosses) {
       fail("num_losses must be in [1, " + std::to_string(kMaxNumLosses) + "] (one loss scaler per loss), got " +
            std::to_string(*num_losses_) + ".");
     }
-    p.num_losses = *num_losses_;
   }
   constexpr double kFloatMax = std::numeric_limits<float>::max();
   constexpr double kSmallestNormal = 1.1754943508222875e-38;  // 2^-126
@@ -119,14 +119,12 @@ Properties Options::resolve() const {
       fail("max_loss_scale must be positive and at most the largest float (3.4028234663852886e+38), got " +
            detail::format_float(*max_loss_scale_) + ".");
     }
-    p.max_loss_scale = *max_loss_scale_;
   }
   if (min_loss_scale_) {
     if (!(*min_loss_scale_ > 0.0) || !std::isfinite(*min_loss_scale_)) {
       fail("min_loss_scale must be positive and finite, got " + detail::format_float(*min_loss_scale_) +
            ". Leave it unset for no floor.");
     }
-    p.min_loss_scale = *min_loss_scale_;
   }
   if (p.min_loss_scale && *p.min_loss_scale > p.max_loss_scale) {
     fail("min_loss_scale (" + detail::format_float(*p.min_loss_scale) + ") is greater than max_loss_scale (" +
@@ -137,34 +135,29 @@ Properties Options::resolve() const {
       fail("init_scale must be in [1.1754943508222875e-38, 3.4028234663852886e+38] (a normal float), got " +
            detail::format_float(*init_scale_) + ".");
     }
-    p.init_scale = *init_scale_;
   }
   if (growth_factor_) {
     if (!(*growth_factor_ > 1.0) || !(*growth_factor_ <= kFloatMax)) {
       fail("growth_factor must be greater than 1.0 (and finite), got " + detail::format_float(*growth_factor_) +
            ". The default is 2.0.");
     }
-    p.growth_factor = *growth_factor_;
   }
   if (backoff_factor_) {
     if (!(*backoff_factor_ > 0.0) || !(*backoff_factor_ < 1.0)) {
       fail("backoff_factor must be in (0, 1), got " + detail::format_float(*backoff_factor_) + ". The default is 0.5.");
     }
-    p.backoff_factor = *backoff_factor_;
   }
   if (growth_interval_) {
     if (*growth_interval_ < 1) {
       fail("growth_interval must be at least 1 (clean steps before the scale grows), got " +
            std::to_string(*growth_interval_) + ". The default is 2000.");
     }
-    p.growth_interval = *growth_interval_;
   }
   if (hysteresis_) {
     if (*hysteresis_ < 1) {
       fail("hysteresis must be at least 1 (1 backs off at every overflow, as Apex), got " +
            std::to_string(*hysteresis_) + ".");
     }
-    p.hysteresis = *hysteresis_;
   }
   if (master_weights_format_) {  // after every field it depends on
     const MasterWeights format = *master_weights_format_;
@@ -182,21 +175,18 @@ Properties Options::resolve() const {
              "range needs a separate fp32 master: use master_weights_format copy, or low_precision_dtype bfloat16.");
       }
     }
-    p.master_weights_format = format;
   }
   if (keep_fp32_) {
     for (const auto& pattern : *keep_fp32_) {
       if (pattern.empty()) fail("keep_fp32 got an empty module pattern. Give qualified module names as "
                                 "named_modules() prints them, with * and ? wildcards, e.g. {\"head\", \"*.norm\"}.");
     }
-    p.keep_fp32 = *keep_fp32_;
   }
   if (keep_fp32_types_) {
     for (const auto& type : *keep_fp32_types_) {
       if (type.name.empty()) fail("keep_fp32_types got a module type without a name. Use keep_fp32_type<T>() or "
                                   "ModuleType::of<T>().");
     }
-    p.keep_fp32_types = *keep_fp32_types_;
   }
   if (auto_fp32_) {  // after the level's casts, which it needs
     if (*auto_fp32_ < 0) {
@@ -209,7 +199,6 @@ Properties Options::resolve() const {
            "precision; got opt_level " + level + (p.enabled ? "" : " with enabled false") + ", which computes "
            "everything in fp32 already. Use O1, O2 or O3, or set auto_fp32 0.");
     }
-    p.auto_fp32 = *auto_fp32_;
   }
   if (!fp8_ && !fp8_fields_.empty()) {
     fail(fp8_fields_.front() + " is set, but fp8 is off, so it would change nothing. Turn FP8 on (config: fp8 = true; "
@@ -243,13 +232,10 @@ Properties Options::resolve() const {
     fail(std::string("fp8 needs FP8 dtypes and at::_scaled_mm, which LibTorch has from 2.1 on; this build is ") +
          TORCH_VERSION + ". Build amp against LibTorch 2.1 or newer, or remove fp8.");
 #endif
-    p.fp8 = f;
   }
   if (verbosity_) {
     if (*verbosity_ < 0) fail("verbosity must be 0 (silent) or more, got " + std::to_string(*verbosity_) + ".");
-    p.verbosity = *verbosity_;
   }
-  return p;
 }
 
 Options& Options::fp8(bool on) {
