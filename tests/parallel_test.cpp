@@ -31,6 +31,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -169,18 +170,25 @@ std::vector<Process> run_concurrently(const std::vector<std::vector<std::string>
   return out;
 }
 
-// Launches the worker as 2 ranks by hand on 127.0.0.1.
-std::vector<Process> two_ranks(const std::string& scenario, int timeout_s = 240, const std::string& collective_timeout = "60") {
+// Launches the worker as `n` ranks by hand on 127.0.0.1; `extra` adds to every rank's environment.
+std::vector<Process> ranks_of(int n, const std::string& scenario, int timeout_s = 240,
+                              const std::string& collective_timeout = "60",
+                              const std::vector<std::pair<std::string, std::string>>& extra = {}) {
   const std::string port = std::to_string(free_port());
   std::vector<std::vector<std::string>> commands;
   std::vector<std::vector<std::pair<std::string, std::string>>> envs;
-  for (int rank = 0; rank < 2; ++rank) {
+  for (int rank = 0; rank < n; ++rank) {
     commands.push_back({AMP_PARALLEL_WORKER, scenario});
-    envs.push_back({{"RANK", std::to_string(rank)}, {"LOCAL_RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
+    envs.push_back({{"RANK", std::to_string(rank)}, {"LOCAL_RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(n)},
                     {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}, {"OMP_NUM_THREADS", "1"},
                     {"AMP_TEST_TIMEOUT_S", collective_timeout}});
+    envs.back().insert(envs.back().end(), extra.begin(), extra.end());
   }
   return run_concurrently(commands, envs, timeout_s);
+}
+
+std::vector<Process> two_ranks(const std::string& scenario, int timeout_s = 240, const std::string& collective_timeout = "60") {
+  return ranks_of(2, scenario, timeout_s, collective_timeout);
 }
 
 std::string outputs(const std::vector<Process>& ps) {
@@ -588,6 +596,19 @@ TEST(TwoRanksTest, RankThatDiesFailsTheOtherWithinTheTimeout) {
   std::cout << outputs(ranks);
   ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
   ASSERT_EQ(ranks[1].exit_code, 3) << outputs(ranks);
+}
+
+// ZeRO stage 1 and 2 against unsharded replicas on 2 ranks (bitwise) and then 4 (a few ulps; and the 2-rank run's
+// shards are refused there, naming both world sizes).
+TEST(ZeroTest, ShardedTrainingEqualsUnshardedOnTwoAndFourRanks) {
+  char dir[] = "/tmp/amp_zero_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  for (int n : {2, 4}) {
+    const auto ranks = ranks_of(n, "zero", 600, "60", {{"AMP_ZERO_DIR", dir}});
+    std::cout << outputs(ranks);
+    for (int r = 0; r < n; ++r) ASSERT_EQ(ranks[static_cast<size_t>(r)].exit_code, 0) << outputs(ranks);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(TwoRanksTest, Torchrun) {

@@ -31,6 +31,7 @@
 #include "amp/loss_scale.h"
 #include "amp/loss_scaler.h"
 #include "amp/master_weights.h"
+#include "amp/memory.h"
 #include "amp/model.h"
 #include "amp/opt_level.h"
 #include "amp/option_fields.h"

@@ -31,7 +31,9 @@ namespace detail {
 void check_clip_arguments(const char* caller, double max_norm, double norm_type);
 /// Clips `grads` to `max_norm` and returns their norm; where `skip` (a 0-dim bool tensor, or undefined for
 /// none) is true, returns inf and multiplies by 1 instead (sync-free: GradScaler's found_inf stays on its device).
-at::Tensor clip_grads(const std::vector<at::Tensor>& grads, double max_norm, double norm_type, const at::Tensor& skip);
+/// `norm`: their norm computed elsewhere (every rank's shards together), or undefined to compute it here.
+at::Tensor clip_grads(const std::vector<at::Tensor>& grads, double max_norm, double norm_type, const at::Tensor& skip,
+                      at::Tensor norm = {});
 }  // namespace detail
 
 }  // namespace amp

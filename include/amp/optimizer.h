@@ -5,6 +5,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@ namespace amp::detail {
 class FoundInf;
 class Feature;
 class ParamIndex;
+class Sharding;
 struct OptimizerAccess;
 }  // namespace amp::detail
 
@@ -87,6 +89,10 @@ class OptimizerBase {
   void zero_all_grads(bool set_to_none);
   void save_amp_state(torch::serialize::OutputArchive& archive) const;
   void load_amp_state(torch::serialize::InputArchive& archive);
+  /// Runs the torch optimizer's own step, save or load (`fn`); once amp::parallel::shard_optimizer sharded it, on
+  /// this rank's pieces (NOTE [Sharded optimizers] in src/optim/sharding.h). `loading` is the archive a load reads.
+  enum class OwnCall { kStep, kSave, kLoad };
+  void run_own(OwnCall call, const std::function<void()>& fn, torch::serialize::InputArchive* loading = nullptr) const;
 
  private:
   friend class ScaledLoss;
@@ -121,6 +127,8 @@ class OptimizerBase {
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;  // the models this optimizer trains
   std::shared_ptr<detail::ParamIndex> index_;              // which tensors it steps (src/optim/param_index.h)
   std::vector<std::shared_ptr<detail::Feature>> features_;  // NOTE [Training features]
+  std::shared_ptr<detail::Sharding> sharding_;              // set by amp::parallel::shard_optimizer
+  int64_t steps_ = 0;                                       // step() calls, taken or skipped
   std::vector<at::Tensor> stash_;            // grads of direct parameters before the current backward
   bool backward_prepared_ = false;
   std::optional<int> scaled_grads_loss_id_;  // grads still scaled after delay_unscale
@@ -150,7 +158,8 @@ class Optimizer : public Opt, public OptimizerBase {
                 "amp::Optimizer::step: Currently, amp does not support closure use with optimizers. Compute the "
                 "loss, run amp::scale_loss(loss, optimizer).backward(), then call step() without a closure.");
     if (!begin_step()) return {};
-    torch::Tensor loss = Opt::step(nullptr);
+    torch::Tensor loss;
+    run_own(OwnCall::kStep, [&] { loss = Opt::step(nullptr); });
     end_step();
     return loss;
   }
@@ -159,12 +168,12 @@ class Optimizer : public Opt, public OptimizerBase {
   void zero_grad(bool set_to_none = true) { zero_all_grads(set_to_none); }
 
   void save(torch::serialize::OutputArchive& archive) const override {
-    Opt::save(archive);
+    run_own(OwnCall::kSave, [&] { Opt::save(archive); });
     save_amp_state(archive);
   }
 
   void load(torch::serialize::InputArchive& archive) override {
-    Opt::load(archive);
+    run_own(OwnCall::kLoad, [&] { Opt::load(archive); }, &archive);
     load_amp_state(archive);
   }
 

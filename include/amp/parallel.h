@@ -15,3 +15,4 @@
 #include "amp/parallel/distributed_data_parallel.h"
 #include "amp/parallel/process_group.h"
 #include "amp/parallel/sync_batchnorm.h"
+#include "amp/parallel/zero.h"

@@ -10,6 +10,7 @@
 
 #include "options/format.h"
 #include "optim/optimizer_access.h"
+#include "optim/sharding.h"
 #include "scaling/multi_tensor.h"
 
 namespace amp {
@@ -27,9 +28,10 @@ void check_clip_arguments(const char* caller, double max_norm, double norm_type)
   }
 }
 
-at::Tensor clip_grads(const std::vector<at::Tensor>& grads, double max_norm, double norm_type, const at::Tensor& skip) {
+at::Tensor clip_grads(const std::vector<at::Tensor>& grads, double max_norm, double norm_type, const at::Tensor& skip,
+                      at::Tensor norm) {
   c10::NoGradGuard no_grad;
-  at::Tensor norm = total_norm(grads, norm_type);
+  if (!norm.defined()) norm = total_norm(grads, norm_type);
   if (grads.empty()) return norm;
   // torch's arithmetic, op for op: `max_norm / (norm + 1e-6)` is Tensor.__rtruediv__, reciprocal() * max_norm.
   at::Tensor coefficient = norm.add(1e-6).reciprocal().mul(max_norm).clamp_max(1.0);
@@ -52,7 +54,10 @@ at::Tensor clip_grad_norm_(OptimizerBase& optimizer, double max_norm, double nor
     const c10::Device device = grads.empty() ? c10::Device(at::kCPU) : grads.front().device();
     return at::full({}, std::numeric_limits<float>::infinity(), at::TensorOptions().dtype(at::kFloat).device(device));
   }
-  return detail::clip_grads(grads, max_norm, norm_type, at::Tensor());
+  // A sharded optimizer's grads are this rank's slices (ZeRO stage 2): the norm is every rank's together.
+  at::Tensor norm;
+  if (auto* sharding = detail::OptimizerAccess::sharding(optimizer)) norm = sharding->global_norm(grads, norm_type);
+  return detail::clip_grads(grads, max_norm, norm_type, at::Tensor(), norm);
 }
 
 }  // namespace amp

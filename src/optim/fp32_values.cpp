@@ -18,6 +18,9 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
   if (holds_float32_bytes(t)) t.set_(at::empty(t.sizes(), t.options()));
   if (auto master = find_master(t)) {
     auto& [table, index] = *master;
+    TORCH_CHECK(!table->sharded(), "amp::load_weights: parameter '", table->name(index), "' has its fp32 master sharded "
+                "by amp::parallel::shard_optimizer, so the fp32 value can't be written into it. Load weights before "
+                "shard_optimizer, or torch::load an optimizer archive (it holds the masters).");
     table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
     t.copy_(table->master()[index]);
     table->mark_synced(index);
@@ -35,6 +38,10 @@ std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& mo
   for (auto& [name, value] : out) {
     if (auto master = find_master(value)) {
       auto& [table, index] = *master;
+      TORCH_CHECK(!table->sharded(), "amp: parameter '", table->name(index), "' has its fp32 master sharded by "
+                  "amp::parallel::shard_optimizer, so this process holds only its rounded copy. Save the model's fp32 "
+                  "values before shard_optimizer, or save the optimizer with amp::parallel::save_consolidated (it holds "
+                  "the masters).");
       if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
       value = table->master()[index];
     } else if (auto lean = find_lean(value)) {

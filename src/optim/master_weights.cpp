@@ -53,6 +53,8 @@ void MasterWeights::check_usable(size_t i) const {
 }
 
 void MasterWeights::refresh_changed() {
+  TORCH_CHECK(!sharded_, "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
+              "updates them (internal error: refresh_changed reached a sharded table).");
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < model_.size(); ++i) {
     const at::Tensor& m = model_[i];
@@ -72,6 +74,8 @@ void keep_where_rounded_equal(const at::Tensor& master, const at::Tensor& writte
 }
 
 void MasterWeights::refresh_all() {
+  TORCH_CHECK(!sharded_, "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
+              "updates them (internal error: refresh_all reached a sharded table).");
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < model_.size(); ++i) {
     check_usable(i);
@@ -82,6 +86,9 @@ void MasterWeights::refresh_all() {
 
 void MasterWeights::copy_to_model() {
   if (model_.empty()) return;
+  TORCH_CHECK(!sharded_, "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
+              "updates them (internal error: copy_to_model reached a sharded table).");
+
   copy_(model_, master_);
   for (size_t i = 0; i < model_.size(); ++i) mark_synced(i);
 }

@@ -62,6 +62,11 @@ class MasterWeights {
   bool take_unreduced(size_t i) { return std::exchange(unreduced_flag_[i], char{0}) != 0; }
   at::Tensor& unreduced_grad(size_t i) { return unreduced_[i]; }
 
+  /// ZeRO (NOTE [Sharded optimizers] in sharding.h): the masters hold no values from now on (placeholders that refuse
+  /// writes); refreshing or copying them throws, and amp::load_weights and fp32 model checkpoints refuse them.
+  void mark_sharded() noexcept { sharded_ = true; }
+  bool sharded() const noexcept { return sharded_; }
+
  private:
   void check_usable(size_t i) const;
 
@@ -73,6 +78,7 @@ class MasterWeights {
   std::vector<at::Tensor> pending_;
   std::vector<at::Tensor> unreduced_;
   std::vector<char> unreduced_flag_;  // char, not bool: std::exchange needs a real reference
+  bool sharded_ = false;
 };
 
 /// Refreshes an fp32 `master` from the low-precision `written` value of its parameter element by element: where

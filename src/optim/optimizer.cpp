@@ -18,6 +18,7 @@
 #include "optim/master_weights.h"
 #include "optim/optimizer_access.h"
 #include "optim/param_index.h"
+#include "optim/sharding.h"
 #include "options/format.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
@@ -93,6 +94,10 @@ std::unordered_map<const c10::TensorImpl*, std::string> detail::OptimizerAccess:
 }
 
 std::vector<at::Tensor> OptimizerBase::master_params() {
+  if (sharding_) {
+    sharding_->refresh_changed();
+    return sharding_->pieces();  // this rank's pieces (NOTE [Sharded optimizers])
+  }
   if (properties_.enabled) {
     sync_param_groups();
     index_->masters().refresh_changed();
@@ -115,12 +120,17 @@ std::vector<at::Tensor> OptimizerBase::grads_for_step(const char* caller) {
                 "delay_unscale (it unscales every gradient), then clip.");
     check_no_scaled_model_grads(caller);
   }
+  if (sharding_) return sharding_->grads();
   return detail::defined_grads(torch_optimizer());
 }
 
 void OptimizerBase::refresh_master_params() {
   if (!properties_.enabled) return;
   sync_param_groups();
+  if (sharding_) {
+    sharding_->refresh_changed();
+    return;
+  }
   index_->masters().refresh_all();
 }
 
@@ -164,6 +174,7 @@ void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const
 }
 
 bool OptimizerBase::begin_step() {
+  ++steps_;
   if (!properties_.enabled) return true;
   sync_param_groups();
   TORCH_CHECK(!backward_prepared_, "amp::Optimizer::step: an amp::scale_loss handle of this optimizer is still "
@@ -187,7 +198,8 @@ bool OptimizerBase::begin_step() {
     ++skipped_steps_;
     return false;
   }
-  index_->refresh_changed();  // the step starts from the weights the model holds now
+  if (sharding_) sharding_->refresh_changed();  // the step starts from the weights the model holds now
+  else index_->refresh_changed();
   const auto& direct = index_->direct();
   for (size_t i = 0; i < direct.size(); ++i) {
     if (detail::holds_float32_bytes(direct[i])) detail::fail_float32_bytes("parameter", index_->direct_names()[i], direct[i]);
@@ -196,7 +208,9 @@ bool OptimizerBase::begin_step() {
 }
 
 void OptimizerBase::end_step() {
-  if (index_->step_writes_model()) {
+  if (sharding_) {
+    sharding_->after_step();
+  } else if (index_->step_writes_model()) {
     index_->masters().mark_all_synced();
   } else {
     index_->masters().copy_to_model();
@@ -211,6 +225,7 @@ void OptimizerBase::zero_all_grads(bool set_to_none) {
   for (auto& p : masters.master()) clear_grad(p, set_to_none);
   for (auto& p : index_->direct()) clear_grad(p, set_to_none);
   masters.clear_pending_grads();
+  if (sharding_) sharding_->zero_grad(set_to_none);
   stash_.clear();
   backward_prepared_ = false;
   scaled_grads_loss_id_.reset();
@@ -245,6 +260,14 @@ void OptimizerBase::prepare_backward(int loss_id) {
 void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf) {
   TORCH_INTERNAL_ASSERT(backward_prepared_);
   backward_prepared_ = false;
+  if (sharding_ && sharding_->owns_unscale()) {
+    // ZeRO stage 2: the gradients are this rank's reduce-scattered slices; the model's .grad are gone.
+    if (delay_unscale) scaled_grads_loss_id_ = loss_id;
+    else scaled_grads_loss_id_.reset();
+    sharding_->unscale(delay_unscale, inv_scale, found_inf);
+    stash_.clear();
+    return;
+  }
   detail::MasterWeights& masters = index_->masters();
   const auto& model = masters.model();
   const auto& master = masters.master();
@@ -359,7 +382,8 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
     // a checkpoint taken after loading weights must hold those weights.
     auto& self = const_cast<OptimizerBase&>(*this);
     self.sync_param_groups();
-    self.index_->refresh_changed();
+    if (sharding_) sharding_->refresh_changed();
+    else self.index_->refresh_changed();
   }
   const detail::MasterWeights& masters = index_->masters();
   torch::serialize::OutputArchive amp_archive(archive.compilation_unit());
@@ -375,7 +399,13 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
     amp_archive.write(prefix + "hysteresis_left", c10::IValue(static_cast<int64_t>(scalers[i].hysteresis_left())));
   }
   for (const auto& [key, value] : scaler_settings(properties_, scalers.front())) amp_archive.write(key, c10::IValue(value));
-  for (size_t i = 0; i < masters.size(); ++i) amp_archive.write("master/" + std::to_string(i), masters.master()[i]);
+  if (!sharding_) {
+    for (size_t i = 0; i < masters.size(); ++i) amp_archive.write("master/" + std::to_string(i), masters.master()[i]);
+  } else if (const auto* full = sharding_->consolidated_masters()) {  // save_consolidated: what an unsharded run writes
+    for (size_t i = 0; i < full->size(); ++i) amp_archive.write("master/" + std::to_string(i), (*full)[i]);
+  } else {
+    sharding_->save(amp_archive);  // this rank's pieces and the layout
+  }
   for (const auto& feature : features_) feature->save(*this, amp_archive);
   archive.write("amp", amp_archive);
 }
@@ -400,6 +430,7 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
               " loss scalers, this optimizer has ", scalers_->size(), " (num_losses). Resume with num_losses=",
               num_losses, ".");
   if (properties_.enabled) sync_param_groups();
+  const bool shard_archive = detail::Sharding::is_shard_archive(archive);
   // The features check their state first (auto_fp32 repeats its decisions right away: they decide which
   // parameters have masters); what they restore waits for the last check.
   std::vector<std::function<void()>> restore;
@@ -429,23 +460,42 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
     scalers[i].load(scale.toDouble(), read_int(prefix + "unskipped"),
                     has_left ? std::optional<int64_t>(left.toInt()) : std::nullopt);
   }
-  std::vector<at::Tensor> masters(mine.size());
-  for (size_t i = 0; i < mine.size(); ++i) {
+  std::vector<at::Tensor> masters(shard_archive ? 0 : mine.size());
+  for (size_t i = 0; i < masters.size(); ++i) {
     amp_archive.read("master/" + std::to_string(i), masters[i]);
     TORCH_CHECK(masters[i].sizes() == mine.master()[i].sizes(), where, ": master weight ", i, " ('", mine.name(i),
                 "') has shape ", masters[i].sizes(), " in the checkpoint, ", mine.master()[i].sizes(), " here.");
   }
   const int64_t skipped_steps = read_int("skipped_steps");
+  if (sharding_) restore.push_back(sharding_->load(*this, amp_archive, masters, where));
   // Everything validated: now change state.
   for (const auto& apply : restore) apply();
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
   skipped_steps_ = skipped_steps;
-  {
+  if (!sharding_) {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < mine.size(); ++i) mine.master()[i].copy_(masters[i]);
+    index_->masters().copy_to_model();  // the model's low-precision params follow the restored masters
   }
-  index_->masters().copy_to_model();  // the model's low-precision params follow the restored masters
   zero_all_grads(/*set_to_none=*/true);
+}
+
+void OptimizerBase::run_own(OwnCall call, const std::function<void()>& fn, torch::serialize::InputArchive* loading) const {
+  auto& opt = const_cast<OptimizerBase&>(*this).torch_optimizer();
+  if (call == OwnCall::kLoad && detail::Sharding::is_shard_archive(*loading)) {
+    TORCH_CHECK(sharding_, "amp::Optimizer::load: the checkpoint holds one rank's shard of a ZeRO-sharded optimizer "
+                "(torch::save on a rank after amp::parallel::shard_optimizer). Load it after shard_optimizer, on the same "
+                "rank of the same world size; a single process or another world size loads what "
+                "amp::parallel::save_consolidated writes.");
+    sharding_->check_shard_archive(*loading, "amp::Optimizer::load");
+    sharding_->on_shard(opt, detail::Sharding::Use::kLoad, fn);
+    return;
+  }
+  if (!sharding_ || call == OwnCall::kLoad) {
+    fn();  // an unsharded archive loads into the full tensors; load_amp_state hands it to the sharding after
+    return;
+  }
+  sharding_->on_shard(opt, call == OwnCall::kStep ? detail::Sharding::Use::kStep : detail::Sharding::Use::kSave, fn);
 }
 
 }  // namespace amp

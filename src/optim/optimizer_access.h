@@ -18,6 +18,7 @@ namespace amp::detail {
 
 class Feature;
 class ParamIndex;
+class Sharding;
 
 struct OptimizerAccess {
   /// Adopts param groups added since initialize, as scale_loss and step do, and returns the torch optimizer.
@@ -39,6 +40,13 @@ struct OptimizerAccess {
   static std::vector<at::Tensor> grads_for_step(OptimizerBase& o, const char* caller) { return o.grads_for_step(caller); }
   static const std::vector<std::shared_ptr<Feature>>& features(const OptimizerBase& o) { return o.features_; }
   static void add_feature(OptimizerBase& o, std::shared_ptr<Feature> feature) { o.features_.push_back(std::move(feature)); }
+  /// The optimizer's ZeRO sharding (NOTE [Sharded optimizers] in src/optim/sharding.h), or null.
+  static Sharding* sharding(const OptimizerBase& o) { return o.sharding_.get(); }
+  static void set_sharding(OptimizerBase& o, std::shared_ptr<Sharding> sharding) { o.sharding_ = std::move(sharding); }
+  /// How many times step() ran (taken or skipped).
+  static int64_t steps(const OptimizerBase& o) { return o.steps_; }
+  static torch::optim::Optimizer& torch_optimizer(OptimizerBase& o) { return o.torch_optimizer(); }
+  static bool unscaled_fast_path(const OptimizerBase& o) { return o.unscaled_fast_path_; }
 };
 
 }  // namespace amp::detail

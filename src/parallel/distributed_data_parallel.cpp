@@ -82,6 +82,8 @@ struct Counters {
   std::atomic<int64_t> allreduce_bytes{0};
   std::atomic<int64_t> broadcast_bytes{0};
   std::atomic<int64_t> synced_backwards{0};
+  std::atomic<int64_t> reduce_scatter_bytes{0};
+  std::atomic<int64_t> allgather_bytes{0};
 };
 
 #if AMP_HAS_C10D_REDUCER
@@ -187,6 +189,7 @@ struct DistributedCore::Impl {
   std::vector<std::string> last_missing;
   // Parameters this rank accumulated a gradient for since the last synchronized backward (no_sync ones included).
   std::vector<bool> used;
+  DistributedCore::Reduction zero_reduction;  // ZeRO stage 2's reduce-scatter instead of the all-reduce
 
   using Masters = std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>>;
   void broadcast_rank0_state(std::vector<at::Tensor> outgoing, const Masters& masters, const std::string& where);
@@ -243,7 +246,8 @@ void DistributedCore::Impl::end_of_backward() {
   }
   counters.synced_backwards.fetch_add(1);
   unsynced.clear();
-  if (std::exchange(window_unsynced, false)) reduce_unreduced_masters();
+  // ZeRO stage 2 leaves no_sync()'s gradients in the model's .grad (its unscale moves nothing aside).
+  if (std::exchange(window_unsynced, false) && !zero_reduction) reduce_unreduced_masters();
   std::vector<std::string> missing;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!reached[i]) missing.push_back(names[i]);
@@ -278,6 +282,10 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
     wait(state.group->allreduce(tensors, max), state,
          "the gradient all-reduce (agreeing on which parameters some rank has a gradient for)");
     for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = f[i] != 0;
+  }
+  if (zero_reduction) {
+    const std::vector<bool> handled = zero_reduction(params, used_anywhere);
+    for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = used_anywhere[i] && !handled[i];
   }
   struct Pending {
     c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -604,10 +612,31 @@ CommunicationStats DistributedCore::stats() const {
   s.allreduce_bytes = impl_->counters.allreduce_bytes.load();
   s.broadcast_bytes = impl_->counters.broadcast_bytes.load();
   s.synced_backwards = impl_->counters.synced_backwards.load();
+  s.reduce_scatter_bytes = impl_->counters.reduce_scatter_bytes.load();
+  s.allgather_bytes = impl_->counters.allgather_bytes.load();
   return s;
 }
 
 const ProcessGroup& DistributedCore::group() const { return impl_->group; }
+
+void DistributedCore::set_reduction(Reduction reduce) {
+  Impl& d = *impl_;
+  // The Reducer all-reduces bucket by bucket; ZeRO's reduction runs once after backward, on what any rank reached
+  // (the delayed path's agreement, NOTE [Parameters only some ranks reach]).
+  d.unhook_gradients();
+  d.zero_reduction = std::move(reduce);
+  if (d.zero_reduction) {
+    d.options.delay_allreduce(true);
+  }
+  d.hook_gradients(kWhere);
+}
+
+const std::vector<at::Tensor>& DistributedCore::params() const { return impl_->params; }
+
+void DistributedCore::count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes) {
+  impl_->counters.reduce_scatter_bytes.fetch_add(reduce_scatter_bytes);
+  impl_->counters.allgather_bytes.fetch_add(allgather_bytes);
+}
 
 const DistributedDataParallelOptions& DistributedCore::options() const { return impl_->options; }
 

@@ -16,6 +16,7 @@
 //            used): O0/O2 against 1 process x full batch, ranks bit-identical, no_sync accumulation, an inf routed
 //            to a head only one rank reached, heads no rank reached keep no gradient (torch's find_unused_parameters).
 //   clip, checkpoint, lean, policy, fp8, torchscript, auto_fp32: amp's features under amp::parallel (feature_scenarios.cpp).
+//   zero     ZeRO stage 1 and 2 (2 or 4 ranks) against unsharded replicas, archives, misuse (zero_scenarios.cpp).
 //
 // The scenarios live by concern: training_scenarios.cpp (train, quick, syncbn), routing_scenarios.cpp (unused),
 // feature_scenarios.cpp, failure_scenarios.cpp (mismatch, dies); step_loop.h is the loop train and unused share.
@@ -52,6 +53,7 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"auto_fp32", amp_worker::scenario_auto_fp32},
     {"mismatch", amp_worker::scenario_mismatch},
     {"dies", amp_worker::scenario_dies},
+    {"zero", amp_worker::scenario_zero},
 };
 
 }  // namespace
@@ -72,7 +74,8 @@ int main(int argc, char** argv) {
     const ProcessGroup group = amp::parallel::init_process_group(amp::parallel::InitOptions().timeout(timeout));
     group_rank = group.rank();
     set_rank(group_rank);
-    report(group.world_size() == 2, "joined the group", "rank " + std::to_string(group.rank()) + " of " +
+    const char* expected = std::getenv("WORLD_SIZE");
+    report(group.world_size() == (expected ? std::atoi(expected) : 2), "joined the group", "rank " + std::to_string(group.rank()) + " of " +
                                                             std::to_string(group.world_size()) + ", backend " + group.backend());
     const auto run = kScenarios.find(scenario);
     if (run == kScenarios.end()) {

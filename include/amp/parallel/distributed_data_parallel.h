@@ -5,6 +5,8 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <functional>
+#include <vector>
 #include <type_traits>
 #include <memory>
 #include <utility>
@@ -44,6 +46,10 @@ struct CommunicationStats {
   int64_t allreduce_bytes = 0;   // bytes of gradients put on the wire (in the dtype they travel in)
   int64_t broadcast_bytes = 0;   // bytes broadcast from rank 0 (parameters at wrap time, buffers per forward)
   int64_t synced_backwards = 0;  // backward passes whose gradients were reduced
+  // ZeRO (shard_optimizer): the tensor bytes reduce-scattered (gradients, stage 2) and all-gathered (updated
+  // parameters). A ring moves (N-1)/N of these per rank, and 2 (N-1)/N of allreduce_bytes.
+  int64_t reduce_scatter_bytes = 0;
+  int64_t allgather_bytes = 0;
 };
 
 namespace detail {
@@ -65,6 +71,16 @@ class DistributedCore {
   CommunicationStats stats() const;
   const ProcessGroup& group() const;
   const DistributedDataParallelOptions& options() const;
+
+  /// ZeRO stage 2: after each synchronized backward, `reduce` gets the trainable parameters (model order) and which
+  /// of them some rank has a gradient for, reduces those it shards and returns which; the rest are all-reduced.
+  using Reduction = std::function<std::vector<bool>(const std::vector<at::Tensor>& params,
+                                                    const std::vector<bool>& used_anywhere)>;
+  void set_reduction(Reduction reduce);
+  /// The trainable parameters, in model order (those reduced).
+  const std::vector<at::Tensor>& params() const;
+  /// Counts ZeRO's collectives in stats().
+  void count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes);
 
  private:
   struct Impl;
@@ -161,6 +177,8 @@ class DistributedDataParallel {
   const DistributedDataParallelOptions& options() const { return core_->options(); }
   /// Returns what was communicated so far (gradient bytes per dtype show amp's bandwidth win at O2).
   CommunicationStats communication_stats() const { return core_->stats(); }
+  /// The engine behind this wrapper, shared by its copies (amp::parallel::shard_optimizer attaches to it).
+  const std::shared_ptr<detail::DistributedCore>& core() const noexcept { return core_; }
 
  private:
   Model<Module> model_;

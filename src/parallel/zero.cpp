@@ -1,0 +1,834 @@
+#include "amp/parallel/zero.h"
+
+// ZeRO over amp::parallel: the layout (NOTE [ZeRO layout]), the sharded step (NOTE [Sharded optimizers] in
+// src/optim/sharding.h), stage 2's reduce-scatter, and the archives: one rank's shard, or the consolidated one.
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <torch/serialize.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "amp/fused_optimizers.h"
+#include "collectives.h"
+#include "group_state.h"
+#include "optim/master_weights.h"
+#include "optim/optimizer_access.h"
+#include "optim/optimizer_state_key.h"
+#include "optim/param_index.h"
+#include "optim/sharding.h"
+#include "optim/state_tensors.h"
+#include "scaling/multi_tensor.h"
+
+// NOTE [ZeRO layout]
+// Each param group's tensors (fp32 masters or the parameters stepped directly), in group order (model order for
+// groups built from model->parameters()), are one flat run of T elements cut into N slices of S = ceil(T / N); rank r
+// owns [r S, min((r + 1) S, T)), the last slice short (the padding is on the wire only). A *piece* is the part of one
+// tensor inside a rank's slice: its own storage (fp32 for masters), the state the optimizer keeps for it, and at stage
+// 2 its gradient. ShardPieces travel by *lane*: the elements of one group whose model parameters share a dtype, packed rank
+// by rank in that order, every rank padded to the longest rank's count, so one all-gather (updated values, in the
+// model's dtype, as bytes: bitwise) or one reduce-scatter (gradients, averaged as the all-reduce averages them) moves
+// every rank's part at once, bucket by bucket.
+
+namespace amp::parallel::detail {
+namespace {
+
+using amp::detail::OptimizerAccess;
+using ShardStateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+constexpr const char* kShard = "amp::parallel::shard_optimizer";
+
+struct ShardEntry {
+  at::Tensor stepped;  // what the param group holds: an fp32 master (a placeholder once sharded) or the parameter
+  at::Tensor model;    // the model's parameter
+  std::string name;
+  bool mastered = false;
+  size_t master_index = 0;  // in the MasterWeights table (the archives' "master/<i>")
+  int64_t offset = 0;       // in the group's flat run
+  int64_t numel = 0;
+  uint32_t version = 0;  // the model parameter's, when it and the pieces last agreed
+  const void* storage = nullptr;
+};
+
+struct ShardPiece {
+  size_t group = 0, entry = 0;
+  int64_t begin = 0, length = 0;  // in the flattened tensor
+  at::Tensor value;               // this rank's part of the stepped tensor
+  at::Tensor grad;                // stage 2: its gradient (undefined: none since zero_grad)
+};
+
+struct ShardSpan {
+  size_t entry = 0;
+  int64_t begin = 0, length = 0, pos = 0;  // pos: in the rank's packed lane
+  int piece = -1;                          // this rank's piece, for its own spans
+};
+
+struct ShardLane {
+  size_t group = 0;
+  c10::ScalarType dtype = at::kFloat;    // of the model parameters
+  std::vector<std::vector<ShardSpan>> spans;  // by rank
+  int64_t width = 0;                     // the longest rank's element count
+  at::Tensor incoming;                   // stage 2: this rank's reduced slice since the last unscale
+};
+
+std::string shard_sizes_text(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+// Every rank's `send` bytes, rank by rank (each rank sends as many), in chunks of at most `bucket_bytes` received.
+at::Tensor shard_all_gather_bytes(const GroupState& state, const at::Tensor& send, int64_t bucket_bytes, const std::string& what) {
+  const int64_t width = send.numel(), n_ranks = state.world_size;
+  at::Tensor recv = at::empty({n_ranks * width}, send.options());
+  if (n_ranks == 1 || width == 0) return n_ranks == 1 ? send.clone() : recv;
+  const int64_t chunk = std::max<int64_t>(1, bucket_bytes / n_ranks);
+  for (int64_t c0 = 0; c0 < width; c0 += chunk) {
+    const int64_t n = std::min(chunk, width - c0);
+    std::vector<at::Tensor> in{send.narrow(0, c0, n).contiguous()};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int64_t r = 0; r < n_ranks; ++r) out[0].push_back(at::empty({n}, send.options()));
+    wait(state.group->allgather(out, in), state, what);
+    for (int64_t r = 0; r < n_ranks; ++r) recv.narrow(0, r * width + c0, n).copy_(out[0][static_cast<size_t>(r)]);
+  }
+  return recv;
+}
+
+// The sum over the ranks of `input` (world_size parts of `width`), this rank's part. Gloo builds without a
+// reduce-scatter (LibTorch 1.13) all-reduce the whole input instead: the same sums, twice the traffic.
+at::Tensor shard_reduce_scatter(const GroupState& state, const at::Tensor& input, int64_t width, int64_t bucket_bytes,
+                          const std::string& what) {
+  const int64_t n_ranks = state.world_size;
+  if (n_ranks == 1) return input;
+  static bool has_reduce_scatter = true;
+  at::Tensor out = at::empty({width}, input.options());
+  const int64_t chunk = std::max<int64_t>(1, bucket_bytes / (n_ranks * static_cast<int64_t>(input.element_size())));
+  for (int64_t c0 = 0; c0 < width && has_reduce_scatter; c0 += chunk) {
+    const int64_t n = std::min(chunk, width - c0);
+    std::vector<std::vector<at::Tensor>> in(1);
+    for (int64_t r = 0; r < n_ranks; ++r) in[0].push_back(input.narrow(0, r * width + c0, n).clone());
+    std::vector<at::Tensor> piece{at::empty({n}, input.options())};
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = state.group->reduce_scatter(piece, in);
+    } catch (const c10::Error& e) {
+      if (std::string(e.what()).find("does not support") == std::string::npos) throw;
+      has_reduce_scatter = false;  // every rank's backend says so alike
+      break;
+    }
+    wait(work, state, what);
+    out.narrow(0, c0, n).copy_(piece[0]);
+  }
+  if (has_reduce_scatter) return out;
+  std::vector<at::Tensor> all{input};
+  wait(state.group->allreduce(all), state, what);
+  return input.narrow(0, static_cast<int64_t>(state.rank) * width, width).clone();
+}
+
+// A piece's state, cut out of its whole tensor's (`full`).
+std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::optim::OptimizerParamState& full, int64_t begin,
+                                                               int64_t length) {
+  auto out = full.clone();
+  for (at::Tensor* t : amp::detail::state_fields(*out).tensors) {
+    if (t->defined()) *t = t->reshape({-1}).narrow(0, begin, length).clone();
+  }
+  return out;
+}
+
+class Zero final : public amp::detail::Sharding {
+ public:
+  Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options);
+
+  std::vector<bool> reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere);
+  void gather_consolidated(OptimizerBase& optimizer);
+  void end_consolidated() {
+    full_state_.reset();
+    full_masters_.clear();
+  }
+  const GroupState& group() const { return state_; }
+
+  void on_shard(torch::optim::Optimizer& opt, Use use, const std::function<void()>& fn) override;
+  void refresh_changed() override;
+  void after_step() override;
+  bool owns_unscale() const override { return stage_ == 2; }
+  void unscale(bool delay_unscale, double inv_scale, amp::detail::FoundInf& found_inf) override;
+  void zero_grad(bool set_to_none) override;
+  std::vector<at::Tensor> grads() override;
+  at::Tensor global_norm(const std::vector<at::Tensor>& grads, double norm_type) override;
+  std::vector<at::Tensor> pieces() const override;
+  void save(torch::serialize::OutputArchive& amp_archive) const override;
+  const std::vector<at::Tensor>* consolidated_masters() const override {
+    return full_state_ ? &full_masters_ : nullptr;
+  }
+  void check_shard_archive(torch::serialize::InputArchive& archive, const char* where) override;
+  std::function<void()> load(OptimizerBase& optimizer, torch::serialize::InputArchive& amp_archive,
+                             const std::vector<at::Tensor>& full_masters, const char* where) override;
+  void held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
+            std::vector<at::Tensor>& grads) const override;
+
+ private:
+  std::vector<int64_t> layout() const;
+  void record_versions();
+  void settle(double inv_scale, amp::detail::FoundInf* found_inf);
+  void gather_into_model();
+  void adopt_full_state(torch::optim::Optimizer& opt);
+  const at::Tensor full_grad(const ShardEntry& e) const { return e.mastered ? e.stepped.grad() : e.model.grad(); }
+
+  std::shared_ptr<DistributedCore> core_;
+  const GroupState& state_;
+  int stage_;
+  int64_t bucket_bytes_;
+  bool fast_path_;  // O0/O3 without a loss scale: scale_loss never unscales
+  AverageSettings average_;
+  std::vector<std::vector<ShardEntry>> groups_;
+  std::vector<int64_t> group_numel_;
+  std::vector<ShardPiece> pieces_;
+  std::vector<ShardLane> lanes_;
+  std::vector<std::vector<char>> used_;  // stage 2: [group][entry] has a reduced gradient in its lane's incoming
+  std::optional<ShardStateMap> full_state_;   // save_consolidated on rank 0: the whole state and masters
+  std::vector<at::Tensor> full_masters_;
+};
+
+Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options)
+    : core_(std::move(core)),
+      state_(state_of(core_->group())),
+      stage_(options.stage()),
+      bucket_bytes_(std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024))),
+      fast_path_(OptimizerAccess::unscaled_fast_path(optimizer)) {
+  average_.always_fp32 = core_->options().allreduce_always_fp32();
+  average_.predivide = core_->options().gradient_predivide_factor();
+  torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
+  amp::detail::ParamIndex& index = OptimizerAccess::index(optimizer);
+  amp::detail::MasterWeights& masters = index.masters();
+  std::unordered_map<const c10::TensorImpl*, size_t> master_of;
+  for (size_t i = 0; i < masters.size(); ++i) master_of.emplace(masters.master()[i].unsafeGetTensorImpl(), i);
+  const auto names = index.names();
+  std::unordered_set<const c10::TensorImpl*> trained;
+  for (const auto& p : core_->params()) trained.insert(p.unsafeGetTensorImpl());
+
+  const int64_t n_ranks = state_.world_size;
+  for (auto& group : opt.param_groups()) {
+    std::vector<ShardEntry> entries;
+    int64_t total = 0;
+    for (const auto& t : group.params()) {
+      ShardEntry e;
+      e.stepped = t;
+      const auto m = master_of.find(t.unsafeGetTensorImpl());
+      e.mastered = m != master_of.end();
+      e.master_index = e.mastered ? m->second : 0;
+      e.model = e.mastered ? masters.model()[m->second] : t;
+      const auto n = names.find(t.unsafeGetTensorImpl());
+      e.name = n == names.end() ? "<unnamed>" : n->second;
+      TORCH_CHECK(!e.model.requires_grad() || trained.count(e.model.unsafeGetTensorImpl()), kShard, ": the optimizer "
+                  "trains parameter '", e.name, "', which the DistributedDataParallel's model does not reduce. Shard the "
+                  "optimizer of the model you passed to make_distributed.");
+      TORCH_CHECK(e.model.is_contiguous() && t.is_contiguous(), kShard, ": parameter '", e.name, "' is not contiguous, "
+                  "so its slices can't be views of it. Make it contiguous before amp::initialize.");
+      e.offset = total;
+      e.numel = t.numel();
+      total += e.numel;
+      entries.push_back(std::move(e));
+    }
+    groups_.push_back(std::move(entries));
+    group_numel_.push_back(total);
+  }
+  // This rank's pieces, the lanes every rank's pieces travel in.
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int64_t total = group_numel_[g], slice = (total + n_ranks - 1) / n_ranks;
+    std::vector<c10::ScalarType> dtypes;
+    for (const auto& e : groups_[g]) {
+      if (std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) == dtypes.end()) dtypes.push_back(e.model.scalar_type());
+    }
+    std::vector<ShardLane> lanes(dtypes.size());
+    for (size_t d = 0; d < dtypes.size(); ++d) {
+      lanes[d].group = g;
+      lanes[d].dtype = dtypes[d];
+      lanes[d].spans.resize(static_cast<size_t>(n_ranks));
+    }
+    for (int64_t r = 0; r < n_ranks; ++r) {
+      const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
+      for (size_t i = 0; i < groups_[g].size(); ++i) {
+        const ShardEntry& e = groups_[g][i];
+        const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
+        if (a >= b) continue;
+        const size_t d = static_cast<size_t>(std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) - dtypes.begin());
+        ShardSpan span{i, a - e.offset, b - a, 0, -1};
+        for (const auto& s : lanes[d].spans[static_cast<size_t>(r)]) span.pos += s.length;
+        if (r == state_.rank) {
+          c10::NoGradGuard no_grad;
+          ShardPiece p;
+          p.group = g;
+          p.entry = i;
+          p.begin = span.begin;
+          p.length = span.length;
+          p.value = e.stepped.detach().reshape({-1}).narrow(0, p.begin, p.length).clone();
+          span.piece = static_cast<int>(pieces_.size());
+          pieces_.push_back(std::move(p));
+        }
+        lanes[d].spans[static_cast<size_t>(r)].push_back(span);
+      }
+    }
+    for (auto& lane : lanes) {
+      for (const auto& spans : lane.spans) {
+        int64_t n = 0;
+        for (const auto& s : spans) n += s.length;
+        lane.width = std::max(lane.width, n);
+      }
+      lanes_.push_back(std::move(lane));
+    }
+    used_.emplace_back(groups_[g].size(), 0);
+  }
+  adopt_full_state(opt);  // a checkpoint torch::load-ed before sharding
+  // The full masters give their memory back: a placeholder of their shape that refuses writes.
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      if (!e.mastered) continue;
+      e.stepped.set_data(at::zeros({}, e.stepped.options()).expand(e.stepped.sizes()));
+    }
+  }
+  masters.mark_sharded();
+  record_versions();
+}
+
+std::vector<int64_t> Zero::layout() const {
+  std::vector<int64_t> out;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    out.push_back(static_cast<int64_t>(groups_[g].size()));
+    out.push_back(group_numel_[g]);
+  }
+  return out;
+}
+
+void Zero::record_versions() {
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      e.version = e.model._version();
+      e.storage = e.model.storage().unsafeGetStorageImpl();
+    }
+  }
+}
+
+// The pieces' state from whole tensors' state (keyed by the stepped tensors), which then leaves the map.
+void Zero::adopt_full_state(torch::optim::Optimizer& opt) {
+  auto& state = opt.state();
+  for (auto& p : pieces_) {
+    const ShardEntry& e = groups_[p.group][p.entry];
+    const auto it = state.find(amp::detail::state_key(state, e.stepped));
+    if (it == state.end() || !it->second) continue;
+    state[amp::detail::state_key(state, p.value)] = slice_piece_state(*it->second, p.begin, p.length);
+  }
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) state.erase(amp::detail::state_key(state, e.stepped));
+  }
+}
+
+void Zero::refresh_changed() {
+  c10::NoGradGuard no_grad;
+  for (auto& p : pieces_) {
+    ShardEntry& e = groups_[p.group][p.entry];
+    if (e.model._version() == e.version && e.model.storage().unsafeGetStorageImpl() == e.storage) continue;
+    const at::Tensor written = e.model.detach().reshape({-1}).narrow(0, p.begin, p.length);
+    // NOTE [Masters follow the model]: a master keeps the low bits the model's rounding can't see.
+    if (e.mastered) amp::detail::keep_where_rounded_equal(p.value, written);
+    else p.value.copy_(written);
+  }
+  record_versions();
+}
+
+void Zero::gather_into_model() {
+  c10::NoGradGuard no_grad;
+  for (const auto& lane : lanes_) {
+    if (lane.width == 0) continue;
+    const std::vector<ShardEntry>& entries = groups_[lane.group];
+    at::Tensor send = at::zeros({lane.width}, entries.front().model.options().dtype(lane.dtype));
+    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+      send.narrow(0, s.pos, s.length).copy_(pieces_[static_cast<size_t>(s.piece)].value);  // rounded as the fused copy
+    }
+    const at::Tensor recv = shard_all_gather_bytes(state_, send.view(at::kByte), bucket_bytes_,
+                                             std::string(kShard) + " (all-gathering the updated parameters)")
+                                .view(lane.dtype);
+    core_->count_zero_bytes(0, recv.numel() * static_cast<int64_t>(send.element_size()));
+    for (size_t r = 0; r < lane.spans.size(); ++r) {
+      for (const auto& s : lane.spans[r]) {
+        entries[s.entry].model.detach().view({-1}).narrow(0, s.begin, s.length)
+            .copy_(recv.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length));
+      }
+    }
+  }
+  record_versions();
+}
+
+void Zero::after_step() { gather_into_model(); }
+
+std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere) {
+  c10::NoGradGuard no_grad;
+  std::unordered_map<const c10::TensorImpl*, size_t> where;
+  for (size_t i = 0; i < params.size(); ++i) where.emplace(params[i].unsafeGetTensorImpl(), i);
+  auto used = [&](const ShardEntry& e) {
+    const auto it = where.find(e.model.unsafeGetTensorImpl());
+    return it != where.end() && used_anywhere[it->second];
+  };
+  const int64_t n_ranks = state_.world_size;
+  for (auto& lane : lanes_) {
+    const std::vector<ShardEntry>& entries = groups_[lane.group];
+    bool any = false;
+    for (const auto& spans : lane.spans) {
+      for (const auto& s : spans) any = any || used(entries[s.entry]);
+    }
+    if (!any) continue;  // the same on every rank: used_anywhere is agreed
+    // As DistributedCore's average: predivide, sum in the wire dtype, divide by world_size / predivide.
+    const c10::ScalarType wire = wire_dtype(lane.dtype, average_);
+    at::Tensor input = at::zeros({n_ranks * lane.width}, entries.front().model.options().dtype(wire));
+    for (size_t r = 0; r < lane.spans.size(); ++r) {
+      for (const auto& s : lane.spans[r]) {
+        const at::Tensor& grad = entries[s.entry].model.grad();
+        if (!grad.defined() || !used(entries[s.entry])) continue;
+        input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(grad.reshape({-1}).narrow(0, s.begin, s.length));
+      }
+    }
+    if (average_.predivide != 1.0) input.div_(average_.predivide);
+    at::Tensor mine = shard_reduce_scatter(state_, input, lane.width, bucket_bytes_,
+                                     std::string(kShard) + " (reduce-scattering the gradients)");
+    core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0);
+    const double post = static_cast<double>(n_ranks) / average_.predivide;
+    if (post != 1.0) mine.div_(post);
+    if (wire != lane.dtype) mine = mine.to(lane.dtype);
+    if (!lane.incoming.defined()) {
+      lane.incoming = mine;
+    } else {  // a second backward before the unscale (delay_unscale, several losses): summed in fp32, as amp's pending
+      if (lane.incoming.scalar_type() != at::kFloat) lane.incoming = lane.incoming.to(at::kFloat);
+      lane.incoming.add_(mine);
+    }
+    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+      if (used(entries[s.entry])) used_[lane.group][s.entry] = 1;
+    }
+  }
+  std::vector<bool> handled(params.size(), false);
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      const auto it = where.find(e.model.unsafeGetTensorImpl());
+      if (it == where.end()) continue;
+      handled[it->second] = true;
+      e.model.mutable_grad() = at::Tensor();  // reduced into the slices: a rank keeps no full gradient
+    }
+  }
+  return handled;
+}
+
+// Moves the reduced slices into the pieces' gradients, unscaled (found_inf: checked), adding to what they hold.
+void Zero::settle(double inv_scale, amp::detail::FoundInf* found_inf) {
+  std::vector<at::Tensor> fresh_in, fresh_out, acc_in, acc_out;
+  for (const auto& lane : lanes_) {
+    if (!lane.incoming.defined()) continue;
+    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+      if (!used_[lane.group][s.entry]) continue;
+      ShardPiece& p = pieces_[static_cast<size_t>(s.piece)];
+      const at::Tensor in = lane.incoming.narrow(0, s.pos, s.length);
+      if (p.grad.defined()) {
+        acc_in.push_back(in);
+        acc_out.push_back(p.grad);
+      } else {
+        p.grad = at::empty({s.length}, p.value.options());
+        fresh_in.push_back(in);
+        fresh_out.push_back(p.grad);
+      }
+    }
+  }
+  amp::detail::FoundInf unchecked;
+  amp::detail::FoundInf& found = found_inf ? *found_inf : unchecked;
+  amp::detail::unscale_into(fresh_in, fresh_out, /*accumulate=*/false, inv_scale, found);
+  amp::detail::unscale_into(acc_in, acc_out, /*accumulate=*/true, inv_scale, found);
+  for (auto& lane : lanes_) lane.incoming = at::Tensor();
+  for (auto& flags : used_) std::fill(flags.begin(), flags.end(), 0);
+}
+
+void Zero::unscale(bool delay_unscale, double inv_scale, amp::detail::FoundInf& found_inf) {
+  if (delay_unscale) return;  // the slices stay scaled in the lanes; the next reduce adds to them
+  settle(inv_scale, &found_inf);
+  // Each rank checked its own slices: the overflow decision is every rank's together.
+  const c10::Device device = groups_.empty() || groups_.front().empty() ? c10::Device(at::kCPU)
+                                                                          : groups_.front().front().model.device();
+  at::Tensor& flag = found_inf.on(device);
+  if (state_.world_size > 1) {
+    std::vector<at::Tensor> tensors{flag};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    wait(state_.group->allreduce(tensors, max), state_, std::string(kShard) + " (agreeing on a gradient overflow)");
+  }
+}
+
+void Zero::zero_grad(bool set_to_none) {
+  for (auto& p : pieces_) {
+    if (!p.grad.defined()) continue;
+    if (set_to_none) p.grad = at::Tensor();
+    else p.grad.zero_();
+  }
+  for (auto& lane : lanes_) lane.incoming = at::Tensor();
+  for (auto& flags : used_) std::fill(flags.begin(), flags.end(), 0);
+}
+
+std::vector<at::Tensor> Zero::grads() {
+  std::vector<at::Tensor> out;
+  if (stage_ == 1) {
+    for (const auto& entries : groups_) {
+      for (const auto& e : entries) {
+        if (full_grad(e).defined()) out.push_back(full_grad(e));
+      }
+    }
+    return out;
+  }
+  bool pending = false;
+  for (const auto& lane : lanes_) pending = pending || lane.incoming.defined();
+  if (pending) {
+    TORCH_CHECK(fast_path_, kShard, ": a backward's reduced gradients were never unscaled: run the backward through "
+                "amp::scale_loss (stage 2 unscales the slices there).");
+    settle(1.0, nullptr);
+  }
+  for (const auto& p : pieces_) {
+    if (p.grad.defined()) out.push_back(p.grad);
+  }
+  return out;
+}
+
+at::Tensor Zero::global_norm(const std::vector<at::Tensor>& grads, double norm_type) {
+  if (stage_ == 1) return amp::detail::total_norm(grads, norm_type);  // every rank holds the whole gradients
+  // Stage 2: each rank's slices, in double, summed (or maxed) over the ranks, rounded once.
+  const bool inf = std::isinf(norm_type);
+  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
+  for (const auto& g : grads) {
+    const at::Tensor a = g.detach().to(at::kDouble).abs();
+    if (inf) local = at::maximum(local, a.max().reshape({1}).cpu());
+    else local.add_((norm_type == 1.0 ? a.sum() : a.mul(a).sum()).reshape({1}).cpu());
+  }
+  if (state_.world_size > 1) {
+    std::vector<at::Tensor> tensors{local};
+    c10d::AllreduceOptions options;
+    options.reduceOp = inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    wait(state_.group->allreduce(tensors, options), state_, "amp::clip_grad_norm_ (the norm over every rank's shard)");
+  }
+  at::Tensor norm = norm_type == 2.0 ? local.sqrt() : local;
+  const c10::Device device = grads.empty() ? c10::Device(at::kCPU) : grads.front().device();
+  return norm.to(at::kFloat).reshape({}).to(device);
+}
+
+std::vector<at::Tensor> Zero::pieces() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : pieces_) out.push_back(p.value);
+  return out;
+}
+
+void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<void()>& fn) {
+  if (use == Use::kSave && full_state_) {  // save_consolidated: the whole tensors' state, as an unsharded run keeps it
+    std::swap(opt.state(), *full_state_);
+    try {
+      fn();
+    } catch (...) {
+      std::swap(opt.state(), *full_state_);
+      throw;
+    }
+    std::swap(opt.state(), *full_state_);
+    return;
+  }
+  std::vector<at::Tensor> piece_grads(pieces_.size());
+  if (use == Use::kStep) {
+    if (stage_ == 1) {
+      for (size_t k = 0; k < pieces_.size(); ++k) {
+        const ShardPiece& p = pieces_[k];
+        const at::Tensor g = full_grad(groups_[p.group][p.entry]);
+        if (g.defined()) piece_grads[k] = g.reshape({-1}).narrow(0, p.begin, p.length);
+      }
+    } else {
+      (void)grads();  // a fast-path backward's slices become the gradients
+      for (size_t k = 0; k < pieces_.size(); ++k) piece_grads[k] = pieces_[k].grad;
+    }
+  }
+  if (use != Use::kLoad) refresh_changed();
+  std::vector<std::vector<at::Tensor>> saved;
+  auto& groups = opt.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<at::Tensor> mine;
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      if (pieces_[k].group != g) continue;
+      mine.push_back(pieces_[k].value);
+      pieces_[k].value.mutable_grad() = piece_grads[k];
+    }
+    saved.push_back(std::exchange(groups[g].params(), std::move(mine)));
+  }
+  auto restore = [&] {
+    for (size_t g = 0; g < groups.size() && g < saved.size(); ++g) groups[g].params() = std::move(saved[g]);
+    for (auto& p : pieces_) p.value.mutable_grad() = at::Tensor();
+  };
+  try {
+    fn();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
+void Zero::save(torch::serialize::OutputArchive& amp_archive) const {
+  amp_archive.write("zero/world_size", c10::IValue(static_cast<int64_t>(state_.world_size)));
+  amp_archive.write("zero/rank", c10::IValue(static_cast<int64_t>(state_.rank)));
+  amp_archive.write("zero/stage", c10::IValue(static_cast<int64_t>(stage_)));
+  amp_archive.write("zero/layout", c10::IValue(layout()));
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    if (groups_[pieces_[k].group][pieces_[k].entry].mastered) amp_archive.write("zero/piece/" + std::to_string(k), pieces_[k].value);
+  }
+}
+
+void Zero::check_shard_archive(torch::serialize::InputArchive& archive, const char* where) {
+  torch::serialize::InputArchive amp_archive;
+  archive.read("amp", amp_archive);
+  c10::IValue world, rank, saved_layout;
+  amp_archive.read("zero/world_size", world);
+  amp_archive.read("zero/rank", rank);
+  TORCH_CHECK(world.isInt() && rank.isInt() && amp_archive.try_read("zero/layout", saved_layout) && saved_layout.isIntList(),
+              where, ": the checkpoint's ZeRO shard description is damaged (zero/world_size, zero/rank, zero/layout).");
+  TORCH_CHECK(world.toInt() == state_.world_size, where, ": the checkpoint is rank ", rank.toInt(), "'s shard of a ZeRO "
+              "world of ", world.toInt(), " ranks, this run has ", state_.world_size, ". A shard loads only at the world "
+              "size it was saved with; to change world size, save with amp::parallel::save_consolidated and torch::load "
+              "that on every rank after shard_optimizer (each rank keeps its slice).");
+  TORCH_CHECK(rank.toInt() == state_.rank, where, ": the checkpoint is rank ", rank.toInt(), "'s shard, this is rank ",
+              state_.rank, ". Each rank loads the file it saved (name it by rank, e.g. optimizer.rank<N>.pt).");
+  const std::vector<int64_t> theirs = saved_layout.toIntVector();
+  TORCH_CHECK(theirs == layout(), where, ": the checkpoint's param groups hold (tensors, elements) ",
+              shard_sizes_text(theirs), ", this optimizer's ", shard_sizes_text(layout()), ". Resume with the same model and param "
+              "groups.");
+}
+
+std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::InputArchive& amp_archive,
+                                 const std::vector<at::Tensor>& full_masters, const char* where) {
+  torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
+  if (full_masters.empty() && amp::detail::Sharding::is_shard_amp_archive(amp_archive)) {
+    std::vector<std::pair<size_t, at::Tensor>> values;
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      if (!groups_[pieces_[k].group][pieces_[k].entry].mastered) continue;
+      at::Tensor v;
+      TORCH_CHECK(amp_archive.try_read("zero/piece/" + std::to_string(k), v) && v.sizes() == pieces_[k].value.sizes(),
+                  where, ": the checkpoint's shard lacks master piece ", k, " (of '",
+                  groups_[pieces_[k].group][pieces_[k].entry].name, "') or it has another size; the file is damaged.");
+      values.emplace_back(k, std::move(v));
+    }
+    return [this, values] {
+      c10::NoGradGuard no_grad;
+      refresh_changed();  // direct pieces: the model's values
+      for (const auto& [k, v] : values) pieces_[k].value.copy_(v);
+      gather_into_model();  // collective: every rank loads its shard
+    };
+  }
+  return [this, &opt, full_masters] {
+    c10::NoGradGuard no_grad;
+    for (const auto& entries : groups_) {
+      for (const auto& e : entries) {
+        if (e.mastered) e.model.copy_(full_masters[e.master_index]);  // the model follows the restored masters
+      }
+    }
+    for (auto& p : pieces_) {
+      const ShardEntry& e = groups_[p.group][p.entry];
+      const at::Tensor& source = e.mastered ? full_masters[e.master_index] : e.model;
+      p.value.copy_(source.reshape({-1}).narrow(0, p.begin, p.length));
+    }
+    adopt_full_state(opt);
+    record_versions();
+  };
+}
+
+void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads, std::vector<at::Tensor>& grads) const {
+  for (const auto& p : pieces_) {
+    masters.push_back(p.value);
+    if (groups_[p.group][p.entry].mastered) master_grads.push_back(p.grad);
+    else grads.push_back(p.grad);
+  }
+  for (const auto& lane : lanes_) grads.push_back(lane.incoming);
+}
+
+// Every rank's pieces (values and state), so that rank 0 holds what an unsharded optimizer would.
+void Zero::gather_consolidated(OptimizerBase& optimizer) {
+  torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
+  refresh_changed();
+  auto& state = opt.state();
+  const auto prototype = amp::detail::new_state_for(opt);
+  const size_t n_fields = amp::detail::state_fields(*prototype).tensors.size();
+  const int64_t n_ranks = state_.world_size;
+  // Every rank's pieces, in the order each rank keeps them (group, then entry).
+  std::vector<std::vector<ShardSpan>> rank_pieces(static_cast<size_t>(n_ranks));
+  std::vector<std::vector<size_t>> rank_groups(static_cast<size_t>(n_ranks));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int64_t total = group_numel_[g], slice = (total + n_ranks - 1) / n_ranks;
+    for (int64_t r = 0; r < n_ranks; ++r) {
+      const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
+      for (size_t i = 0; i < groups_[g].size(); ++i) {
+        const ShardEntry& e = groups_[g][i];
+        const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
+        if (a >= b) continue;
+        rank_pieces[static_cast<size_t>(r)].push_back(ShardSpan{i, a - e.offset, b - a, 0, -1});
+        rank_groups[static_cast<size_t>(r)].push_back(g);
+      }
+    }
+  }
+  // 1. What each piece has: state or not, its step count, which fields are defined.
+  int64_t max_pieces = 0;
+  for (const auto& list : rank_pieces) max_pieces = std::max<int64_t>(max_pieces, static_cast<int64_t>(list.size()));
+  at::Tensor desc = at::zeros({max_pieces * 3}, at::TensorOptions().dtype(at::kLong));
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const auto it = state.find(amp::detail::state_key(state, pieces_[k].value));
+    if (it == state.end() || !it->second) continue;
+    const auto fields = amp::detail::state_fields(*it->second);
+    int64_t mask = 0;
+    for (size_t f = 0; f < fields.tensors.size(); ++f) {
+      if (fields.tensors[f]->defined()) mask |= int64_t{1} << f;
+    }
+    desc[static_cast<int64_t>(k) * 3] = 1;
+    desc[static_cast<int64_t>(k) * 3 + 1] = fields.step ? *fields.step : 0;
+    desc[static_cast<int64_t>(k) * 3 + 2] = mask;
+  }
+  const std::string what = "amp::parallel::save_consolidated (gathering the shards)";
+  const at::Tensor descs = shard_all_gather_bytes(state_, desc.view(at::kByte), bucket_bytes_, what).view(at::kLong);
+  auto info = [&](size_t r, size_t j, int f) { return descs[static_cast<int64_t>(r) * max_pieces * 3 + static_cast<int64_t>(j) * 3 + f].item<int64_t>(); };
+  // 2. The bytes: each piece's master value (mastered tensors), then its defined state fields.
+  auto piece_bytes = [&](size_t r, size_t j) {
+    const ShardSpan& s = rank_pieces[r][j];
+    const ShardEntry& e = groups_[rank_groups[r][j]][s.entry];
+    const int64_t esz = static_cast<int64_t>(c10::elementSize(e.stepped.scalar_type()));
+    int64_t count = e.mastered ? 1 : 0;
+    const int64_t mask = info(r, j, 2);
+    for (size_t f = 0; f < n_fields; ++f) count += (mask >> f) & 1;
+    return count * s.length * esz;
+  };
+  int64_t width = 0;
+  for (size_t r = 0; r < rank_pieces.size(); ++r) {
+    int64_t n = 0;
+    for (size_t j = 0; j < rank_pieces[r].size(); ++j) n += piece_bytes(r, j);
+    width = std::max(width, n);
+  }
+  at::Tensor send = at::zeros({width}, at::TensorOptions().dtype(at::kByte));
+  int64_t at_byte = 0;
+  auto put = [&](const at::Tensor& t) {
+    const at::Tensor bytes = t.contiguous().view({-1}).view(at::kByte);
+    send.narrow(0, at_byte, bytes.numel()).copy_(bytes);
+    at_byte += bytes.numel();
+  };
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const ShardEntry& e = groups_[pieces_[k].group][pieces_[k].entry];
+    if (e.mastered) put(pieces_[k].value);
+    const auto it = state.find(amp::detail::state_key(state, pieces_[k].value));
+    if (it == state.end() || !it->second) continue;
+    for (at::Tensor* t : amp::detail::state_fields(*it->second).tensors) {
+      if (t->defined()) put(*t);
+    }
+  }
+  const at::Tensor recv = shard_all_gather_bytes(state_, send, bucket_bytes_, what);
+  if (state_.rank != 0) return;
+  // 3. Rank 0 assembles the whole tensors.
+  ShardStateMap full;
+  std::vector<at::Tensor> masters(OptimizerAccess::index(optimizer).masters().size());
+  std::unordered_map<const ShardEntry*, std::unique_ptr<torch::optim::OptimizerParamState>> states;
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      if (e.mastered) masters[e.master_index] = at::empty(e.stepped.sizes(), e.stepped.options());
+    }
+  }
+  for (size_t r = 0; r < rank_pieces.size(); ++r) {
+    int64_t offset = static_cast<int64_t>(r) * width;
+    for (size_t j = 0; j < rank_pieces[r].size(); ++j) {
+      const ShardSpan& s = rank_pieces[r][j];
+      const ShardEntry& e = groups_[rank_groups[r][j]][s.entry];
+      const int64_t n_bytes = s.length * static_cast<int64_t>(c10::elementSize(e.stepped.scalar_type()));
+      auto take = [&](const at::Tensor& into) {
+        into.view({-1}).narrow(0, s.begin, s.length)
+            .copy_(recv.narrow(0, offset, n_bytes).clone().view(e.stepped.scalar_type()));
+        offset += n_bytes;
+      };
+      if (e.mastered) take(masters[e.master_index]);
+      if (!info(r, j, 0)) continue;
+      auto& slot = states[&e];
+      if (!slot) {
+        slot = prototype->clone();
+        auto fields = amp::detail::state_fields(*slot);
+        if (fields.step) *fields.step = info(r, j, 1);
+        const int64_t mask = info(r, j, 2);
+        for (size_t f = 0; f < n_fields; ++f) {
+          *fields.tensors[f] = (mask >> f) & 1 ? at::empty(e.stepped.sizes(), e.stepped.options()) : at::Tensor();
+        }
+      }
+      for (at::Tensor* t : amp::detail::state_fields(*slot).tensors) {
+        if (t->defined()) take(*t);
+      }
+    }
+  }
+  for (auto& [entry, slot] : states) full[amp::detail::state_key(full, entry->stepped)] = std::move(slot);
+  full_state_ = std::move(full);
+  full_masters_ = std::move(masters);
+}
+
+}  // namespace
+
+void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimizer, const ZeroOptions& options) {
+  TORCH_CHECK(core, kShard, ": the DistributedDataParallel is empty.");
+  TORCH_CHECK(options.stage() == 1 || options.stage() == 2, kShard, ": stage must be 1 (masters and optimizer state "
+              "sharded) or 2 (and the gradients), got ", options.stage(), ".");
+  TORCH_CHECK(options.bucket_cap_mb() > 0 && std::isfinite(options.bucket_cap_mb()), kShard, ": bucket_cap_mb must be "
+              "positive, got ", options.bucket_cap_mb(), ".");
+  TORCH_CHECK(!OptimizerAccess::sharding(optimizer), kShard, ": this optimizer is sharded already; call "
+              "shard_optimizer once per optimizer.");
+  TORCH_CHECK(OptimizerAccess::steps(optimizer) == 0, kShard, ": the optimizer has stepped ",
+              OptimizerAccess::steps(optimizer), " time(s); shard it before the first step (a checkpoint torch::load-ed "
+              "before shard_optimizer is sharded with it).");
+  const Properties& p = optimizer.properties();
+  TORCH_CHECK(p.enabled, kShard, ": amp is disabled for this optimizer (enabled = false); ZeRO shards amp's optimizer "
+              "state. Enable amp, or use torch's own data parallelism.");
+  torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
+  TORCH_CHECK(!dynamic_cast<amp::optim::FusedLAMB*>(&opt), kShard, ": FusedLAMB's trust ratio needs each parameter's "
+              "whole norms, which a shard does not hold; shard FusedSGD, FusedAdam or FusedAdamW (or LibTorch's SGD, Adam, "
+              "AdamW), or train FusedLAMB unsharded.");
+  TORCH_CHECK(amp::detail::new_state_for(opt), kShard, ": this optimizer type can't be sharded (its per-parameter "
+              "state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam or FusedAdamW, or LibTorch's "
+              "SGD, Adam or AdamW.");
+  TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": master_weights_format ",
+              to_string(p.master_weights_format), " keeps each master's low bits beside its bfloat16 parameter; ZeRO "
+              "shards fp32 masters (master_weights_format = copy).");
+  TORCH_CHECK(p.auto_fp32 == 0, kShard, ": auto_fp32 = ", p.auto_fp32, " moves layers to fp32 masters while training, "
+              "which a fixed sharding layout can't follow. Set auto_fp32 = 0 (keep the layers it named in fp32 with "
+              "keep_fp32) to shard.");
+  auto zero = std::make_shared<Zero>(core, optimizer, options);
+  if (options.stage() == 2) {
+    std::weak_ptr<Zero> weak = zero;
+    core->set_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used) {
+      if (const auto z = weak.lock()) return z->reduce(params, used);
+      return std::vector<bool>(params.size(), false);
+    });
+  }
+  OptimizerAccess::set_sharding(optimizer, std::move(zero));
+}
+
+}  // namespace amp::parallel::detail
+
+namespace amp::parallel {
+
+void save_consolidated(OptimizerBase& optimizer, const std::string& path) {
+  using amp::detail::OptimizerAccess;
+  auto* zero = dynamic_cast<detail::Zero*>(OptimizerAccess::sharding(optimizer));
+  if (!zero) {
+    torch::save(OptimizerAccess::torch_optimizer(optimizer), path);
+    return;
+  }
+  zero->gather_consolidated(optimizer);
+  if (zero->group().rank == 0) {
+    try {
+      torch::save(OptimizerAccess::torch_optimizer(optimizer), path);
+    } catch (...) {
+      zero->end_consolidated();
+      throw;
+    }
+    zero->end_consolidated();
+  }
+  // Nobody reads the file before rank 0 has written it.
+  detail::wait(zero->group().group->barrier(), zero->group(), "amp::parallel::save_consolidated (waiting for rank 0)");
+}
+
+}  // namespace amp::parallel

@@ -1,0 +1,344 @@
+// ZeRO (amp::parallel::shard_optimizer) on 2 or 4 ranks: a sharded replica and an unsharded one train side by side
+// on the same batches, and every step compares them (bitwise on 2 ranks; the 4-rank reduce-scatter sums in another
+// order than the all-reduce, so there within a few ulps), plus the loss scale, skipped steps, clipping, state_bytes,
+// the per-rank and consolidated archives, and misuse.
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "amp/amp.h"
+#include "options/exception_message.h"
+#include "scenarios.h"
+#include "worker_support.h"
+
+namespace amp_worker {
+namespace {
+
+using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)>;
+
+// Two param groups (weights, biases at another lr) in model order, as real scripts build them.
+std::vector<torch::optim::OptimizerParamGroup> groups_of(torch::nn::Sequential& net) {
+  std::vector<torch::Tensor> weights, biases;
+  for (const auto& item : net->named_parameters()) {
+    (item.key().find("bias") != std::string::npos ? biases : weights).push_back(item.value());
+  }
+  return {torch::optim::OptimizerParamGroup(weights), torch::optim::OptimizerParamGroup(biases)};
+}
+
+struct Config {
+  std::string label;
+  amp::Options options;
+  int optimizer;  // 0 FusedAdamW, 1 FusedSGD momentum, 2 LibTorch's Adam, 3 FusedAdam
+  bool freeze_first_bias = false;
+};
+
+template <class Opt, class Options>
+auto build(torch::nn::Sequential& net, Options defaults, float bias_lr) {
+  auto g = groups_of(net);
+  auto o = defaults;
+  o.lr(bias_lr);
+  g[1] = torch::optim::OptimizerParamGroup(g[1].params(), std::make_unique<Options>(o));
+  return Opt(g, defaults);
+}
+
+// Runs `body` with the config's optimizer type.
+template <class Body>
+void with_optimizer(int kind, torch::nn::Sequential& net, Body body) {
+  switch (kind) {
+    case 0:
+      return body(build<amp::optim::FusedAdamW>(net, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), 5e-3f));
+    case 1:
+      return body(build<amp::optim::FusedSGD>(net, torch::optim::SGDOptions(0.05).momentum(0.9), 0.02f));
+    case 2:
+      return body(build<torch::optim::Adam>(net, torch::optim::AdamOptions(1e-2), 5e-3f));
+    default:
+      return body(build<amp::optim::FusedAdam>(net, torch::optim::AdamOptions(1e-2).amsgrad(true), 5e-3f));
+  }
+}
+
+std::vector<torch::Tensor> params_of(torch::nn::Sequential& net) { return clones(net->parameters()); }
+
+bool bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// Largest difference in units of the tensors' own magnitude (relative to max |b| per tensor).
+double relative_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = std::max(1e-12, b[i].abs().max().item<double>());
+    worst = std::max(worst, (a[i].to(torch::kDouble) - b[i].to(torch::kDouble)).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+std::string expect_throw(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return amp::detail::message_of(e);
+  }
+  return "";
+}
+
+void train_side_by_side(const ProcessGroup& group, const Config& config, int stage) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  const std::string label = config.label + " stage " + std::to_string(stage);
+  auto ref_net = make_mlp(11);
+  auto net = make_mlp(11);
+  if (config.freeze_first_bias) {
+    ref_net[0]->named_parameters()["bias"].set_requires_grad(false);
+    net[0]->named_parameters()["bias"].set_requires_grad(false);
+  }
+  with_optimizer(config.optimizer, ref_net, [&](auto ref_opt) {
+    with_optimizer(config.optimizer, net, [&](auto opt) {
+      auto [ref_model, ref_optimizer] = amp::initialize(ref_net, std::move(ref_opt), config.options);
+      auto [model, optimizer] = amp::initialize(net, std::move(opt), config.options);
+      auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
+      auto ddp = amp::parallel::make_distributed(model, group);
+      amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.001));
+      bool same = true, same_scale = true, same_skips = true, norms_close = true;
+      double worst = 0;
+      amp::StateBytes sharded{}, unsharded{};
+      for (int step = 0; step < 6; ++step) {
+        const Batch batch = global_batch(step, kGlobal);
+        const Batch local = rows(batch, group.rank() * local_rows, local_rows);
+        // Step 3: an inf on rank 1's batch only; every rank skips (dynamic loss scale).
+        const bool dynamic = config.label.rfind("O1", 0) == 0 || config.label.rfind("O2", 0) == 0;
+        const int64_t inf_at = step == 3 && group.rank() == 1 && dynamic ? 2 : -1;
+        float norms[2];
+        int k = 0;
+        {
+          ref_optimizer.zero_grad();
+          {
+            auto scaled = amp::scale_loss(loss_of(ref_ddp(local.x), local.y, inf_at), ref_optimizer);
+            scaled.backward();
+          }
+          norms[k++] = amp::clip_grad_norm_(ref_optimizer, 5.0).template item<float>();
+          ref_optimizer.step();
+        }
+        {
+          optimizer.zero_grad();
+          {
+            auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y, inf_at), optimizer);
+            scaled.backward();
+          }
+          if (step == 1) {
+            sharded = amp::state_bytes(optimizer);
+            unsharded = amp::state_bytes(ref_optimizer);
+          }
+          norms[k++] = amp::clip_grad_norm_(optimizer, 5.0).template item<float>();
+          optimizer.step();
+        }
+        const auto a = params_of(net), b = params_of(ref_net);
+        same = same && bitwise(a, b);
+        worst = std::max(worst, relative_diff(a, b));
+        same_scale = same_scale && optimizer.loss_scaler().loss_scale() == ref_optimizer.loss_scaler().loss_scale();
+        same_skips = same_skips && optimizer.skipped_steps() == ref_optimizer.skipped_steps();
+        const bool finite = std::isfinite(norms[1]);
+        norms_close = norms_close && (finite ? std::abs(norms[0] - norms[1]) <= 1e-6 * std::abs(norms[1]) + 1e-30
+                                             : !std::isfinite(norms[0]));
+      }
+      // O3 steps bf16 parameters with LibTorch's per-op arithmetic, whose vector body fuses multiply-adds that its
+      // scalar tail does not: where a slice ends decides which elements round which way (within a bf16 ulp).
+      const bool o3 = config.label.rfind("O3", 0) == 0;
+      if (n == 2 && !o3) report(same, label + ": the sharded replica equals the unsharded one bit for bit after every step");
+      report(worst <= (o3 ? 1.0 / 256 : n == 2 ? 0.0 : 1e-5), label + ": parameters against the unsharded run",
+             "worst relative " + str(worst));
+      report(same_scale && same_skips, label + ": the same loss scale and skipped steps",
+             "skipped " + std::to_string(optimizer.skipped_steps()) + " vs " + std::to_string(ref_optimizer.skipped_steps()));
+      report(norms_close, label + ": clip_grad_norm_ gives the unsharded global norm (1e-6 relative)");
+      report(same_on_all_ranks(group, params_of(net)), label + ": every rank's replica is identical");
+      report(sharded.optimizer_state < unsharded.optimizer_state, label + ": optimizer state is divided",
+             std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
+      if (stage == 2) {
+        report(sharded.grads + sharded.master_grads < unsharded.grads + unsharded.master_grads,
+               label + ": gradients are divided",
+               std::to_string(sharded.grads + sharded.master_grads) + " vs " +
+                   std::to_string(unsharded.grads + unsharded.master_grads) + " bytes");
+      }
+    });
+  });
+}
+
+// The per-rank archive resumes bitwise; the consolidated one is what the unsharded run's torch::save writes and loads
+// into a sharded optimizer too.
+void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  const std::string label = "checkpoint stage " + std::to_string(stage);
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto make = [&](torch::nn::Sequential& net) {
+    return build<amp::optim::FusedAdamW>(net, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), 5e-3f);
+  };
+  auto train = [&](auto& ddp, auto& optimizer, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+      optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+  };
+  auto ref_net = make_mlp(5);
+  auto [ref_model, ref_optimizer] = amp::initialize(ref_net, make(ref_net), options);
+  auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
+  auto net = make_mlp(5);
+  auto [model, optimizer] = amp::initialize(net, make(net), options);
+  auto ddp = amp::parallel::make_distributed(model, group);
+  amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
+  train(ref_ddp, ref_optimizer, 0, 3);
+  train(ddp, optimizer, 0, 3);
+  const std::string shard_path = dir + "/zero_s" + std::to_string(stage) + "_w" + std::to_string(n) + "_r" +
+                                 std::to_string(group.rank()) + ".pt";
+  const std::string consolidated = dir + "/zero_s" + std::to_string(stage) + "_w" + std::to_string(n) + "_full.pt";
+  const std::string unsharded = dir + "/zero_s" + std::to_string(stage) + "_w" + std::to_string(n) + "_plain.pt";
+  torch::save(optimizer, shard_path);
+  amp::parallel::save_consolidated(optimizer, consolidated);
+  if (group.rank() == 0) torch::save(ref_optimizer, unsharded);
+  group.barrier();
+  torch::save(net, shard_path + ".model");
+
+  // Resume from this rank's shard in a fresh sharded optimizer: bitwise the run that did not stop.
+  {
+    auto net2 = make_mlp(99);
+    auto [model2, optimizer2] = amp::initialize(net2, make(net2), options);
+    torch::load(net2, shard_path + ".model");  // Apex's order: initialize, then load
+    auto ddp2 = amp::parallel::make_distributed(model2, group);
+    amp::parallel::shard_optimizer(ddp2, optimizer2, amp::parallel::ZeroOptions().stage(stage));
+    torch::load(optimizer2, shard_path);
+    train(ddp2, optimizer2, 3, 6);
+    train(ddp, optimizer, 3, 6);
+    report(bitwise(params_of(net2), params_of(net)), label + ": resuming from this rank's shard is bitwise the run that "
+           "did not stop");
+  }
+  // The consolidated archive loads into a sharded optimizer (this world) and into an unsharded one; both continue as
+  // the unsharded reference does.
+  {
+    auto net3 = make_mlp(98);
+    auto [model3, optimizer3] = amp::initialize(net3, make(net3), options);
+    auto ddp3 = amp::parallel::make_distributed(model3, group);
+    amp::parallel::shard_optimizer(ddp3, optimizer3, amp::parallel::ZeroOptions().stage(3 - stage));
+    torch::load(optimizer3, consolidated);  // masters and state; the model follows the masters
+    auto net4 = make_mlp(97);
+    auto [model4, optimizer4] = amp::initialize(net4, make(net4), options);
+    auto ddp4 = amp::parallel::make_distributed(model4, group);
+    torch::load(optimizer4, consolidated);
+    train(ref_ddp, ref_optimizer, 3, 6);
+    train(ddp3, optimizer3, 3, 6);
+    train(ddp4, optimizer4, 3, 6);
+    const double d3 = relative_diff(params_of(net3), params_of(ref_net)), d4 = relative_diff(params_of(net4), params_of(ref_net));
+    report(n == 2 ? d3 == 0 && d4 == 0 : d3 <= 1e-5 && d4 <= 1e-5,
+           label + ": the consolidated archive resumes sharded (the other stage) and unsharded like the unsharded run",
+           "relative " + str(d3) + ", " + str(d4));
+  }
+  // Rank 0's consolidated file holds what the unsharded run's torch::save holds (2 ranks: same trajectory, bitwise).
+  if (n == 2 && group.rank() == 0) {
+    torch::serialize::InputArchive a, b;
+    a.load_from(consolidated);
+    b.load_from(unsharded);
+    bool equal = true;
+    torch::serialize::InputArchive a_amp, b_amp;
+    a.read("amp", a_amp);
+    b.read("amp", b_amp);
+    for (int i = 0; i < 6; ++i) {
+      torch::Tensor x, y;
+      a_amp.read("master/" + std::to_string(i), x);
+      b_amp.read("master/" + std::to_string(i), y);
+      equal = equal && torch::equal(x, y);
+    }
+    report(equal, label + ": the consolidated archive's masters equal the unsharded run's");
+  }
+  // A shard from another world size (the 2-rank run's, read by the 4-rank run) is refused naming both sizes.
+  if (n == 4) {
+    const std::string other = dir + "/zero_s" + std::to_string(stage) + "_w2_r" + std::to_string(group.rank() % 2) + ".pt";
+    auto net5 = make_mlp(5);
+    auto [model5, optimizer5] = amp::initialize(net5, make(net5), options);
+    auto ddp5 = amp::parallel::make_distributed(model5, group);
+    amp::parallel::shard_optimizer(ddp5, optimizer5, amp::parallel::ZeroOptions().stage(stage));
+    const std::string message = expect_throw([&] { torch::load(optimizer5, other); });
+    report(message.find("world of 2 ranks, this run has 4") != std::string::npos,
+           label + ": a shard of a 2-rank world is refused at 4 ranks", message.substr(0, 200));
+  }
+}
+
+void misuse(const ProcessGroup& group) {
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto net = make_mlp(3);
+  auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters()), options);
+  auto ddp = amp::parallel::make_distributed(model, group);
+  std::string m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3)); });
+  report(m.find("stage must be 1") != std::string::npos && m.find("got 3") != std::string::npos, "stage 3 is refused", m);
+  amp::parallel::shard_optimizer(ddp, optimizer);
+  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer); });
+  report(m.find("sharded already") != std::string::npos, "sharding twice is refused", m);
+
+  auto net2 = make_mlp(3);
+  auto [model2, optimizer2] = amp::initialize(net2, amp::optim::FusedAdam(net2->parameters()), options);
+  auto ddp2 = amp::parallel::make_distributed(model2, group);
+  const Batch local = rows(global_batch(0, kGlobal), 0, 4);
+  {
+    auto scaled = amp::scale_loss(loss_of(ddp2(local.x), local.y), optimizer2);
+    scaled.backward();
+  }
+  optimizer2.step();
+  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp2, optimizer2); });
+  report(m.find("stepped 1 time") != std::string::npos, "sharding after the first step is refused", m);
+
+  auto net3 = make_mlp(3);
+  auto [model3, optimizer3] = amp::initialize(net3, amp::optim::FusedLAMB(net3->parameters()), options);
+  auto ddp3 = amp::parallel::make_distributed(model3, group);
+  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer3); });
+  report(m.find("FusedLAMB") != std::string::npos, "FusedLAMB is refused, named", m);
+
+  // An optimizer that trains another model than the wrapper's.
+  auto net4 = make_mlp(3);
+  auto [model4, optimizer4] = amp::initialize(net4, amp::optim::FusedAdam(net4->parameters()), options);
+  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer4); });
+  report(m.find("does not reduce") != std::string::npos, "an optimizer of another model is refused", m);
+
+  auto net5 = make_mlp(3);
+  auto [model5, optimizer5] = amp::initialize(
+      net5, amp::optim::FusedAdam(net5->parameters()),
+      amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(amp::MasterWeights::kSplit).verbosity(0));
+  auto ddp5 = amp::parallel::make_distributed(model5, group);
+  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp5, optimizer5); });
+  report(m.find("master_weights_format split") != std::string::npos, "lean masters are refused, named", m);
+}
+
+}  // namespace
+
+void scenario_zero(const ProcessGroup& group) {
+  const char* dir_env = std::getenv("AMP_ZERO_DIR");
+  const std::string dir = dir_env ? dir_env : "/tmp";
+  const std::vector<Config> configs = {
+      {"O0 FusedAdam", amp::Options("O0").verbosity(0), 3},
+      {"O1 LibTorch Adam", amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0), 2},
+      {"O2 bf16 FusedAdamW", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 0, true},
+      {"O2 fp16 FusedSGD", amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0), 1},
+      {"O3 bf16 FusedSGD", amp::Options("O3").low_precision_dtype(torch::kBFloat16).verbosity(0), 1},
+  };
+  for (int stage : {1, 2}) {
+    for (const auto& config : configs) train_side_by_side(group, config, stage);
+    checkpoints(group, stage, dir);
+  }
+  misuse(group);
+}
+
+}  // namespace amp_worker
