@@ -54,6 +54,7 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"mismatch", amp_worker::scenario_mismatch},
     {"dies", amp_worker::scenario_dies},
     {"zero", amp_worker::scenario_zero},
+    {"zero_bench", amp_worker::scenario_zero_bench},
 };
 
 }  // namespace
