@@ -28,6 +28,7 @@
 #include "options/format.h"
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
+#include "optim/sharding.h"
 #include "optim/fp32_values.h"
 #include "casting/model_casting.h"
 #include "interop/optimizer_formats.h"
@@ -370,6 +371,10 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
 }
 
 void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
+  TORCH_CHECK(!detail::OptimizerAccess::sharding(optimizer), "amp::PythonCheckpoint::load_optimizer: the optimizer is sharded by "
+              "amp::parallel::shard_optimizer (ZeRO), so this rank holds only its slices of the state. Write and read "
+              "sharded optimizers with torch::save / torch::load (this rank's shard) or amp::parallel::save_consolidated "
+              "(the whole state, which an unsharded optimizer can then put_optimizer for Python).");
   torch::optim::Optimizer& torch_optimizer = detail::OptimizerAccess::synced_torch_optimizer(optimizer);
   const auto names = detail::OptimizerAccess::param_group_names(optimizer);  // for messages
   load_optimizer_state(torch_optimizer, key, [&](const at::Tensor& p) {
@@ -559,6 +564,10 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
+  TORCH_CHECK(!detail::OptimizerAccess::sharding(optimizer), "amp::PythonCheckpoint::put_optimizer: the optimizer is sharded by "
+              "amp::parallel::shard_optimizer (ZeRO), so this rank holds only its slices of the state. Write and read "
+              "sharded optimizers with torch::save / torch::load (this rank's shard) or amp::parallel::save_consolidated "
+              "(the whole state, which an unsharded optimizer can then put_optimizer for Python).");
   put_optimizer_state(key, detail::OptimizerAccess::synced_torch_optimizer(optimizer));
 }
 

@@ -50,7 +50,7 @@ struct ShardEntry {
   size_t master_index = 0;  // in the MasterWeights table (the archives' "master/<i>")
   int64_t offset = 0;       // in the group's flat run
   int64_t numel = 0;
-  uint32_t version = 0;  // the model parameter's, when it and the pieces last agreed
+  int64_t version = 0;  // the model parameter's, when it and the pieces last agreed
   const void* storage = nullptr;
 };
 

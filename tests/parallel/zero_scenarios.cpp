@@ -340,6 +340,10 @@ void misuse(const ProcessGroup& group) {
   amp::parallel::shard_optimizer(ddp, optimizer);
   m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer); });
   report(m.find("sharded already") != std::string::npos, "sharding twice is refused", m);
+  amp::PythonCheckpoint python;
+  m = expect_throw([&] { python.put_optimizer("optimizer", optimizer); });
+  report(m.find("sharded by amp::parallel::shard_optimizer") != std::string::npos, "PythonCheckpoint refuses a sharded "
+         "optimizer, naming save_consolidated", m);
 
   auto net2 = make_mlp(3);
   auto [model2, optimizer2] = amp::initialize(net2, amp::optim::FusedAdam(net2->parameters()), options);
