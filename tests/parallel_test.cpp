@@ -611,6 +611,20 @@ TEST(ZeroTest, ShardedTrainingEqualsUnshardedOnTwoAndFourRanks) {
   std::filesystem::remove_all(dir);
 }
 
+// amp's ZeRO at O0 against torch's DDP + ZeroRedundancyOptimizer(Adam), the reference computed at test time.
+TEST(ZeroTest, MatchesPythonZeroRedundancyOptimizer) {
+  if (!amp_test::python_has_torch()) GTEST_SKIP() << "python3 has no torch (scripts/setup.sh installs the wheel)";
+  const std::string python = amp_test::python_interpreter();
+  char dir[] = "/tmp/amp_zero_py_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  ASSERT_EQ(std::system((python + " " AMP_SOURCE_DIR "/tests/python/zero.py " + dir + " 2").c_str()), 0);
+  const auto ranks = ranks_of(2, "zero_python", 240, "60", {{"AMP_ZERO_DIR", dir}});
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(TwoRanksTest, Torchrun) {
   if (std::system("python3 -c 'import torch.distributed.run' > /dev/null 2>&1") != 0) {
     GTEST_SKIP() << "python3 has no torch (torchrun comes with the torch wheel: scripts/setup.sh installs it)";

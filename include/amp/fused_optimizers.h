@@ -22,6 +22,7 @@
 #include <torch/optim/serialize.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -60,6 +61,16 @@ class FusedOptimizer {
   /// Set by amp::Optimizer with a lean master_weights_format: the parameters that have lean masters.
   void set_lean_masters(std::shared_ptr<amp::detail::LeanMasters> lean) { lean_ = std::move(lean); }
 
+  /// Set by amp::parallel::shard_optimizer (ZeRO) around a sharded step, whose param_groups hold pieces of whole
+  /// tensors: `over_ranks` sums a value over every rank; `per_tensor` turns each piece's partial sum (one per
+  /// parameter of param_groups, in order) into the sum over every piece of its whole tensor, on every rank. FusedLAMB
+  /// takes its global gradient norm and its per-tensor norms through them.
+  struct ShardSums {
+    std::function<double(double)> over_ranks;
+    std::function<void(std::vector<double>&)> per_tensor;
+  };
+  void set_shard_sums(const ShardSums* sums) noexcept { shard_sums_ = sums; }
+
  protected:
   FusedOptimizer() = default;
   FusedOptimizer(FusedOptimizer&&) = default;
@@ -71,11 +82,14 @@ class FusedOptimizer {
   const std::optional<double>& grad_scale() const noexcept { return grad_scale_; }
   /// Returns the parameters with lean masters (nullptr: none).
   const std::shared_ptr<amp::detail::LeanMasters>& lean_masters() const noexcept { return lean_; }
+  /// Returns the sums of a sharded step (nullptr: the step holds whole tensors).
+  const ShardSums* shard_sums() const noexcept { return shard_sums_; }
 
  private:
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
   std::optional<double> grad_scale_;
   std::shared_ptr<amp::detail::LeanMasters> lean_;
+  const ShardSums* shard_sums_ = nullptr;
 };
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) with a fused step.
@@ -178,6 +192,8 @@ class FusedLAMB : public torch::optim::Optimizer, public FusedOptimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
+  // The step of a sharded FusedLAMB (ShardSums): the norms summed over every rank's pieces.
+  void sharded_step(const std::vector<at::Tensor>& grads);
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive) {
     torch::optim::serialize<FusedLAMBParamState, FusedLAMBOptions>(archive, self);

@@ -493,6 +493,10 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   if (grad_scale() && !grads.empty()) {
     amp::detail::mul_(grads, at::full({}, inverse_scale(grad_scale()), at::TensorOptions().dtype(at::kFloat)));
   }
+  if (shard_sums()) {
+    sharded_step(grads);
+    return loss;
+  }
   // Apex: the norm of every group's gradients, before any update; its max_grad_norm is the defaults' value.
   const double max_grad_norm = static_cast<const FusedLAMBOptions&>(defaults()).max_grad_norm();
   at::Tensor clip = at::ones({}, at::TensorOptions().dtype(at::kFloat));
@@ -547,6 +551,95 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
     }
   }
   return loss;
+}
+
+// NOTE [Sharded LAMB]: under ZeRO a piece holds part of a tensor, and LAMB's norms are whole tensors' (and the
+// global gradient norm every rank's): each is a sum of squares over the pieces, in double, summed over the ranks
+// (ShardSums), then rooted and rounded to float as the unsharded step rounds its norms. The update is the unsharded
+// step's, piece by piece (the same kernels on the CPU, lamb_per_op's arithmetic elsewhere), in two passes around
+// the one exchange of the per-tensor sums.
+void FusedLAMB::sharded_step(const std::vector<at::Tensor>& grads) {
+  const ShardSums& sums = *shard_sums();
+  auto square_sum = [](const at::Tensor& t) { return t.to(at::kDouble).pow(2).sum().item<double>(); };
+  const double max_grad_norm = static_cast<const FusedLAMBOptions&>(defaults()).max_grad_norm();
+  float clip = 1.0f;
+  if (max_grad_norm > 0) {
+    double local = 0;
+    for (const auto& g : grads) local += square_sum(g);
+    const auto norm = static_cast<float>(std::sqrt(sums.over_ranks(local)));
+    const auto max = static_cast<float>(max_grad_norm);
+    clip = norm > max ? norm / max : 1.0f;
+  }
+  struct Pending {
+    Work work;
+    FusedLAMBOptions* options;
+    at::Tensor update, p32;
+    bool on_cpu;
+  };
+  std::vector<Pending> pending;  // one per parameter of param_groups, in order (without a gradient: none)
+  std::vector<double> param_sums, update_sums;
+  auto& states = state_;
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<FusedLAMBOptions&>(group.options());
+    o.step(o.step() + 1);
+    for (const auto& key : group.params()) {
+      Pending entry{work_for(key, lean_masters()), &o, {}, {}, false};
+      if (!key.grad().defined()) {
+        pending.push_back(std::move(entry));
+        param_sums.push_back(0);
+        update_sums.push_back(0);
+        continue;
+      }
+      at::Tensor& p = entry.work.param;
+      const at::Tensor& grad = entry.work.grad;
+      auto& slot = states[state_key(states, key)];
+      if (!slot) {
+        auto fresh = std::make_unique<FusedLAMBParamState>();
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<FusedLAMBParamState&>(*slot);
+      entry.on_cpu = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, nullptr) == FusedRoute::kAuto;
+      const cpu::LambScalars s = lamb_scalars(o, clip);
+      if (entry.on_cpu) {
+        entry.update = at::empty_like(p);
+        cpu::lamb_stage1(p.data_ptr<float>(), grad.data_ptr<float>(), state.exp_avg().data_ptr<float>(),
+                         state.exp_avg_sq().data_ptr<float>(), entry.update.data_ptr<float>(), p.numel(), s);
+        entry.p32 = p;
+      } else {  // lamb_per_op's arithmetic
+        entry.p32 = p.to(at::kFloat);
+        at::Tensor scaled = grad.to(at::kFloat).div(clip);
+        if (!s.adam_w_mode) scaled = scaled.add(entry.p32.mul(s.weight_decay));
+        const at::Tensor m = state.exp_avg().to(at::kFloat).mul(s.beta1).add(scaled.mul(s.beta3));
+        const at::Tensor v = state.exp_avg_sq().to(at::kFloat).mul(s.beta2).add(scaled.mul(1.0f - s.beta2).mul(scaled));
+        entry.update = m.div(s.bias_correction1).div(v.div(s.bias_correction2).sqrt().add(s.eps));
+        if (s.adam_w_mode) entry.update = entry.update.add(entry.p32.mul(s.weight_decay));
+        state.exp_avg().copy_(m);
+        state.exp_avg_sq().copy_(v);
+      }
+      param_sums.push_back(square_sum(entry.p32));  // before the update, as Apex
+      update_sums.push_back(square_sum(entry.update));
+      bump({state.exp_avg(), state.exp_avg_sq()});
+      pending.push_back(std::move(entry));
+    }
+  }
+  sums.per_tensor(param_sums);
+  sums.per_tensor(update_sums);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Pending& entry = pending[i];
+    if (!entry.update.defined()) continue;
+    const float ratio = lamb_ratio(*entry.options, static_cast<float>(std::sqrt(param_sums[i])),
+                                   static_cast<float>(std::sqrt(update_sums[i])));
+    at::Tensor& p = entry.work.param;
+    if (entry.on_cpu) {
+      cpu::lamb_stage2(p.data_ptr<float>(), entry.update.data_ptr<float>(), p.numel(), ratio, model_copy_arg(nullptr));
+    } else {
+      p.copy_(entry.p32.sub(entry.update.mul(ratio)));
+    }
+    bump({p});
+    entry.work.finish();
+  }
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {

@@ -176,6 +176,8 @@ class Zero final : public amp::detail::Sharding {
   void settle(double inv_scale, amp::detail::FoundInf* found_inf);
   void gather_into_model();
   void adopt_full_state(torch::optim::Optimizer& opt);
+  double sum_over_ranks(double value);
+  void sum_per_tensor(std::vector<double>& per_piece);
   const at::Tensor full_grad(const ShardEntry& e) const { return e.mastered ? e.stepped.grad() : e.model.grad(); }
 
   std::shared_ptr<DistributedCore> core_;
@@ -363,6 +365,34 @@ void Zero::gather_into_model() {
 }
 
 void Zero::after_step() { gather_into_model(); }
+
+double Zero::sum_over_ranks(double value) {
+  if (state_.world_size == 1) return value;
+  std::vector<at::Tensor> tensors{at::full({1}, value, at::TensorOptions().dtype(at::kDouble))};
+  wait(state_.group->allreduce(tensors), state_, std::string(kShard) + " (a norm over every rank's pieces)");
+  return tensors[0].item<double>();
+}
+
+// Each piece's value becomes the sum over its whole tensor's pieces, every rank's.
+void Zero::sum_per_tensor(std::vector<double>& per_piece) {
+  TORCH_INTERNAL_ASSERT(per_piece.size() == pieces_.size(), "amp: a sharded step summed ", per_piece.size(),
+                        " values for ", pieces_.size(), " pieces");
+  std::vector<size_t> base(groups_.size(), 0);
+  size_t total = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    base[g] = total;
+    total += groups_[g].size();
+  }
+  at::Tensor sums = at::zeros({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kDouble));
+  double* s = sums.data_ptr<double>();
+  for (size_t k = 0; k < pieces_.size(); ++k) s[base[pieces_[k].group] + pieces_[k].entry] += per_piece[k];
+  if (state_.world_size > 1) {
+    std::vector<at::Tensor> tensors{sums};
+    wait(state_.group->allreduce(tensors), state_, std::string(kShard) + " (per-tensor norms over every rank's pieces)");
+    s = sums.data_ptr<double>();
+  }
+  for (size_t k = 0; k < pieces_.size(); ++k) per_piece[k] = s[base[pieces_[k].group] + pieces_[k].entry];
+}
 
 std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere) {
   c10::NoGradGuard no_grad;
@@ -558,7 +588,13 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
     }
     saved.push_back(std::exchange(groups[g].params(), std::move(mine)));
   }
+  // NOTE [Sharded LAMB] in src/optim/fused_optimizers.cpp: its norms are summed over the ranks' pieces.
+  auto* fused = use == Use::kStep ? dynamic_cast<amp::optim::FusedOptimizer*>(&opt) : nullptr;
+  const amp::optim::FusedOptimizer::ShardSums sums{[this](double v) { return sum_over_ranks(v); },
+                                                   [this](std::vector<double>& v) { sum_per_tensor(v); }};
+  if (fused) fused->set_shard_sums(&sums);
   auto restore = [&] {
+    if (fused) fused->set_shard_sums(nullptr);
     for (size_t g = 0; g < groups.size() && g < saved.size(); ++g) groups[g].params() = std::move(saved[g]);
     for (auto& p : pieces_) p.value.mutable_grad() = at::Tensor();
   };
@@ -783,12 +819,9 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   TORCH_CHECK(p.enabled, kShard, ": amp is disabled for this optimizer (enabled = false); ZeRO shards amp's optimizer "
               "state. Enable amp, or use torch's own data parallelism.");
   torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
-  TORCH_CHECK(!dynamic_cast<amp::optim::FusedLAMB*>(&opt), kShard, ": FusedLAMB's trust ratio needs each parameter's "
-              "whole norms, which a shard does not hold; shard FusedSGD, FusedAdam or FusedAdamW (or LibTorch's SGD, Adam, "
-              "AdamW), or train FusedLAMB unsharded.");
   TORCH_CHECK(amp::detail::new_state_for(opt), kShard, ": this optimizer type can't be sharded (its per-parameter "
-              "state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam or FusedAdamW, or LibTorch's "
-              "SGD, Adam or AdamW.");
+              "state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB, or "
+              "LibTorch's SGD, Adam or AdamW.");
   TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": master_weights_format ",
               to_string(p.master_weights_format), " keeps each master's low bits beside its bfloat16 parameter; ZeRO "
               "shards fp32 masters (master_weights_format = copy).");

@@ -16,7 +16,8 @@
 //            used): O0/O2 against 1 process x full batch, ranks bit-identical, no_sync accumulation, an inf routed
 //            to a head only one rank reached, heads no rank reached keep no gradient (torch's find_unused_parameters).
 //   clip, checkpoint, lean, policy, fp8, torchscript, auto_fp32: amp's features under amp::parallel (feature_scenarios.cpp).
-//   zero     ZeRO stage 1 and 2 (2 or 4 ranks) against unsharded replicas, archives, misuse (zero_scenarios.cpp).
+//   zero     ZeRO stage 1 and 2 (2 or 4 ranks) against unsharded replicas, archives, misuse (zero_scenarios.cpp);
+//            zero_python: O0 against torch's DDP + ZeroRedundancyOptimizer (tests/python/zero.py); zero_bench: the table.
 //
 // The scenarios live by concern: training_scenarios.cpp (train, quick, syncbn), routing_scenarios.cpp (unused),
 // feature_scenarios.cpp, failure_scenarios.cpp (mismatch, dies); step_loop.h is the loop train and unused share.
@@ -55,6 +56,7 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"dies", amp_worker::scenario_dies},
     {"zero", amp_worker::scenario_zero},
     {"zero_bench", amp_worker::scenario_zero_bench},
+    {"zero_python", amp_worker::scenario_zero_python},
 };
 
 }  // namespace
