@@ -8,6 +8,8 @@
 // Each rank trains on its share of every epoch (torch::data::samplers::DistributedRandomSampler), gradients are
 // averaged across ranks in bf16 during backward, BatchNorm statistics cover the global batch (SyncBatchNorm), and
 // rank 0 prints one line per epoch and writes the checkpoint; `--resume true` loads it on every rank.
+// `--zero_stage 1|2` shards the fp32 masters, the momentum (and at 2 the gradients) across the ranks (ZeRO,
+// amp::parallel::shard_optimizer); the checkpoint is then the consolidated one (amp::parallel::save_consolidated).
 
 #include <amp/amp.h>
 #include <torch/torch.h>
@@ -46,6 +48,7 @@ int main(int argc, char** argv) {
   int64_t batch_size = 32;
   double lr = 0.05;
   bool resume = false, syncbn = true, delay_allreduce = false;
+  int zero_stage = 0;
   amp::ProgramFlags flags(
       "distributed: trains the digits classifier on every rank of a torchrun job (torchrun --standalone "
       "--nproc-per-node 2 --no-python ./distributed --config O2_bf16.ini)");
@@ -56,7 +59,8 @@ int main(int argc, char** argv) {
       .add("syncbn", &syncbn, "BatchNorm statistics over the global batch (amp::parallel::convert_syncbn_model)")
       .add("delay_allreduce", &delay_allreduce, "reduce gradients once after backward instead of during it")
       .add("checkpoint", &checkpoint, "rank 0 saves CHECKPOINT.{model,optimizer,epoch} after every epoch")
-      .add("resume", &resume, "every rank loads --checkpoint and continues from its epoch");
+      .add("resume", &resume, "every rank loads --checkpoint and continues from its epoch")
+      .add("zero_stage", &zero_stage, "0: off; 1: ZeRO-shard the masters and momentum; 2: and the gradients");
   try {
     const auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
@@ -81,14 +85,15 @@ int main(int argc, char** argv) {
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
     auto [model, optimizer] = amp::initialize(net, std::move(sgd), amp::Options(*options).verbosity(leader ? options->resolve().verbosity : 0));
     int first_epoch = 0;
-    if (resume) {
-      TORCH_CHECK(!checkpoint.empty(), "distributed: --resume true needs --checkpoint PATH");
-      torch::load(net, checkpoint + ".model");  // after initialize: the model holds its amp dtypes
-      torch::load(optimizer, checkpoint + ".optimizer");
-      std::ifstream(checkpoint + ".epoch") >> first_epoch;
-    }
+    TORCH_CHECK(!resume || !checkpoint.empty(), "distributed: --resume true needs --checkpoint PATH");
+    if (resume) torch::load(net, checkpoint + ".model");  // after initialize: the model holds its amp dtypes
     auto ddp = amp::parallel::make_distributed(model, group,
                                                amp::parallel::DistributedDataParallelOptions().delay_allreduce(delay_allreduce));
+    if (zero_stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(zero_stage));
+    if (resume) {
+      torch::load(optimizer, checkpoint + ".optimizer");  // every rank; a sharded one keeps its slice
+      std::ifstream(checkpoint + ".epoch") >> first_epoch;
+    }
     if (leader) {
       std::printf("data: %s, %lld training images over %d ranks (%lld per rank per step), syncbn %s\n", source.c_str(),
                   static_cast<long long>(train_x.size(0)), world, static_cast<long long>(batch_size), syncbn ? "on" : "off");
@@ -134,18 +139,24 @@ int main(int argc, char** argv) {
                     100.0 * totals[2] / static_cast<double>(n_val), amp::loss_scale(optimizer),
                     static_cast<long long>(optimizer.skipped_steps()), seconds, totals[1] / seconds);
         std::fflush(stdout);
-        if (!checkpoint.empty()) {
+      }
+      if (!checkpoint.empty()) {
+        if (zero_stage > 0) amp::parallel::save_consolidated(optimizer, checkpoint + ".optimizer");  // every rank
+        if (leader) {
           torch::save(net, checkpoint + ".model");
-          torch::save(optimizer, checkpoint + ".optimizer");
+          if (zero_stage == 0) torch::save(optimizer, checkpoint + ".optimizer");
           std::ofstream(checkpoint + ".epoch") << epoch + 1;
         }
       }
       group.barrier();  // the checkpoint is complete before any rank could stop
     }
 
-    // Every rank holds the same weights: the checksum of the fp32 masters has the same bits everywhere.
+    // Every rank holds the same weights: the checksum of the fp32 masters (sharded: of the model, as each rank holds
+    // only its slice of the masters) has the same bits everywhere.
     double checksum = 0;
-    for (const auto& p : amp::master_params(optimizer)) checksum += p.to(torch::kDouble).abs().sum().item<double>();
+    for (const auto& p : zero_stage > 0 ? net->parameters() : amp::master_params(optimizer)) {
+      checksum += p.to(torch::kDouble).abs().sum().item<double>();
+    }
     std::vector<torch::Tensor> low{torch::tensor({checksum}, torch::kDouble)}, high{low[0].clone()};
     c10d::AllreduceOptions min_op, max_op;
     min_op.reduceOp = c10d::ReduceOp::MIN;
@@ -163,6 +174,13 @@ int main(int argc, char** argv) {
                                       : optimizer.properties().low_precision_dtype)
                       .c_str(),
                   static_cast<long long>(stats.allreduce_calls));
+      if (zero_stage > 0) {
+        const amp::StateBytes bytes = amp::state_bytes(optimizer);
+        std::printf("ZeRO stage %d: reduce-scattered %.1f KiB, all-gathered %.1f KiB; rank 0 holds %.1f KiB of masters, "
+                    "%.1f KiB of optimizer state\n", zero_stage, static_cast<double>(stats.reduce_scatter_bytes) / 1024.0,
+                    static_cast<double>(stats.allgather_bytes) / 1024.0, static_cast<double>(bytes.masters) / 1024.0,
+                    static_cast<double>(bytes.optimizer_state) / 1024.0);
+      }
     }
     return agree ? 0 : 2;
   } catch (const std::exception& e) {

@@ -189,7 +189,7 @@ struct DistributedCore::Impl {
   std::vector<std::string> last_missing;
   // Parameters this rank accumulated a gradient for since the last synchronized backward (no_sync ones included).
   std::vector<bool> used;
-  DistributedCore::Reduction zero_reduction;  // ZeRO stage 2's reduce-scatter instead of the all-reduce
+  std::vector<DistributedCore::Reduction> zero_reductions;  // ZeRO stage 2's reduce-scatters instead of the all-reduce
 
   using Masters = std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>>;
   void broadcast_rank0_state(std::vector<at::Tensor> outgoing, const Masters& masters, const std::string& where);
@@ -247,7 +247,7 @@ void DistributedCore::Impl::end_of_backward() {
   counters.synced_backwards.fetch_add(1);
   unsynced.clear();
   // ZeRO stage 2 leaves no_sync()'s gradients in the model's .grad (its unscale moves nothing aside).
-  if (std::exchange(window_unsynced, false) && !zero_reduction) reduce_unreduced_masters();
+  if (std::exchange(window_unsynced, false) && zero_reductions.empty()) reduce_unreduced_masters();
   std::vector<std::string> missing;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!reached[i]) missing.push_back(names[i]);
@@ -283,8 +283,8 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
          "the gradient all-reduce (agreeing on which parameters some rank has a gradient for)");
     for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = f[i] != 0;
   }
-  if (zero_reduction) {
-    const std::vector<bool> handled = zero_reduction(params, used_anywhere);
+  for (const auto& reduce : zero_reductions) {
+    const std::vector<bool> handled = reduce(params, used_anywhere);
     for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = used_anywhere[i] && !handled[i];
   }
   struct Pending {
@@ -619,15 +619,14 @@ CommunicationStats DistributedCore::stats() const {
 
 const ProcessGroup& DistributedCore::group() const { return impl_->group; }
 
-void DistributedCore::set_reduction(Reduction reduce) {
+void DistributedCore::add_reduction(Reduction reduce) {
   Impl& d = *impl_;
   // The Reducer all-reduces bucket by bucket; ZeRO's reduction runs once after backward, on what any rank reached
   // (the delayed path's agreement, NOTE [Parameters only some ranks reach]).
+  d.zero_reductions.push_back(std::move(reduce));
+  if (d.options.delay_allreduce()) return;
   d.unhook_gradients();
-  d.zero_reduction = std::move(reduce);
-  if (d.zero_reduction) {
-    d.options.delay_allreduce(true);
-  }
+  d.options.delay_allreduce(true);
   d.hook_gradients(kWhere);
 }
 

@@ -831,7 +831,7 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   auto zero = std::make_shared<Zero>(core, optimizer, options);
   if (options.stage() == 2) {
     std::weak_ptr<Zero> weak = zero;
-    core->set_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used) {
+    core->add_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used) {
       if (const auto z = weak.lock()) return z->reduce(params, used);
       return std::vector<bool>(params.size(), false);
     });

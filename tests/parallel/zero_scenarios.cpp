@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <iomanip>
 #include <functional>
@@ -335,6 +336,47 @@ void accumulation(const ProcessGroup& group, int stage) {
          ": every rank's replica is identical");
 }
 
+// Two optimizers for one loss (first layer with FusedSGD, the rest with FusedAdamW), both sharded on one wrapper.
+void two_optimizers(const ProcessGroup& group, int stage) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto make = [&](torch::nn::Sequential& net) {
+    std::vector<torch::Tensor> first, rest;
+    for (const auto& item : net->named_parameters()) (item.key()[0] == '0' ? first : rest).push_back(item.value());
+    return std::make_tuple(amp::optim::FusedSGD(first, torch::optim::SGDOptions(0.05).momentum(0.9)),
+                           amp::optim::FusedAdamW(rest, torch::optim::AdamWOptions(1e-2)));
+  };
+  auto run = [&](torch::nn::Sequential& net, bool shard) {
+    auto [a, b] = make(net);
+    auto [models, optimizers] = amp::initialize(std::tuple(net), std::tuple(std::move(a), std::move(b)), options);
+    auto& [model] = models;
+    auto& [oa, ob] = optimizers;
+    auto ddp = amp::parallel::make_distributed(model, group);
+    if (shard) {
+      amp::parallel::shard_optimizer(ddp, oa, amp::parallel::ZeroOptions().stage(stage));
+      amp::parallel::shard_optimizer(ddp, ob, amp::parallel::ZeroOptions().stage(stage));
+    }
+    for (int step = 0; step < 4; ++step) {
+      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+      oa.zero_grad();
+      ob.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), {&oa, &ob});
+        scaled.backward();
+      }
+      oa.step();
+      ob.step();
+    }
+  };
+  auto ref_net = make_mlp(31), net = make_mlp(31);
+  run(ref_net, false);
+  run(net, true);
+  const double d = relative_diff(params_of(net), params_of(ref_net));
+  report(n == 2 ? d == 0 : d <= 0.1, "two optimizers for one loss, both sharded at stage " + std::to_string(stage),
+         "relative " + str(d));
+}
+
 void misuse(const ProcessGroup& group) {
   const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
   auto net = make_mlp(3);
@@ -345,6 +387,14 @@ void misuse(const ProcessGroup& group) {
   amp::parallel::shard_optimizer(ddp, optimizer);
   m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer); });
   report(m.find("sharded already") != std::string::npos, "sharding twice is refused", m);
+  {
+    const std::string weights = "/tmp/amp_zero_weights_" + std::to_string(group.rank()) + ".pt";
+    auto fp32_net = make_mlp(3);
+    torch::save(fp32_net, weights);
+    m = expect_throw([&] { amp::load_weights(*net, weights); });
+    std::remove(weights.c_str());
+    report(m.find("has its fp32 master sharded") != std::string::npos, "load_weights into sharded masters is refused", m);
+  }
   amp::PythonCheckpoint python;
   m = expect_throw([&] { python.put_optimizer("optimizer", optimizer); });
   report(m.find("sharded by amp::parallel::shard_optimizer") != std::string::npos, "PythonCheckpoint refuses a sharded "
@@ -402,6 +452,7 @@ void scenario_zero(const ProcessGroup& group) {
     for (const auto& config : configs) train_side_by_side(group, config, stage);
     checkpoints(group, stage, dir);
     accumulation(group, stage);
+    two_optimizers(group, stage);
   }
   misuse(group);
 }

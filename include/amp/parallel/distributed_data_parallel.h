@@ -73,10 +73,11 @@ class DistributedCore {
   const DistributedDataParallelOptions& options() const;
 
   /// ZeRO stage 2: after each synchronized backward, `reduce` gets the trainable parameters (model order) and which
-  /// of them some rank has a gradient for, reduces those it shards and returns which; the rest are all-reduced.
+  /// of them some rank has a gradient for (and no earlier reduction took), reduces those it shards and returns which;
+  /// the rest are all-reduced. One per stage-2 sharded optimizer of the model.
   using Reduction = std::function<std::vector<bool>(const std::vector<at::Tensor>& params,
                                                     const std::vector<bool>& used_anywhere)>;
-  void set_reduction(Reduction reduce);
+  void add_reduction(Reduction reduce);
   /// The trainable parameters, in model order (those reduced).
   const std::vector<at::Tensor>& params() const;
   /// Counts ZeRO's collectives in stats().
