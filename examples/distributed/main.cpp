@@ -8,7 +8,7 @@
 // Each rank trains on its share of every epoch (torch::data::samplers::DistributedRandomSampler), gradients are
 // averaged across ranks in bf16 during backward, BatchNorm statistics cover the global batch (SyncBatchNorm), and
 // rank 0 prints one line per epoch and writes the checkpoint; `--resume true` loads it on every rank.
-// `--zero_stage 1|2` shards the fp32 masters, the momentum (and at 2 the gradients) across the ranks (ZeRO,
+// `--zero-stage 1|2` shards the fp32 masters, the momentum (and at 2 the gradients) across the ranks (ZeRO,
 // amp::parallel::shard_optimizer); the checkpoint is then the consolidated one (amp::parallel::save_consolidated).
 
 #include <amp/amp.h>

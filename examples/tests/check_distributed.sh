@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs examples/distributed on 2 ranks through torchrun: it must reach 90% validation accuracy with every rank
 # holding the same weights, and 2 epochs + a resume for 2 more must print exactly what 4 straight epochs print;
-# the same with ZeRO stage 2 (--zero_stage 2, a consolidated checkpoint).
+# the same with ZeRO stage 2 (--zero-stage 2, a consolidated checkpoint).
 #   check_distributed.sh BINARY WORK_DIR CONFIG
 set -euo pipefail
 python3 -c 'import torch.distributed.run' 2>/dev/null || { echo "SKIPPED: python3 has no torch (torchrun)"; exit 77; }
@@ -25,14 +25,14 @@ got=$(echo "$resumed" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }
 [ -n "$want" ] && [ "$want" = "$got" ] || { echo "FAIL: resumed epochs differ:"; echo "$want"; echo "vs"; echo "$got"; exit 1; }
 echo "resume: epochs 3-4 identical to the straight run"
 # ZeRO stage 2: the same accuracy bar, ranks identical, and a resume from the consolidated checkpoint bitwise.
-zero=$(run "$1" "$2" "$3" --epochs 4 --zero_stage 2)
+zero=$(run "$1" "$2" "$3" --epochs 4 --zero-stage 2)
 echo "$zero"
 echo "$zero" | grep -q "ranks agree on the weights: yes" || { echo "FAIL: ZeRO ranks disagree"; exit 1; }
 echo "$zero" | grep -q "ZeRO stage 2: reduce-scattered" || { echo "FAIL: no ZeRO line"; exit 1; }
 echo "$zero" | awk '$1 == 4 { a = $4 + 0; if (a < 90) { print "FAIL: ZeRO accuracy " a "%"; exit 1 } found = 1 }
                     END { if (!found) { print "FAIL: no ZeRO epoch 4 line"; exit 1 } }'
-run "$1" "$2" "$3" --epochs 2 --zero_stage 2 --checkpoint "$2/zckpt" > /dev/null
-zresumed=$(run "$1" "$2" "$3" --epochs 4 --zero_stage 2 --checkpoint "$2/zckpt" --resume true)
+run "$1" "$2" "$3" --epochs 2 --zero-stage 2 --checkpoint "$2/zckpt" > /dev/null
+zresumed=$(run "$1" "$2" "$3" --epochs 4 --zero-stage 2 --checkpoint "$2/zckpt" --resume true)
 want=$(echo "$zero" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
 got=$(echo "$zresumed" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
 [ -n "$want" ] && [ "$want" = "$got" ] || { echo "FAIL: ZeRO resumed epochs differ:"; echo "$want"; echo "vs"; echo "$got"; exit 1; }

@@ -385,6 +385,19 @@ void lamb_per_op(at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& sta
   state.exp_avg_sq().copy_(v);
 }
 
+// The LAMB state of `key` (the tensor param_groups holds), created for `p` (the tensor stepped) on first use.
+template <class States>
+FusedLAMBParamState& lamb_state(States& states, const at::Tensor& key, const at::Tensor& p) {
+  auto& slot = states[state_key(states, key)];
+  if (!slot) {
+    auto fresh = std::make_unique<FusedLAMBParamState>();
+    fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    slot = std::move(fresh);
+  }
+  return static_cast<FusedLAMBParamState&>(*slot);
+}
+
 // LibTorch's optimizers evaluate a closure with gradients on before stepping.
 torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
   if (!closure) return {};
@@ -515,14 +528,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       Work work = work_for(key, lean_masters());
       at::Tensor& p = work.param;
       const at::Tensor& grad = work.grad;
-      auto& slot = states[state_key(states, key)];
-      if (!slot) {
-        auto fresh = std::make_unique<FusedLAMBParamState>();
-        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        slot = std::move(fresh);
-      }
-      auto& state = static_cast<FusedLAMBParamState&>(*slot);
+      FusedLAMBParamState& state = lamb_state(states, key, p);
       const at::Tensor* copy = model_copy(p);
       const FusedRoute route = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, copy);
       if (route != FusedRoute::kAuto || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
@@ -592,14 +598,7 @@ void FusedLAMB::sharded_step(const std::vector<at::Tensor>& grads) {
       }
       at::Tensor& p = entry.work.param;
       const at::Tensor& grad = entry.work.grad;
-      auto& slot = states[state_key(states, key)];
-      if (!slot) {
-        auto fresh = std::make_unique<FusedLAMBParamState>();
-        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        slot = std::move(fresh);
-      }
-      auto& state = static_cast<FusedLAMBParamState&>(*slot);
+      FusedLAMBParamState& state = lamb_state(states, key, p);
       entry.on_cpu = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, nullptr) == FusedRoute::kAuto;
       const cpu::LambScalars s = lamb_scalars(o, clip);
       if (entry.on_cpu) {

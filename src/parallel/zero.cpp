@@ -172,6 +172,7 @@ class Zero final : public amp::detail::Sharding {
 
  private:
   std::vector<int64_t> layout() const;
+  std::vector<ShardSpan> slice_spans(size_t g, int64_t r) const;
   void record_versions();
   void settle(double inv_scale, amp::detail::FoundInf* found_inf);
   void gather_into_model();
@@ -240,7 +241,6 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   }
   // This rank's pieces, the lanes every rank's pieces travel in.
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const int64_t total = group_numel_[g], slice = (total + n_ranks - 1) / n_ranks;
     std::vector<c10::ScalarType> dtypes;
     for (const auto& e : groups_[g]) {
       if (std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) == dtypes.end()) dtypes.push_back(e.model.scalar_type());
@@ -252,13 +252,10 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
       lanes[d].spans.resize(static_cast<size_t>(n_ranks));
     }
     for (int64_t r = 0; r < n_ranks; ++r) {
-      const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
-      for (size_t i = 0; i < groups_[g].size(); ++i) {
+      for (ShardSpan span : slice_spans(g, r)) {
+        const size_t i = span.entry;
         const ShardEntry& e = groups_[g][i];
-        const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
-        if (a >= b) continue;
         const size_t d = static_cast<size_t>(std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) - dtypes.begin());
-        ShardSpan span{i, a - e.offset, b - a, 0, -1};
         for (const auto& s : lanes[d].spans[static_cast<size_t>(r)]) span.pos += s.length;
         if (r == state_.rank) {
           c10::NoGradGuard no_grad;
@@ -294,6 +291,19 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   }
   masters.mark_sharded();
   record_versions();
+}
+
+// NOTE [ZeRO layout]: the parts of group g's tensors inside rank r's slice, in group order (pos left 0).
+std::vector<ShardSpan> Zero::slice_spans(size_t g, int64_t r) const {
+  const int64_t total = group_numel_[g], slice = (total + state_.world_size - 1) / state_.world_size;
+  const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
+  std::vector<ShardSpan> out;
+  for (size_t i = 0; i < groups_[g].size(); ++i) {
+    const ShardEntry& e = groups_[g][i];
+    const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
+    if (a < b) out.push_back(ShardSpan{i, a - e.offset, b - a, 0, -1});
+  }
+  return out;
 }
 
 std::vector<int64_t> Zero::layout() const {
@@ -695,14 +705,9 @@ void Zero::gather_consolidated(OptimizerBase& optimizer) {
   std::vector<std::vector<ShardSpan>> rank_pieces(static_cast<size_t>(n_ranks));
   std::vector<std::vector<size_t>> rank_groups(static_cast<size_t>(n_ranks));
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const int64_t total = group_numel_[g], slice = (total + n_ranks - 1) / n_ranks;
     for (int64_t r = 0; r < n_ranks; ++r) {
-      const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
-      for (size_t i = 0; i < groups_[g].size(); ++i) {
-        const ShardEntry& e = groups_[g][i];
-        const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
-        if (a >= b) continue;
-        rank_pieces[static_cast<size_t>(r)].push_back(ShardSpan{i, a - e.offset, b - a, 0, -1});
+      for (const ShardSpan& span : slice_spans(g, r)) {
+        rank_pieces[static_cast<size_t>(r)].push_back(span);
         rank_groups[static_cast<size_t>(r)].push_back(g);
       }
     }
