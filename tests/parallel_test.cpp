@@ -625,6 +625,13 @@ TEST(ZeroTest, MatchesPythonZeroRedundancyOptimizer) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(ZeroTest, RankThatDiesMidStepFailsTheOtherWithinTheTimeout) {
+  const auto ranks = two_ranks("zero_dies", 120, "20");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 3) << outputs(ranks);
+}
+
 TEST(TwoRanksTest, Torchrun) {
   if (std::system("python3 -c 'import torch.distributed.run' > /dev/null 2>&1") != 0) {
     GTEST_SKIP() << "python3 has no torch (torchrun comes with the torch wheel: scripts/setup.sh installs it)";

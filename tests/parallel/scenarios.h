@@ -22,6 +22,7 @@ void scenario_auto_fp32(const amp::parallel::ProcessGroup& group);
 void scenario_zero(const amp::parallel::ProcessGroup& group);
 void scenario_zero_bench(const amp::parallel::ProcessGroup& group);
 void scenario_zero_python(const amp::parallel::ProcessGroup& group);
+void scenario_zero_dies(const amp::parallel::ProcessGroup& group);
 // failure_scenarios.cpp
 void scenario_mismatch(const amp::parallel::ProcessGroup& group);
 void scenario_dies(const amp::parallel::ProcessGroup& group);

@@ -17,7 +17,8 @@
 //            to a head only one rank reached, heads no rank reached keep no gradient (torch's find_unused_parameters).
 //   clip, checkpoint, lean, policy, fp8, torchscript, auto_fp32: amp's features under amp::parallel (feature_scenarios.cpp).
 //   zero     ZeRO stage 1 and 2 (2 or 4 ranks) against unsharded replicas, archives, misuse (zero_scenarios.cpp);
-//            zero_python: O0 against torch's DDP + ZeroRedundancyOptimizer (tests/python/zero.py); zero_bench: the table.
+//            zero_python: O0 against torch's DDP + ZeroRedundancyOptimizer (tests/python/zero.py); zero_dies: a rank
+//            exits mid-step under stage 2; zero_bench: the byte table.
 //
 // The scenarios live by concern: training_scenarios.cpp (train, quick, syncbn), routing_scenarios.cpp (unused),
 // feature_scenarios.cpp, failure_scenarios.cpp (mismatch, dies); step_loop.h is the loop train and unused share.
@@ -57,6 +58,7 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"zero", amp_worker::scenario_zero},
     {"zero_bench", amp_worker::scenario_zero_bench},
     {"zero_python", amp_worker::scenario_zero_python},
+    {"zero_dies", amp_worker::scenario_zero_dies},
 };
 
 }  // namespace
@@ -86,7 +88,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     run->second(group);
-    if (scenario == "dies") return failures() == 0 ? 0 : 1;  // no barrier: the other rank is gone
+    if (scenario == "dies" || scenario == "zero_dies") return failures() == 0 ? 0 : 1;  // no barrier: the other rank is gone
     group.barrier();
   } catch (const std::exception& e) {
     report(false, "uncaught exception", amp::detail::message_of(e));

@@ -576,3 +576,43 @@ void scenario_zero_python(const ProcessGroup& group) {
 }
 
 }  // namespace amp_worker
+
+namespace amp_worker {
+
+// A rank that dies mid-step under ZeRO stage 2: rank 1 exits after its backward (the reduce-scatter done), before the
+// step's all-gather; rank 0's step fails with amp's error within the timeout.
+void scenario_zero_dies(const ProcessGroup& group) {
+  auto net = make_mlp(3);
+  auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters()),
+                                            amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  auto ddp = amp::parallel::make_distributed(model, group);
+  amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(2));
+  const Batch b = rows(global_batch(0, kGlobal), group.rank() * 8, 8);
+  std::string error;
+  auto start = std::chrono::steady_clock::now();
+  try {
+    for (int step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(b.x), b.y), optimizer);
+        scaled.backward();
+      }
+      if (step == 1 && group.rank() == 1) {
+        std::cout << "[rank 1] exiting on purpose before the second step's all-gather" << std::endl;
+        std::exit(3);
+      }
+      start = std::chrono::steady_clock::now();
+      optimizer.step();
+    }
+  } catch (const std::exception& e) {
+    error = amp::detail::message_of(e);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report(error.find("amp::parallel::shard_optimizer") != std::string::npos &&
+             error.find("another rank failed") != std::string::npos &&
+             seconds < std::chrono::duration<double>(group.timeout()).count() + 5,
+         "ZeRO: a rank that died mid-step fails the other's step with amp's error within the timeout",
+         "after " + str(seconds) + " s: " + error.substr(0, 240));
+}
+
+}  // namespace amp_worker
