@@ -371,16 +371,14 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
 }
 
 void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view key) const {
-  TORCH_CHECK(!detail::OptimizerAccess::sharding(optimizer), "amp::PythonCheckpoint::load_optimizer: the optimizer is sharded by "
-              "amp::parallel::shard_optimizer (ZeRO), so this rank holds only its slices of the state. Write and read "
-              "sharded optimizers with torch::save / torch::load (this rank's shard) or amp::parallel::save_consolidated "
-              "(the whole state, which an unsharded optimizer can then put_optimizer for Python).");
   torch::optim::Optimizer& torch_optimizer = detail::OptimizerAccess::synced_torch_optimizer(optimizer);
   const auto names = detail::OptimizerAccess::param_group_names(optimizer);  // for messages
   load_optimizer_state(torch_optimizer, key, [&](const at::Tensor& p) {
     const auto it = names.find(p.unsafeGetTensorImpl());
     return it != names.end() ? it->second : std::string();
   });
+  // ZeRO: the state was read for the whole tensors; each rank keeps its slices.
+  if (auto* sharding = detail::OptimizerAccess::sharding(optimizer)) sharding->adopt_loaded_state(optimizer);
 }
 
 void PythonCheckpoint::load_optimizer(torch::optim::Optimizer& optimizer, std::string_view key) const {
@@ -564,11 +562,12 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
-  TORCH_CHECK(!detail::OptimizerAccess::sharding(optimizer), "amp::PythonCheckpoint::put_optimizer: the optimizer is sharded by "
-              "amp::parallel::shard_optimizer (ZeRO), so this rank holds only its slices of the state. Write and read "
-              "sharded optimizers with torch::save / torch::load (this rank's shard) or amp::parallel::save_consolidated "
-              "(the whole state, which an unsharded optimizer can then put_optimizer for Python).");
-  put_optimizer_state(key, detail::OptimizerAccess::synced_torch_optimizer(optimizer));
+  torch::optim::Optimizer& opt = detail::OptimizerAccess::synced_torch_optimizer(optimizer);
+  if (auto* sharding = detail::OptimizerAccess::sharding(optimizer)) {  // ZeRO: collective, every rank puts it whole
+    sharding->with_full_state(optimizer, [&] { put_optimizer_state(key, opt); });
+    return;
+  }
+  put_optimizer_state(key, opt);
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer) {

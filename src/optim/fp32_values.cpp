@@ -3,6 +3,7 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 
+#include <unordered_map>
 #include <unordered_set>
 
 #include "casting/model_casting.h"
@@ -18,9 +19,10 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
   if (holds_float32_bytes(t)) t.set_(at::empty(t.sizes(), t.options()));
   if (auto master = find_master(t)) {
     auto& [table, index] = *master;
-    TORCH_CHECK(!table->sharded(), "amp::load_weights: parameter '", table->name(index), "' has its fp32 master sharded "
-                "by amp::parallel::shard_optimizer, so the fp32 value can't be written into it. Load weights before "
-                "shard_optimizer, or torch::load an optimizer archive (it holds the masters).");
+    if (const auto shards = table->shards()) {  // ZeRO: this rank's slice of the fp32 value, the model its rounding
+      shards->write_master(index, value.to(at::kFloat));
+      return;
+    }
     table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
     t.copy_(table->master()[index]);
     table->mark_synced(index);
@@ -35,13 +37,16 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
 std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
   auto out = named_tensors(module);
   std::unordered_set<const MasterWeights*> refreshed;
+  std::unordered_map<const MasterWeights*, std::vector<at::Tensor>> gathered;  // ZeRO: the masters whole, once
   for (auto& [name, value] : out) {
     if (auto master = find_master(value)) {
       auto& [table, index] = *master;
-      TORCH_CHECK(!table->sharded(), "amp: parameter '", table->name(index), "' has its fp32 master sharded by "
-                  "amp::parallel::shard_optimizer, so this process holds only its rounded copy. Save the model's fp32 "
-                  "values before shard_optimizer, or save the optimizer with amp::parallel::save_consolidated (it holds "
-                  "the masters).");
+      if (const auto shards = table->shards()) {  // collective: every rank saves the model
+        auto it = gathered.find(table.get());
+        if (it == gathered.end()) it = gathered.emplace(table.get(), shards->gather_masters()).first;
+        value = it->second[index];
+        continue;
+      }
       if (refreshed.insert(table.get()).second) table->refresh_changed();  // writes into the model since the last step
       value = table->master()[index];
     } else if (auto lean = find_lean(value)) {

@@ -20,6 +20,7 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value);
 /// Returns the module's parameters and buffers as a Python state_dict orders them, each with its fp32 value where
 /// amp keeps one: a parameter's fp32 master (O2), the value a lean master format keeps, else low-precision tensors
 /// cast to fp32 (Apex's O2 state_dict hook). Not copied: a tensor already fp32 is the model's own.
+/// Under ZeRO (amp::parallel::shard_optimizer) it is collective: the sharded masters are gathered on every rank.
 std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module);
 
 }  // namespace amp::detail

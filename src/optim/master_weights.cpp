@@ -53,7 +53,7 @@ void MasterWeights::check_usable(size_t i) const {
 }
 
 void MasterWeights::refresh_changed() {
-  TORCH_CHECK(!sharded_, "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
+  TORCH_CHECK(!sharded(), "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
               "updates them (internal error: refresh_changed reached a sharded table).");
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < model_.size(); ++i) {
@@ -74,7 +74,7 @@ void keep_where_rounded_equal(const at::Tensor& master, const at::Tensor& writte
 }
 
 void MasterWeights::refresh_all() {
-  TORCH_CHECK(!sharded_, "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
+  TORCH_CHECK(!sharded(), "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
               "updates them (internal error: refresh_all reached a sharded table).");
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < model_.size(); ++i) {
@@ -86,7 +86,7 @@ void MasterWeights::refresh_all() {
 
 void MasterWeights::copy_to_model() {
   if (model_.empty()) return;
-  TORCH_CHECK(!sharded_, "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
+  TORCH_CHECK(!sharded(), "amp: the fp32 master weights are sharded by amp::parallel::shard_optimizer; its Sharding "
               "updates them (internal error: copy_to_model reached a sharded table).");
 
   copy_(model_, master_);

@@ -62,10 +62,22 @@ class MasterWeights {
   bool take_unreduced(size_t i) { return std::exchange(unreduced_flag_[i], char{0}) != 0; }
   at::Tensor& unreduced_grad(size_t i) { return unreduced_[i]; }
 
-  /// ZeRO (NOTE [Sharded optimizers] in sharding.h): the masters hold no values from now on (placeholders that refuse
-  /// writes); refreshing or copying them throws, and amp::load_weights and fp32 model checkpoints refuse them.
-  void mark_sharded() noexcept { sharded_ = true; }
-  bool sharded() const noexcept { return sharded_; }
+  /// What ZeRO does for a table whose masters it holds in slices (NOTE [Sharded optimizers] in sharding.h).
+  class Shards {
+   public:
+    virtual ~Shards() = default;
+    /// Writes `value` (fp32, the parameter's shape; every rank the same) as master i: this rank's slice of it, and its
+    /// rounded copy into the model.
+    virtual void write_master(size_t i, const at::Tensor& value) = 0;
+    /// Collective (every rank calls it): every master whole, in this table's order.
+    virtual std::vector<at::Tensor> gather_masters() = 0;
+  };
+  /// From now on the masters hold no values (placeholders that refuse writes) and `shards` holds them in slices;
+  /// refreshing or copying them throws.
+  void mark_sharded(std::weak_ptr<Shards> shards) { shards_ = std::move(shards); }
+  bool sharded() const noexcept { return !shards_.expired(); }
+  /// The sharding that holds the masters (null: not sharded).
+  std::shared_ptr<Shards> shards() const { return shards_.lock(); }
 
  private:
   void check_usable(size_t i) const;
@@ -78,7 +90,7 @@ class MasterWeights {
   std::vector<at::Tensor> pending_;
   std::vector<at::Tensor> unreduced_;
   std::vector<char> unreduced_flag_;  // char, not bool: std::exchange needs a real reference
-  bool sharded_ = false;
+  std::weak_ptr<Shards> shards_;
 };
 
 /// Refreshes an fp32 `master` from the low-precision `written` value of its parameter element by element: where

@@ -71,6 +71,11 @@ class Sharding {
   /// Before the torch optimizer loads this rank's shard: throws unless `archive` was saved by this rank of this world
   /// with this layout.
   virtual void check_shard_archive(torch::serialize::InputArchive& archive, const char* where) = 0;
+  /// Collective: runs `fn` with the torch optimizer holding every rank's state whole, keyed by the full tensors, as
+  /// an unsharded optimizer holds it (PythonCheckpoint::put_optimizer).
+  virtual void with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) = 0;
+  /// After state was written for the full tensors (PythonCheckpoint::load_optimizer): each rank keeps its slices.
+  virtual void adopt_loaded_state(OptimizerBase& optimizer) = 0;
   /// The storages this object holds, by StateBytes kind (masters, master_grads, grads of direct pieces).
   virtual void held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
                     std::vector<at::Tensor>& grads) const = 0;

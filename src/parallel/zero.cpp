@@ -139,12 +139,13 @@ std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::opti
   return out;
 }
 
-class Zero final : public amp::detail::Sharding {
+class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeights::Shards {
  public:
   Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options);
 
   std::vector<bool> reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere);
-  void gather_consolidated(OptimizerBase& optimizer);
+  // Every rank's pieces and state, whole: on rank 0 (`everywhere`: on every rank), for an unsharded archive.
+  void gather_consolidated(OptimizerBase& optimizer, bool everywhere);
   void end_consolidated() {
     full_state_.reset();
     full_masters_.clear();
@@ -169,6 +170,12 @@ class Zero final : public amp::detail::Sharding {
                              const std::vector<at::Tensor>& full_masters, const char* where) override;
   void held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
             std::vector<at::Tensor>& grads) const override;
+  void with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) override;
+  void adopt_loaded_state(OptimizerBase& optimizer) override {
+    adopt_full_state(OptimizerAccess::torch_optimizer(optimizer));
+  }
+  void write_master(size_t i, const at::Tensor& value) override;
+  std::vector<at::Tensor> gather_masters() override;
 
  private:
   std::vector<int64_t> layout() const;
@@ -289,7 +296,6 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
       e.stepped.set_data(at::zeros({}, e.stepped.options()).expand(e.stepped.sizes()));
     }
   }
-  masters.mark_sharded();
   record_versions();
 }
 
@@ -684,6 +690,87 @@ std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::Inp
   };
 }
 
+void Zero::with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) {
+  gather_consolidated(optimizer, /*everywhere=*/true);
+  auto& state = OptimizerAccess::torch_optimizer(optimizer).state();
+  std::swap(state, *full_state_);
+  try {
+    fn();
+  } catch (...) {
+    std::swap(state, *full_state_);
+    end_consolidated();
+    throw;
+  }
+  std::swap(state, *full_state_);
+  end_consolidated();
+}
+
+void Zero::write_master(size_t i, const at::Tensor& value) {
+  c10::NoGradGuard no_grad;
+  for (auto& p : pieces_) {
+    ShardEntry& e = groups_[p.group][p.entry];
+    if (e.mastered && e.master_index == i) p.value.copy_(value.reshape({-1}).narrow(0, p.begin, p.length));
+  }
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      if (!e.mastered || e.master_index != i) continue;
+      e.model.copy_(value);  // the rounded copy: every rank loads the same weights
+      e.version = e.model._version();
+      e.storage = e.model.storage().unsafeGetStorageImpl();
+    }
+  }
+}
+
+std::vector<at::Tensor> Zero::gather_masters() {
+  refresh_changed();
+  const int64_t n_ranks = state_.world_size;
+  size_t n_masters = 0;
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) n_masters = std::max(n_masters, e.mastered ? e.master_index + 1 : 0);
+  }
+  auto mastered_spans = [&](int64_t r) {  // (group, span) of rank r's master pieces, in its order
+    std::vector<std::pair<size_t, ShardSpan>> out;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (const auto& span : slice_spans(g, r)) {
+        if (groups_[g][span.entry].mastered) out.emplace_back(g, span);
+      }
+    }
+    return out;
+  };
+  int64_t width = 0;
+  std::vector<std::vector<std::pair<size_t, ShardSpan>>> spans;
+  for (int64_t r = 0; r < n_ranks; ++r) {
+    spans.push_back(mastered_spans(r));
+    int64_t n = 0;
+    for (const auto& [g, span] : spans.back()) n += span.length;
+    width = std::max(width, n);
+  }
+  at::Tensor send = at::zeros({width}, at::TensorOptions().dtype(at::kFloat));
+  int64_t offset = 0;
+  for (const auto& p : pieces_) {
+    if (!groups_[p.group][p.entry].mastered) continue;
+    send.narrow(0, offset, p.length).copy_(p.value);
+    offset += p.length;
+  }
+  const at::Tensor recv = shard_all_gather_bytes(state_, send.view(at::kByte), bucket_bytes_,
+                                                 std::string(kShard) + " (gathering the fp32 masters)").view(at::kFloat);
+  std::vector<at::Tensor> out(n_masters);
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      if (e.mastered) out[e.master_index] = at::empty(e.stepped.sizes(), e.stepped.options());
+    }
+  }
+  for (int64_t r = 0; r < n_ranks; ++r) {
+    int64_t pos = r * width;
+    for (const auto& [g, span] : spans[static_cast<size_t>(r)]) {
+      out[groups_[g][span.entry].master_index].view({-1}).narrow(0, span.begin, span.length)
+          .copy_(recv.narrow(0, pos, span.length));
+      pos += span.length;
+    }
+  }
+  return out;
+}
+
 void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads, std::vector<at::Tensor>& grads) const {
   for (const auto& p : pieces_) {
     masters.push_back(p.value);
@@ -694,7 +781,7 @@ void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& maste
 }
 
 // Every rank's pieces (values and state), so that rank 0 holds what an unsharded optimizer would.
-void Zero::gather_consolidated(OptimizerBase& optimizer) {
+void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
   torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
   refresh_changed();
   auto& state = opt.state();
@@ -764,7 +851,7 @@ void Zero::gather_consolidated(OptimizerBase& optimizer) {
     }
   }
   const at::Tensor recv = shard_all_gather_bytes(state_, send, bucket_bytes_, what);
-  if (state_.rank != 0) return;
+  if (state_.rank != 0 && !everywhere) return;
   // 3. Rank 0 assembles the whole tensors.
   ShardStateMap full;
   std::vector<at::Tensor> masters(OptimizerAccess::index(optimizer).masters().size());
@@ -841,6 +928,7 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
       return std::vector<bool>(params.size(), false);
     });
   }
+  OptimizerAccess::index(optimizer).masters().mark_sharded(zero);
   OptimizerAccess::set_sharding(optimizer, std::move(zero));
 }
 
@@ -855,7 +943,7 @@ void save_consolidated(OptimizerBase& optimizer, const std::string& path) {
     torch::save(OptimizerAccess::torch_optimizer(optimizer), path);
     return;
   }
-  zero->gather_consolidated(optimizer);
+  zero->gather_consolidated(optimizer, /*everywhere=*/false);
   if (zero->group().rank == 0) {
     try {
       torch::save(OptimizerAccess::torch_optimizer(optimizer), path);
