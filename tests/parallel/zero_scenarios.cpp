@@ -11,6 +11,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -162,7 +163,8 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
         same_scale = same_scale && optimizer.loss_scaler().loss_scale() == ref_optimizer.loss_scaler().loss_scale();
         same_skips = same_skips && optimizer.skipped_steps() == ref_optimizer.skipped_steps();
         const bool finite = std::isfinite(norms[1]);
-        const double norm_bound = n > 2 && stage == 2 ? 1e-2 : 1e-6;  // as above: the gradients themselves differ
+        // More than 2 ranks at stage 2, and O3 (below): the gradients themselves differ in the last bits.
+        const double norm_bound = (n > 2 && stage == 2) || config.label.rfind("O3", 0) == 0 ? 1e-2 : 1e-6;
         norms_close = norms_close && (finite ? std::abs(norms[0] - norms[1]) <= norm_bound * std::abs(norms[1]) + 1e-30
                                              : !std::isfinite(norms[0]));
       }
@@ -494,15 +496,17 @@ void misuse(const ProcessGroup& group) {
 void scenario_zero(const ProcessGroup& group) {
   const char* dir_env = std::getenv("AMP_ZERO_DIR");
   const std::string dir = dir_env ? dir_env : "/tmp";
-  const std::vector<Config> configs = {
+  std::vector<Config> configs = {
       {"O0 FusedAdam", amp::Options("O0").verbosity(0), 3},
       {"O1 LibTorch Adam", amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0), 2},
       {"O2 bf16 FusedAdamW", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 0, true},
-      {"O2 fp16 FusedSGD", amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0), 1},
       {"O3 bf16 FusedSGD", amp::Options("O3").low_precision_dtype(torch::kBFloat16).verbosity(0), 1},
       {"O2 bf16 FusedLAMB", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 4},
       {"O0 FusedLAMB", amp::Options("O0").verbosity(0), 4},
   };
+#if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no fp16 GEMM on the CPU
+  configs.push_back({"O2 fp16 FusedSGD", amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0), 1});
+#endif
   for (int stage : {1, 2}) {
     for (const auto& config : configs) train_side_by_side(group, config, stage);
     checkpoints(group, stage, dir);
