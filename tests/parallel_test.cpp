@@ -598,6 +598,43 @@ TEST(TwoRanksTest, RankThatDiesFailsTheOtherWithinTheTimeout) {
   ASSERT_EQ(ranks[1].exit_code, 3) << outputs(ranks);
 }
 
+// World size 1: nothing is divided, every piece is a whole tensor, and training is bitwise plain training; the
+// bytes amp::state_bytes counts are the format's, exactly (O2 bf16 FusedAdam: 2 + 4 + 4 + 8 per parameter).
+TEST(ZeroTest, OneRankShardsNothingAndCountsTheBytes) {
+  auto group = single_rank_group();
+  auto [x, y] = amp_test::blobs(64, 8, 4, 3);
+  for (int stage : {1, 2}) {
+    std::vector<torch::Tensor> results[2];
+    for (int sharded = 0; sharded < 2; ++sharded) {
+      torch::manual_seed(1);
+      amp_test::Mlp net(8, 16, 4);
+      int64_t n = 0;
+      for (const auto& p : net->parameters()) n += p.numel();
+      auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters()),
+                                                amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+      auto ddp = amp::parallel::make_distributed(model, group);
+      if (sharded) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
+      for (int step = 0; step < 3; ++step) amp_test::train_step(ddp, optimizer, x, y);
+      {
+        auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(ddp(x), y), optimizer);
+        scaled.backward();
+      }
+      const amp::StateBytes bytes = amp::state_bytes(optimizer);
+      EXPECT_EQ(bytes.params, 2 * n);
+      EXPECT_EQ(bytes.grads, 0);  // the bf16 gradients were consumed into the fp32 master gradients
+      EXPECT_EQ(bytes.master_grads, 4 * n);
+      EXPECT_EQ(bytes.optimizer_state, 8 * n);
+      // Sharded, the full masters are one-element placeholders (4 bytes each) beside the pieces.
+      EXPECT_EQ(bytes.masters, 4 * n + (sharded ? 4 * static_cast<int64_t>(net->parameters().size()) : 0));
+      optimizer.step();
+      for (const auto& p : net->parameters()) results[sharded].push_back(p.detach().clone());
+    }
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(amp_test::bitwise_equal(results[0][i], results[1][i])) << "stage " << stage << ", tensor " << i;
+    }
+  }
+}
+
 // ZeRO stage 1 and 2 against unsharded replicas on 2 ranks (bitwise) and then 4 (a few ulps; and the 2-rank run's
 // shards are refused there, naming both world sizes).
 TEST(ZeroTest, ShardedTrainingEqualsUnshardedOnTwoAndFourRanks) {

@@ -186,7 +186,7 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   void adopt_full_state(torch::optim::Optimizer& opt);
   double sum_over_ranks(double value);
   void sum_per_tensor(std::vector<double>& per_piece);
-  const at::Tensor full_grad(const ShardEntry& e) const { return e.mastered ? e.stepped.grad() : e.model.grad(); }
+  at::Tensor full_grad(const ShardEntry& e) const { return e.mastered ? e.stepped.grad() : e.model.grad(); }
 
   std::shared_ptr<DistributedCore> core_;
   const GroupState& state_;
@@ -199,7 +199,7 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   std::vector<ShardPiece> pieces_;
   std::vector<ShardLane> lanes_;
   std::vector<std::vector<char>> used_;  // stage 2: [group][entry] has a reduced gradient in its lane's incoming
-  std::optional<ShardStateMap> full_state_;   // save_consolidated on rank 0: the whole state and masters
+  std::optional<ShardStateMap> full_state_;  // while gathered (save_consolidated, with_full_state): the whole state
   std::vector<at::Tensor> full_masters_;
 };
 
