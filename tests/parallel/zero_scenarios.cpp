@@ -195,27 +195,34 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
   });
 }
 
+// The archive tests' optimizer: FusedAdamW over two param groups.
+amp::optim::FusedAdamW adamw_of(torch::nn::Sequential& net) {
+  return build<amp::optim::FusedAdamW>(net, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), 5e-3f);
+}
+
+// Steps [from, to) of the worker's batches, each rank its rows.
+template <class Ddp, class Optimizer>
+void train_steps(const ProcessGroup& group, Ddp& ddp, Optimizer& optimizer, int from, int to) {
+  const int64_t local_rows = kGlobal / group.world_size();
+  for (int step = from; step < to; ++step) {
+    const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+    optimizer.zero_grad();
+    {
+      auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  }
+}
+
 // The per-rank archive resumes bitwise; the consolidated one is what the unsharded run's torch::save writes and loads
 // into a sharded optimizer too.
 void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
   const int n = group.world_size();
-  const int64_t local_rows = kGlobal / n;
   const std::string label = "checkpoint stage " + std::to_string(stage);
   const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
-  auto make = [&](torch::nn::Sequential& net) {
-    return build<amp::optim::FusedAdamW>(net, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), 5e-3f);
-  };
-  auto train = [&](auto& ddp, auto& optimizer, int from, int to) {
-    for (int step = from; step < to; ++step) {
-      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
-      optimizer.zero_grad();
-      {
-        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    }
-  };
+  auto make = [](torch::nn::Sequential& net) { return adamw_of(net); };
+  auto train = [&](auto& ddp, auto& optimizer, int from, int to) { train_steps(group, ddp, optimizer, from, to); };
   auto ref_net = make_mlp(5);
   auto [ref_model, ref_optimizer] = amp::initialize(ref_net, make(ref_net), options);
   auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
@@ -386,23 +393,10 @@ void two_optimizers(const ProcessGroup& group, int stage) {
 // the masters' slices. Each against the unsharded run doing the same.
 void python_checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
   const int n = group.world_size();
-  const int64_t local_rows = kGlobal / n;
   const std::string label = "PythonCheckpoint stage " + std::to_string(stage);
   const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
-  auto make = [&](torch::nn::Sequential& net) {
-    return build<amp::optim::FusedAdamW>(net, torch::optim::AdamWOptions(1e-2).weight_decay(0.01), 5e-3f);
-  };
-  auto train = [&](auto& ddp, auto& optimizer, int from, int to) {
-    for (int step = from; step < to; ++step) {
-      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
-      optimizer.zero_grad();
-      {
-        auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    }
-  };
+  auto make = [](torch::nn::Sequential& net) { return adamw_of(net); };
+  auto train = [&](auto& ddp, auto& optimizer, int from, int to) { train_steps(group, ddp, optimizer, from, to); };
   const std::string base = dir + "/py_s" + std::to_string(stage) + "_w" + std::to_string(n) + "_r" + std::to_string(group.rank());
   std::vector<torch::Tensor> finals[2];
   for (int sharded = 0; sharded < 2; ++sharded) {
