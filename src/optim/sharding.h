@@ -30,8 +30,9 @@ class Sharding {
   virtual ~Sharding() = default;
   /// What on_shard is running: a step, or an archive of this rank's shard, or (consolidated) of the whole state.
   enum class Use { kStep, kSave, kLoad };
-  /// Runs `fn` (the torch optimizer's own step, save or load) with param_groups holding this rank's pieces (and, for a
-  /// step, their gradients). A consolidated save or load runs `fn` on the full tensors with the full state instead.
+  /// Runs `fn` (the torch optimizer's own step, save or load of a shard archive) with param_groups holding this rank's
+  /// pieces (and, for a step, their gradients). During save_consolidated a save runs `fn` with the full state instead
+  /// (an unsharded archive loads into the full tensors without it: load() then slices the state).
   virtual void on_shard(torch::optim::Optimizer& opt, Use use, const std::function<void()>& fn) = 0;
   /// Before a step: the pieces follow writes into the model since the last gather (NOTE [Masters follow the model]).
   virtual void refresh_changed() = 0;
@@ -49,13 +50,12 @@ class Sharding {
   virtual at::Tensor global_norm(const std::vector<at::Tensor>& grads, double norm_type) = 0;
   /// The tensors this rank steps (OptimizerBase::master_params of a sharded optimizer).
   virtual std::vector<at::Tensor> pieces() const = 0;
-  /// Writes this rank's shard (its masters' pieces, the layout) into the optimizer's amp archive; in a consolidated
-  /// save, the full masters instead (`masters`, filled in model order).
+  /// Writes this rank's shard (its masters' pieces, the world size, rank and layout) into the optimizer's amp archive.
   virtual void save(torch::serialize::OutputArchive& amp_archive) const = 0;
-  /// Whether a save runs consolidated now (save_consolidated on rank 0), and the full masters it writes.
+  /// While save_consolidated writes (rank 0): the full masters, in the master table's order; else null.
   virtual const std::vector<at::Tensor>* consolidated_masters() const = 0;
   /// Checks `amp_archive` (a shard of this world and rank, or an unsharded archive) and returns what restores it;
-  /// `full_masters` are the unsharded archive's masters (empty for a shard).
+  /// `full_masters` are the unsharded archive's masters (empty for a shard). A shard's restore is collective.
   virtual std::function<void()> load(OptimizerBase& optimizer, torch::serialize::InputArchive& amp_archive,
                                      const std::vector<at::Tensor>& full_masters, const char* where) = 0;
   /// Whether `archive` (an optimizer archive) holds one rank's shard.
