@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "amp/amp.h"
+#include "casting/fp8.h"
 #include "options/exception_message.h"
 #include "scenarios.h"
 #include "worker_support.h"
@@ -501,6 +502,12 @@ void scenario_zero(const ProcessGroup& group) {
       {"O2 bf16 FusedLAMB", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 4},
       {"O0 FusedLAMB", amp::Options("O0").verbosity(0), 4},
   };
+  if (amp::detail::fp8_supported_by_build()) {  // the 32 x 32 Linear in FP8, its amaxes agreed over the ranks
+    configs.push_back({"O2 bf16 FP8 delayed FusedAdamW",
+                       amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8(
+                           amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)),
+                       0});
+  }
 #if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no fp16 GEMM on the CPU
   configs.push_back({"O2 fp16 FusedSGD", amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0), 1});
 #endif
