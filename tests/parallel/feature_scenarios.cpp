@@ -248,24 +248,6 @@ void scenario_fp8(const ProcessGroup& group) {
 // Python is needed) trains on 2 x 8 samples per step at O2 bf16; rank 1 starts from other weights, which the wrap
 // replaces with rank 0's. The replicas end bit-identical, and within O2 bf16's tolerance (scenario_train) of the
 // same module trained on all 16 samples in one process.
-namespace {
-
-torch::jit::Module scripted_mlp(uint64_t seed) {
-  auto eager = make_mlp(seed);
-  torch::jit::Module m("ScriptedMlp");
-  const char* names[] = {"w1", "b1", "w2", "b2", "w3", "b3"};
-  size_t i = 0;
-  for (const auto& p : eager->parameters()) m.register_parameter(names[i++], p.detach().clone().requires_grad_(true), false);
-  m.define(R"JIT(
-def forward(self, x):
-    h = torch.relu(torch.linear(x, self.w1, self.b1))
-    h = torch.relu(torch.linear(h, self.w2, self.b2))
-    return torch.linear(h, self.w3, self.b3)
-)JIT");
-  return m;
-}
-
-}  // namespace
 
 // auto_fp32 under amp::parallel (O2 bf16): only rank 1's batches overflow layer "1" in the forward (rank 0's inputs
 // are zeros), so only rank 1's diagnosis finds the module; the gradients are reduced, so both ranks see the

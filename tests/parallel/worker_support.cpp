@@ -1,5 +1,7 @@
 #include "worker_support.h"
 
+#include <torch/script.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -105,6 +107,21 @@ torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& y, int64
     per_sample = per_sample * w;
   }
   return per_sample.mean();
+}
+
+torch::jit::Module scripted_mlp(uint64_t seed) {
+  auto eager = make_mlp(seed);
+  torch::jit::Module m("ScriptedMlp");
+  const char* names[] = {"w1", "b1", "w2", "b2", "w3", "b3"};
+  size_t i = 0;
+  for (const auto& p : eager->parameters()) m.register_parameter(names[i++], p.detach().clone().requires_grad_(true), false);
+  m.define(R"JIT(
+def forward(self, x):
+    h = torch.relu(torch.linear(x, self.w1, self.b1))
+    h = torch.relu(torch.linear(h, self.w2, self.b2))
+    return torch.linear(h, self.w3, self.b3)
+)JIT");
+  return m;
 }
 
 }  // namespace amp_worker

@@ -12,6 +12,10 @@
 
 #include "amp/parallel/process_group.h"
 
+namespace torch::jit {
+struct Module;
+}  // namespace torch::jit
+
 namespace amp_worker {
 
 using amp::parallel::ProcessGroup;
@@ -40,6 +44,9 @@ std::vector<torch::Tensor> momentum_of(torch::optim::SGD& sgd, bool zeros_where_
 
 /// 12 -> 32 -> 32 -> 5 with ReLUs, its weights drawn from `seed`.
 torch::nn::Sequential make_mlp(uint64_t seed);
+
+/// make_mlp(seed) as a TorchScript module (torch::jit::Module::define: no Python needed), parameters w1, b1, ..., b3.
+torch::jit::Module scripted_mlp(uint64_t seed);
 
 struct Batch {
   torch::Tensor x, y;

@@ -10,6 +10,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
+#include <torch/script.h>
 #include <torch/serialize.h>
 #include <torch/version.h>
 
@@ -444,6 +445,34 @@ void python_checkpoints(const ProcessGroup& group, int stage, const std::string&
   }
 }
 
+// A TorchScript model (its torch::nn mirror under the wrapper), sharded against unsharded.
+void torchscript(const ProcessGroup& group, int stage) {
+  const int n = group.world_size();
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  std::vector<torch::Tensor> results[2];
+  for (int sharded = 0; sharded < 2; ++sharded) {
+    auto module = scripted_mlp(51);
+    auto [model, optimizer] = amp::initialize(
+        module, amp::optim::FusedAdamW(amp::parameters(module), torch::optim::AdamWOptions(1e-2)), options);
+    auto ddp = amp::parallel::make_distributed(model, group);
+    if (sharded) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
+    const int64_t local_rows = kGlobal / n;
+    for (int step = 0; step < 4; ++step) {
+      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+      optimizer.zero_grad();
+      {
+        auto scaled = amp::scale_loss(loss_of(ddp(local.x).toTensor(), local.y), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    results[sharded] = clones(amp::parameters(module));
+  }
+  const double d = relative_diff(results[1], results[0]);
+  report(n == 2 ? d == 0 : d <= 0.1, "TorchScript model, stage " + std::to_string(stage) + ", against unsharded",
+         "relative " + str(d));
+}
+
 void misuse(const ProcessGroup& group) {
   const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
   auto net = make_mlp(3);
@@ -517,6 +546,7 @@ void scenario_zero(const ProcessGroup& group) {
     accumulation(group, stage);
     two_optimizers(group, stage);
     python_checkpoints(group, stage, dir);
+    torchscript(group, stage);
   }
   misuse(group);
 }
