@@ -633,6 +633,10 @@ TEST_P(ZeroDeviceTest, OneRankShardsNothingAndCountsTheBytes) {
       EXPECT_EQ(bytes.masters, 4 * n + (sharded ? 4 * static_cast<int64_t>(net->parameters().size()) : 0));
       optimizer.step();
       for (const auto& p : net->parameters()) results[sharded].push_back(p.detach().clone());
+      // A write no version counter sees (through .data()) reaches the pieces through refresh_master_params.
+      net->fc1->weight.data().fill_(0.5);
+      optimizer.refresh_master_params();
+      EXPECT_TRUE(torch::all(amp::master_params(optimizer).front().eq(0.5)).item<bool>()) << "stage " << stage;
     }
     for (size_t i = 0; i < results[0].size(); ++i) {
       EXPECT_TRUE(amp_test::bitwise_equal(results[0][i], results[1][i])) << "stage " << stage << ", tensor " << i;

@@ -89,9 +89,9 @@ class OptimizerBase {
   void zero_all_grads(bool set_to_none);
   void save_amp_state(torch::serialize::OutputArchive& archive) const;
   void load_amp_state(torch::serialize::InputArchive& archive);
+  enum class OwnCall { kStep, kSave, kLoad };
   /// Runs the torch optimizer's own step, save or load (`fn`); once amp::parallel::shard_optimizer sharded it, on
   /// this rank's pieces (NOTE [Sharded optimizers] in src/optim/sharding.h). `loading` is the archive a load reads.
-  enum class OwnCall { kStep, kSave, kLoad };
   void run_own(OwnCall call, const std::function<void()>& fn, torch::serialize::InputArchive* loading = nullptr) const;
 
  private:

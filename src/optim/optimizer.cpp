@@ -128,7 +128,7 @@ void OptimizerBase::refresh_master_params() {
   if (!properties_.enabled) return;
   sync_param_groups();
   if (sharding_) {
-    sharding_->refresh_changed();
+    sharding_->refresh_all();
     return;
   }
   index_->masters().refresh_all();

@@ -36,6 +36,8 @@ class Sharding {
   virtual void on_shard(torch::optim::Optimizer& opt, Use use, const std::function<void()>& fn) = 0;
   /// Before a step: the pieces follow writes into the model since the last gather (NOTE [Masters follow the model]).
   virtual void refresh_changed() = 0;
+  /// Every piece from the model, written or not (OptimizerBase::refresh_master_params: writes through `.data()`).
+  virtual void refresh_all() = 0;
   /// After a taken step: the updated pieces, in the model's dtypes, are all-gathered into every replica.
   virtual void after_step() = 0;
   /// Whether scale_loss's unscale is this object's (stage 2: only this rank's slices hold gradients).

@@ -153,7 +153,8 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   const GroupState& group() const { return state_; }
 
   void on_shard(torch::optim::Optimizer& opt, Use use, const std::function<void()>& fn) override;
-  void refresh_changed() override;
+  void refresh_changed() override { refresh(/*all=*/false); }
+  void refresh_all() override { refresh(/*all=*/true); }
   void after_step() override;
   bool owns_unscale() const override { return stage_ == 2; }
   void unscale(bool delay_unscale, double inv_scale, amp::detail::FoundInf& found_inf) override;
@@ -178,6 +179,7 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   std::vector<at::Tensor> gather_masters() override;
 
  private:
+  void refresh(bool all);
   std::vector<int64_t> layout() const;
   std::vector<ShardSpan> slice_spans(size_t g, int64_t r) const;
   void record_versions();
@@ -344,11 +346,11 @@ void Zero::adopt_full_state(torch::optim::Optimizer& opt) {
   }
 }
 
-void Zero::refresh_changed() {
+void Zero::refresh(bool all) {
   c10::NoGradGuard no_grad;
   for (auto& p : pieces_) {
     ShardEntry& e = groups_[p.group][p.entry];
-    if (e.model._version() == e.version && e.model.storage().unsafeGetStorageImpl() == e.storage) continue;
+    if (!all && e.model._version() == e.version && e.model.storage().unsafeGetStorageImpl() == e.storage) continue;
     const at::Tensor written = e.model.detach().reshape({-1}).narrow(0, p.begin, p.length);
     // NOTE [Masters follow the model]: a master keeps the low bits the model's rounding can't see.
     if (e.mastered) amp::detail::keep_where_rounded_equal(p.value, written);

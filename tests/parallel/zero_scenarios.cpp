@@ -243,6 +243,22 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
   if (group.rank() == 0) torch::save(ref_optimizer, unsharded);
   group.barrier();
   torch::save(net, shard_path + ".model");
+  if (n == 2) {  // another rank's shard, and a shard into an unsharded optimizer: refused, named
+    const std::string other = dir + "/zero_s" + std::to_string(stage) + "_w2_r" + std::to_string(1 - group.rank()) + ".pt";
+    auto net6 = make_mlp(5);
+    auto [model6, optimizer6] = amp::initialize(net6, make(net6), options);
+    auto ddp6 = amp::parallel::make_distributed(model6, group);
+    amp::parallel::shard_optimizer(ddp6, optimizer6, amp::parallel::ZeroOptions().stage(stage));
+    std::string message = expect_throw([&] { torch::load(optimizer6, other); });
+    report(message.find("is rank " + std::to_string(1 - group.rank()) + "'s shard, this is rank " +
+                        std::to_string(group.rank())) != std::string::npos,
+           label + ": another rank's shard is refused, naming both ranks", message.substr(0, 200));
+    auto net7 = make_mlp(5);
+    auto [model7, optimizer7] = amp::initialize(net7, make(net7), options);
+    message = expect_throw([&] { torch::load(optimizer7, shard_path); });
+    report(message.find("holds one rank's shard of a ZeRO-sharded optimizer") != std::string::npos,
+           label + ": a shard into an unsharded optimizer is refused", message.substr(0, 200));
+  }
 
   // Resume from this rank's shard in a fresh sharded optimizer: bitwise the run that did not stop.
   {
