@@ -24,6 +24,7 @@
 #include "op_profile.h"
 #include "training_steps.h"
 #include "optim/fused_route.h"
+#include "optim/state_format.h"
 #include "scaling/multi_tensor.h"
 
 namespace {
@@ -518,6 +519,81 @@ void masters_section(MemoryMeter& meter) {
   std::printf("\n");
 }
 
+// Optimizer state formats (amp::OptimizerStateFormat) with O2's master formats, bf16, amp::optim::FusedAdamW:
+// amp::state_bytes per parameter right after a step (gradients defined), each part, and the loss after 20 steps.
+template <class Net>
+void state_bytes_for(const std::string& name) {
+  const auto o2 = [](amp::MasterWeights master, amp::OptimizerStateFormat format) {
+    return amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(master)
+        .optimizer_state_format(format).verbosity(0);
+  };
+  torch::manual_seed(0);
+  const auto x = bench::input_for(name);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
+  for (const auto master : {amp::MasterWeights::kCopy, amp::MasterWeights::kSplit, amp::MasterWeights::kStochasticRounding}) {
+    for (const auto format : {amp::OptimizerStateFormat::kFp32, amp::OptimizerStateFormat::kBf16, amp::OptimizerStateFormat::k8Bit}) {
+      torch::manual_seed(1);
+      Net net;
+      const double params = static_cast<double>(parameter_count(net));
+      auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)),
+                                                o2(master, format));
+      torch::Tensor loss;
+      for (int i = 0; i < 20; ++i) loss = bench::amp_step(model, optimizer, x, y);
+      const amp::StateBytes b = amp::state_bytes(optimizer);
+      const std::string config = std::string(amp::to_string(master)) + " + " + amp::to_string(format);
+      std::printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.4f |\n", name.c_str(), config.c_str(), b.params / params,
+                  b.grads / params, b.masters / params, b.master_grads / params, b.optimizer_state / params,
+                  b.total() / params, loss.item<double>());
+      record("state_formats", name, config, "state_bytes_per_param", b.total() / params);
+      record("state_formats", name, config, "optimizer_state_bytes_per_param", b.optimizer_state / params);
+    }
+  }
+}
+
+// The fused AdamW step over 8 tensors of 2^20 fp32 values with fp32, bf16 and 8-bit moments (alternating repetitions).
+void state_step_times() {
+  torch::manual_seed(0);
+  std::vector<std::function<void()>> steps;
+  std::vector<std::shared_ptr<amp::optim::FusedAdamW>> optimizers;
+  const std::vector<amp::OptimizerStateFormat> formats = {amp::OptimizerStateFormat::kFp32, amp::OptimizerStateFormat::kBf16,
+                                                          amp::OptimizerStateFormat::k8Bit};
+  for (const auto format : formats) {
+    std::vector<torch::Tensor> params;
+    for (int i = 0; i < 8; ++i) {
+      auto p = torch::randn({1024, 1024}).requires_grad_();
+      p.mutable_grad() = torch::randn({1024, 1024}) * 1e-3;
+      params.push_back(p);
+    }
+    auto optimizer = std::make_shared<amp::optim::FusedAdamW>(params, torch::optim::AdamWOptions(1e-4));
+    if (format != amp::OptimizerStateFormat::kFp32) {
+      optimizer->set_state_format(std::make_shared<amp::detail::StateFormat>(format, 7));
+    }
+    optimizers.push_back(optimizer);
+    steps.push_back([optimizer] { optimizer->step(); });
+  }
+  const auto t = time_alternating(steps);
+  for (size_t i = 0; i < formats.size(); ++i) {
+    std::printf("| %s | %.2f | %.2f | %.2f |\n", amp::to_string(formats[i]), 1e3 * t[i], 1e9 * t[i] / (8.0 * 1024 * 1024),
+                t[i] / t[0]);
+    record("state_formats", "adamw_8x1M", amp::to_string(formats[i]), "ms_per_step", 1e3 * t[i]);
+    record("state_formats", "adamw_8x1M", amp::to_string(formats[i]), "over_fp32", t[i] / t[0]);
+  }
+}
+
+void state_formats_section() {
+  std::printf("## Optimizer state formats\n\noptimizer_state_format fp32, bf16 and 8bit with O2's master formats (bf16), "
+              "amp::optim::FusedAdamW (lr 1e-3): amp::state_bytes per parameter after a step (gradients defined), by "
+              "part, and the loss after 20 steps. Apex's O2 with FusedAdam holds 20 B/param.\n\n"
+              "| model | master + state format | params | grads | masters | master grads | optimizer state | total | loss after 20 |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
+  state_bytes_for<bench::Mlp>("mlp");
+  state_bytes_for<bench::Transformer>("transformer");
+  std::printf("\nThe fused AdamW step alone, 8 tensors of 2^20 fp32 values (CPU loop), alternating repetitions; ns per "
+              "value and the ratio to fp32 moments.\n\n| moments | ms/step | ns/value | / fp32 |\n|---|---|---|---|\n");
+  state_step_times();
+  std::printf("\n");
+}
+
 // O1 with Apex's lists and with the build's native lists, each against the hand-written loop doing the same casts.
 template <class Net>
 void o1_lists_for(const std::string& name) {
@@ -953,7 +1029,7 @@ void fp8_section() {
 int main(int argc, char** argv) {
   std::string section = "all", csv_path;
   amp::ProgramFlags flags("amp_bench: step times, amp's overhead and the unscale pass, as markdown tables");
-  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | o1_profile | o1_dispatch | versus_python | masters | policy | torchscript | fp8").add("reps", &reps, "repetitions per measurement");
+  flags.add("section", &section, "all | steps | overhead | unscale | fused | clip | lamb | checkpoint | o1 | o1_profile | o1_dispatch | versus_python | masters | policy | torchscript | fp8 | state_formats").add("reps", &reps, "repetitions per measurement");
   flags.add("csv", &csv_path, "also write one CSV row per measurement to this file");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -992,6 +1068,7 @@ int main(int argc, char** argv) {
     if (section == "all" || section == "policy") policy_section();
     if (section == "all" || section == "torchscript") torchscript_section();
     if (section == "all" || section == "fp8") fp8_section();
+    if (section == "all" || section == "state_formats") state_formats_section();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

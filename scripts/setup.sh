@@ -40,4 +40,10 @@ if ! python3 -c 'import tensorboard, sys; sys.exit(0 if tensorboard.__version__ 
   echo "setup: installing tensorboard==2.21.0 (TensorBoard's reader, for the event-file tests)"
   python3 -m pip install --quiet tensorboard==2.21.0
 fi
+# torchao's AdamW8bit and Adam8bit are the reference the 8-bit optimizer states are compared with at test time
+# (tests/python/state_formats.py). --no-deps: it must not replace the pinned torch.
+if ! python3 -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("torchao") == "0.18.0" else 1)' 2>/dev/null; then
+  echo "setup: installing torchao==0.18.0 (the 8-bit optimizer state reference, for the tests)"
+  python3 -m pip install --quiet --no-deps torchao==0.18.0
+fi
 echo "setup: done"

@@ -65,6 +65,11 @@ std::vector<ComposeFeature> compose_features() {
       if (!s.explicit_optimizer) s.optimizer = ComposeOptimizer::kFusedAdamW;
     };
   };
+  // bf16 moments (optimizer_state_format bf16): an Adam-family fused optimizer unless the pair names another.
+  auto bf16_states = [](ComposeSetup& s) {
+    s.options.optimizer_state_format(amp::OptimizerStateFormat::kBf16);
+    if (!s.explicit_optimizer) s.optimizer = ComposeOptimizer::kFusedAdamW;
+  };
   auto optimizer = [](ComposeOptimizer o) {
     return [o](ComposeSetup& s) {
       s.optimizer = o;
@@ -77,6 +82,7 @@ std::vector<ComposeFeature> compose_features() {
       {"master split", lean(MasterWeights::kSplit)},
       {"master kahan", lean(MasterWeights::kKahan)},
       {"master stochastic", lean(MasterWeights::kStochasticRounding)},
+      {"bf16 states", bf16_states},
       {"fp8", [](ComposeSetup& s) { s.options.fp8(); }},
       {"clip_grad_norm_", [](ComposeSetup& s) { s.clip = true; }},
       {"FusedSGD", optimizer(ComposeOptimizer::kFusedSgd)},

@@ -33,6 +33,7 @@
 namespace amp {
 namespace detail {
 class LeanMasters;
+class StateFormat;
 }
 namespace optim {
 
@@ -61,6 +62,10 @@ class FusedOptimizer {
   /// Set by amp::Optimizer with a lean master_weights_format: the parameters that have lean masters.
   void set_lean_masters(std::shared_ptr<amp::detail::LeanMasters> lean) { lean_ = std::move(lean); }
 
+  /// Set by amp::Optimizer (Options::optimizer_state_format): how the step stores Adam's moments, and the
+  /// generator of bf16's stochastic rounding (NOTE [Optimizer state formats] in src/optim/state_format.h).
+  void set_state_format(std::shared_ptr<amp::detail::StateFormat> format) { state_format_ = std::move(format); }
+
   /// Set by amp::parallel::shard_optimizer (ZeRO) around a sharded step, whose param_groups hold pieces of whole
   /// tensors: `over_ranks` sums a value over every rank; `per_tensor` turns each piece's partial sum (one per
   /// parameter of param_groups, in order) into the sum over every piece of its whole tensor, on every rank. FusedLAMB
@@ -82,6 +87,8 @@ class FusedOptimizer {
   const std::optional<double>& grad_scale() const noexcept { return grad_scale_; }
   /// Returns the parameters with lean masters (nullptr: none).
   const std::shared_ptr<amp::detail::LeanMasters>& lean_masters() const noexcept { return lean_; }
+  /// Returns the state format (nullptr: fp32, as LibTorch).
+  const std::shared_ptr<amp::detail::StateFormat>& state_format() const noexcept { return state_format_; }
   /// Returns the sums of a sharded step (nullptr: the step holds whole tensors).
   const ShardSums* shard_sums() const noexcept { return shard_sums_; }
 
@@ -89,6 +96,7 @@ class FusedOptimizer {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
   std::optional<double> grad_scale_;
   std::shared_ptr<amp::detail::LeanMasters> lean_;
+  std::shared_ptr<amp::detail::StateFormat> state_format_;
   const ShardSums* shard_sums_ = nullptr;
 };
 
@@ -158,7 +166,8 @@ struct FusedLAMBOptions : public torch::optim::OptimizerCloneableOptions<FusedLA
   void set_lr(const double value) override { lr(value); }
 };
 
-/// FusedLAMB's state of one parameter: Adam's two moments, in the parameter's dtype (fp32 masters at O2).
+/// FusedLAMB's state of one parameter: Adam's two moments, in the parameter's dtype (fp32 masters at O2), or as
+/// Options::optimizer_state_format stores them.
 struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<FusedLAMBParamState> {
   TORCH_ARG(at::Tensor, exp_avg);
   TORCH_ARG(at::Tensor, exp_avg_sq);
@@ -193,7 +202,7 @@ class FusedLAMB : public torch::optim::Optimizer, public FusedOptimizer {
 
  private:
   // The step of a sharded FusedLAMB (ShardSums): the norms summed over every rank's pieces.
-  void sharded_step(const std::vector<at::Tensor>& grads);
+  void sharded_step(const std::vector<at::Tensor>& grads, amp::detail::StateFormat& format);
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive) {
     torch::optim::serialize<FusedLAMBParamState, FusedLAMBOptions>(archive, self);

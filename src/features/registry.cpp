@@ -9,6 +9,7 @@
 #include "features/fp8.h"
 #include "features/islands.h"
 #include "features/lean_masters.h"
+#include "features/optimizer_state.h"
 #include "optim/optimizer_access.h"
 
 namespace amp::detail {
@@ -20,6 +21,7 @@ Features make_features(OptimizerBase& optimizer) {
       std::make_shared<IslandsFeature>(),
       std::make_shared<AutoFp32>(p.auto_fp32),
       std::make_shared<LeanMastersFeature>(OptimizerAccess::index_pointer(optimizer)),
+      std::make_shared<OptimizerStateFeature>(OptimizerAccess::index_pointer(optimizer)),
       std::make_shared<Fp8Feature>(),
   };
 }

@@ -96,6 +96,13 @@ MasterWeights parse_value(const std::string& v, ValueOf<MasterWeights>) {
   throw std::invalid_argument("expected copy, split, stochastic_rounding or kahan");
 }
 
+OptimizerStateFormat parse_value(const std::string& v, ValueOf<OptimizerStateFormat>) {
+  if (v == "fp32") return OptimizerStateFormat::kFp32;
+  if (v == "bf16") return OptimizerStateFormat::kBf16;
+  if (v == "8bit") return OptimizerStateFormat::k8Bit;
+  throw std::invalid_argument("expected fp32, bf16 or 8bit");
+}
+
 // The fp8 key turns FP8 on or off (Options::fp8(bool)); the fp8_* keys below set its recipe.
 bool parse_value(const std::string& v, ValueOf<Fp8Options>) { return parse_bool(v); }
 

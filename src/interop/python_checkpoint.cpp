@@ -33,6 +33,8 @@
 #include "casting/model_casting.h"
 #include "interop/optimizer_formats.h"
 #include "optim/optimizer_access.h"
+#include "optim/param_index.h"
+#include "optim/state_format.h"
 #include "optim/optimizer_state_key.h"
 #include "interop/pickle.h"
 #include "interop/python_values.h"
@@ -377,6 +379,10 @@ void PythonCheckpoint::load_optimizer(OptimizerBase& optimizer, std::string_view
     const auto it = names.find(p.unsafeGetTensorImpl());
     return it != names.end() ? it->second : std::string();
   });
+  // Python's fp32 moments, stored in optimizer_state_format (NOTE [Optimizer state formats]).
+  if (const auto& format = detail::OptimizerAccess::index(optimizer).state_format()) {
+    detail::encode_moments(torch_optimizer, *format);
+  }
   // ZeRO: the state was read for the whole tensors; each rank keeps its slices.
   if (auto* sharding = detail::OptimizerAccess::sharding(optimizer)) sharding->adopt_loaded_state(optimizer);
 }
@@ -563,11 +569,14 @@ void PythonCheckpoint::put_model(std::string_view key, torch::nn::Module& module
 
 void PythonCheckpoint::put_optimizer(std::string_view key, OptimizerBase& optimizer) {
   torch::optim::Optimizer& opt = detail::OptimizerAccess::synced_torch_optimizer(optimizer);
+  // torch.optim's fp32 moments, whatever optimizer_state_format stores them in.
+  const detail::StateFormat* format = detail::OptimizerAccess::index(optimizer).state_format().get();
+  auto put_fp32 = [&] { detail::with_fp32_moments(opt, format, [&] { put_optimizer_state(key, opt); }); };
   if (auto* sharding = detail::OptimizerAccess::sharding(optimizer)) {  // ZeRO: collective, every rank puts it whole
-    sharding->with_full_state(optimizer, [&] { put_optimizer_state(key, opt); });
+    sharding->with_full_state(optimizer, put_fp32);
     return;
   }
-  put_optimizer_state(key, opt);
+  put_fp32();
 }
 
 void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimizer& optimizer) {

@@ -77,6 +77,52 @@ AMP_ADAM_CLONE(adam_amsgrad, false, true)
 AMP_ADAM_CLONE(adam_l2_amsgrad, true, true)
 #undef AMP_ADAM_CLONE
 
+// Adam with the moments torchao computes: exp_avg.lerp(g, 1 - beta1), exp_avg_sq.lerp(g * g, 1 - beta2), where ATen's
+// vectorized lerp is fma(w, end - start, start) for |w| < 0.5 and fma(w - 1, end - start, end) otherwise; Adam's L2
+// decay is torchao's grad + weight_decay * p. The rest is adam_body's.
+struct LerpWeights {
+  float coeff1, coeff2;  // w or w - 1
+  bool small1, small2;   // |w| < 0.5: the base is the moment, else the new value
+};
+
+template <bool L2, bool AMSGRAD, bool STORE_GRAD>
+__attribute__((always_inline)) inline void adam_lerp_body(float* __restrict p, float* __restrict g_io,
+                                                          float* __restrict m, float* __restrict v,
+                                                          float* __restrict vmax, int64_t n, const AdamFloats& f,
+                                                          const LerpWeights& w) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float param = p[i] * f.decay;
+    float g = g_io[i] * f.inv;
+    if constexpr (STORE_GRAD) g_io[i] = g;
+    if constexpr (L2) g = g + f.wd * param;
+    const float square = g * g;
+    const float mi = std::fma(w.coeff1, g - m[i], w.small1 ? m[i] : g);
+    const float vi = std::fma(w.coeff2, square - v[i], w.small2 ? v[i] : square);
+    m[i] = mi;
+    v[i] = vi;
+    float second = vi;
+    if constexpr (AMSGRAD) {
+      const float mx = vmax[i];
+      second = mx >= vi ? mx : vi;
+      vmax[i] = second;
+    }
+    const float denom = std::sqrt(second) / f.bc2_sqrt + f.eps;
+    p[i] = param + (f.neg_step_size * mi) / denom;
+  }
+}
+
+#define AMP_ADAM_LERP_CLONE(name, L2, AMSGRAD)                                                                    \
+  AMP_VECTOR_CLONES void name(float* p, float* g, float* m, float* v, float* vmax, int64_t n, const AdamFloats& f, \
+                              const LerpWeights& w, bool store_grad) {                                           \
+    if (store_grad) adam_lerp_body<L2, AMSGRAD, true>(p, g, m, v, vmax, n, f, w);                                \
+    else adam_lerp_body<L2, AMSGRAD, false>(p, g, m, v, vmax, n, f, w);                                          \
+  }
+AMP_ADAM_LERP_CLONE(adam_lerp_plain, false, false)
+AMP_ADAM_LERP_CLONE(adam_lerp_l2, true, false)
+AMP_ADAM_LERP_CLONE(adam_lerp_amsgrad, false, true)
+AMP_ADAM_LERP_CLONE(adam_lerp_l2_amsgrad, true, true)
+#undef AMP_ADAM_LERP_CLONE
+
 template <bool STORE_GRAD>
 __attribute__((always_inline)) inline void sgd_body(float* __restrict p, float* __restrict g_io, float* __restrict buf,
                                                     int64_t begin, int64_t end, float inv, float wd, float momentum,
@@ -153,16 +199,67 @@ void lamb_stage2(float* param, const float* update, int64_t n, float ratio, Mode
   chunked(n, param, copy, [&](int64_t begin, int64_t end) { lamb_stage2_range(param, update, begin, end, ratio); });
 }
 
-void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
-               int64_t n, const AdamScalars& s, ModelCopy copy) {
-  // The scalars as LibTorch's Adam computes them (in double), then rounded to float as ATen does.
+namespace {
+
+// The scalars as LibTorch's Adam computes them (in double), then rounded to float as ATen does.
+AdamFloats adam_floats(const AdamScalars& s) {
   const double bc1 = 1 - std::pow(s.beta1, static_cast<double>(s.step));
   const double bc2 = 1 - std::pow(s.beta2, static_cast<double>(s.step));
   const auto decay = static_cast<float>(s.decoupled_weight_decay && s.weight_decay != 0 ? 1 - s.lr * s.weight_decay : 1.0);
+  return AdamFloats{s.inv_scale, decay, static_cast<float>(s.weight_decay), static_cast<float>(s.beta1),
+                    static_cast<float>(1 - s.beta1), static_cast<float>(s.beta2), static_cast<float>(1 - s.beta2),
+                    static_cast<float>(std::sqrt(bc2)), static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1))};
+}
+
+// Runs `update(offset, n, m, v, x)` on each chunk of [begin, end) with the chunk's moments decoded into fp32 scratch
+// (x: the third moment, when `third`), then encodes them back.
+template <class Update>
+void stored_chunks(const StateView& m, const StateView& v, const StateView* third, int64_t begin, int64_t end,
+                   Update update) {
+  float ms[kStoredChunk], vs[kStoredChunk], xs[kStoredChunk];
+  for (int64_t c = begin; c < end; c += kStoredChunk) {
+    const int64_t n = std::min(kStoredChunk, end - c);
+    decode(m, c, n, ms);
+    decode(v, c, n, vs);
+    if (third) decode(*third, c, n, xs);
+    update(c, n, ms, vs, xs);
+    encode(m, c, n, ms);
+    encode(v, c, n, vs);
+    if (third) encode(*third, c, n, xs);
+  }
+}
+
+}  // namespace
+
+void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const StateView& exp_avg_sq,
+                      const StateView* max_exp_avg_sq, int64_t begin, int64_t end, const AdamScalars& s,
+                      ModelCopy copy) {
+  const AdamFloats f = adam_floats(s);
   const bool l2 = !s.decoupled_weight_decay && s.weight_decay != 0;
-  const AdamFloats f{s.inv_scale, decay, static_cast<float>(s.weight_decay), static_cast<float>(s.beta1),
-                     static_cast<float>(1 - s.beta1), static_cast<float>(s.beta2), static_cast<float>(1 - s.beta2),
-                     static_cast<float>(std::sqrt(bc2)), static_cast<float>(s.eps), static_cast<float>(-(s.lr / bc1))};
+  const auto w1 = static_cast<float>(1 - s.beta1), w2 = static_cast<float>(1 - s.beta2);  // torchao's lerp weights
+  const LerpWeights w{w1 < 0.5f ? w1 : w1 - 1.0f, w2 < 0.5f ? w2 : w2 - 1.0f, w1 < 0.5f, w2 < 0.5f};
+  const auto range = l2 ? (s.amsgrad ? adam_lerp_l2_amsgrad : adam_lerp_l2) : (s.amsgrad ? adam_lerp_amsgrad : adam_lerp_plain);
+  stored_chunks(exp_avg, exp_avg_sq, s.amsgrad ? max_exp_avg_sq : nullptr, begin, end,
+                [&](int64_t c, int64_t n, float* m, float* v, float* x) {
+                  range(param + c, grad + c, m, v, x, n, f, w, s.inv_scale != 1.0f);
+                  if (copy.data != nullptr) {
+                    const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+                    convert(param + c, copy.dtype, static_cast<char*>(copy.data) + c * bytes, n);
+                  }
+                });
+}
+
+void lamb_stage1_stored(const float* param, const float* grad, const StateView& exp_avg, const StateView& exp_avg_sq,
+                        float* update, int64_t begin, int64_t end, const LambScalars& s) {
+  stored_chunks(exp_avg, exp_avg_sq, nullptr, begin, end, [&](int64_t c, int64_t n, float* m, float* v, float*) {
+    (s.adam_w_mode ? lamb_stage1_adam_w : lamb_stage1_l2)(param + c, grad + c, m, v, update + c, 0, n, s);
+  });
+}
+
+void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+               int64_t n, const AdamScalars& s, ModelCopy copy) {
+  const AdamFloats f = adam_floats(s);
+  const bool l2 = !s.decoupled_weight_decay && s.weight_decay != 0;
   const auto range = l2 ? (s.amsgrad ? adam_l2_amsgrad : adam_l2) : (s.amsgrad ? adam_amsgrad : adam_plain);
   chunked(n, param, copy, [&](int64_t begin, int64_t end) {
     range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, begin, end, f, s.inv_scale != 1.0f);

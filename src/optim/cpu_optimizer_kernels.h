@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "optim/cpu_state_codec.h"
 #include "scaling/cpu_kernels.h"
 
 namespace amp::detail::cpu {
@@ -29,6 +30,14 @@ struct AdamScalars {
 /// One Adam/AdamW update of n fp32 elements; max_exp_avg_sq is used when amsgrad.
 void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                int64_t n, const AdamScalars& s, ModelCopy copy);
+
+/// adam_step for moments kept in a state format (NOTE [Optimizer state formats] in state_format.h): elements
+/// [begin, end) of `param` and `grad` (whole-tensor pointers) chunk by chunk, each chunk's moments decoded to fp32,
+/// updated as torchao updates them (lerp, fused as ATen's vectorized lerp is; L2 decay added unfused) and encoded
+/// back. begin is a multiple of 2048 (a chunk). The parameter's arithmetic is adam_step's.
+void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const StateView& exp_avg_sq,
+                      const StateView* max_exp_avg_sq, int64_t begin, int64_t end, const AdamScalars& s, ModelCopy copy);
+constexpr int64_t kStoredChunk = 2048;
 
 struct SgdScalars {
   double lr, momentum, dampening, weight_decay;
@@ -52,6 +61,10 @@ struct LambScalars {
 /// Adam-style update into `update`; the gradient is read only.
 void lamb_stage1(const float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* update, int64_t n,
                  const LambScalars& s);
+
+/// lamb_stage1 over elements [begin, end) (begin a multiple of kStoredChunk) with moments kept in a state format.
+void lamb_stage1_stored(const float* param, const float* grad, const StateView& exp_avg, const StateView& exp_avg_sq,
+                        float* update, int64_t begin, int64_t end, const LambScalars& s);
 
 /// FusedLAMB's second stage (LAMBStage2Functor): param -= ratio * update, then the O2 model copy.
 void lamb_stage2(float* param, const float* update, int64_t n, float ratio, ModelCopy copy);

@@ -14,6 +14,7 @@
 #include "optim/cpu_optimizer_kernels.h"
 #include "optim/fused_route.h"
 #include "optim/lean_masters.h"
+#include "optim/state_format.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
 #include "optim/optimizer_state_key.h"
@@ -208,13 +209,99 @@ void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o,
   p.addcdiv_(state.exp_avg(), denom, -(o.lr() / bias_correction1));
 }
 
+// ---- State formats (NOTE [Optimizer state formats] in src/optim/state_format.h) ----------------------------
+
+using amp::detail::Moment;
+using amp::detail::StateFormat;
+
+// The format a step stores moments in: the optimizer's, or LibTorch's fp32 for one used without amp::initialize.
+std::shared_ptr<StateFormat> format_for(const std::shared_ptr<StateFormat>& format) {
+  return format ? format : std::make_shared<StateFormat>(amp::OptimizerStateFormat::kFp32, 0);
+}
+
+struct StoredMoment {
+  at::Tensor* stored;
+  Moment moment;
+  int slot;  // its draws (StateFormat::draws)
+};
+
+// The CPU loops' views of `moments`, or nullopt where one is not on the CPU loop's route.
+std::optional<std::vector<cpu::StateView>> cpu_views(const std::vector<StoredMoment>& moments, const StateFormat& format,
+                                                     const StateFormat::Place& place) {
+  std::vector<cpu::StateView> views;
+  for (const auto& m : moments) {
+    auto view = amp::detail::cpu_view(*m.stored, m.moment, format.draws(place, m.slot));
+    if (!view) return std::nullopt;
+    views.push_back(*view);
+  }
+  return views;
+}
+
+// Runs `update(begin, end)` over [0, n) in whole chunks of the stored loops, across ATen's intra-op threads.
+template <class Update>
+void split_chunks(int64_t n, Update update) {
+  const int64_t chunks = (n + cpu::kStoredChunk - 1) / cpu::kStoredChunk;
+  at::parallel_for(0, chunks, 16, [&](int64_t c0, int64_t c1) {
+    update(c0 * cpu::kStoredChunk, std::min(n, c1 * cpu::kStoredChunk));
+  });
+}
+
+// Any other route: the moments decoded to fp32, `step` on them (the fp32 route's per-op arithmetic), encoded back.
+template <class Step>
+void through_fp32(const std::vector<StoredMoment>& moments, const at::Tensor& like, const StateFormat& format,
+                  const StateFormat::Place& place, Step step) {
+  std::vector<at::Tensor> values;
+  for (const auto& m : moments) values.push_back(amp::detail::decode_moment(*m.stored, like.sizes(), m.moment));
+  step(values);
+  for (size_t i = 0; i < moments.size(); ++i) {
+    amp::detail::encode_moment(values[i], *moments[i].stored, moments[i].moment, format.draws(place, moments[i].slot));
+  }
+}
+
+template <class Options, class State>
+void adam_stored(const at::Tensor& key, Work& work, State& state, const Options& o, bool decoupled,
+                 const std::optional<double>& grad_scale, const at::Tensor* copy, const StateFormat& format) {
+  at::Tensor& p = work.param;
+  const at::Tensor& grad = work.grad;
+  const StateFormat::Place place = format.place(key);
+  std::vector<StoredMoment> moments{{&state.exp_avg(), Moment::kSigned, 0}, {&state.exp_avg_sq(), Moment::kUnsigned, 1}};
+  if (o.amsgrad()) moments.push_back({&state.max_exp_avg_sq(), Moment::kUnsigned, 2});
+  const auto views = route_for(p, grad, {}, copy) == FusedRoute::kAuto ? cpu_views(moments, format, place) : std::nullopt;
+  if (views) {
+    const auto [beta1, beta2] = o.betas();
+    const cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(),
+                             state.step(), inverse_scale(grad_scale)};
+    float* pp = p.data_ptr<float>();
+    float* gp = grad.data_ptr<float>();
+    const cpu::ModelCopy c = model_copy_arg(copy);
+    split_chunks(p.numel(), [&](int64_t b, int64_t e) {
+      cpu::adam_step_stored(pp, gp, (*views)[0], (*views)[1], o.amsgrad() ? &(*views)[2] : nullptr, b, e, s, c);
+    });
+    bump({p, copy ? *copy : at::Tensor()});
+    for (const auto& m : moments) bump({*m.stored});
+  } else {
+    through_fp32(moments, p, format, place, [&](std::vector<at::Tensor>& v) {
+      State fp32;
+      fp32.step(state.step());
+      fp32.exp_avg(v[0]);
+      fp32.exp_avg_sq(v[1]);
+      if (o.amsgrad()) fp32.max_exp_avg_sq(v[2]);
+      adam_per_op(p, grad, fp32, o, decoupled, grad_scale);
+    });
+    if (copy) copy->copy_(p);
+  }
+  work.finish();
+}
+
 template <class Options, class State, class CopyOf>
 void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTable& lean,
-                      const std::optional<double>& grad_scale, bool decoupled, const char* name) {
+                      const std::optional<double>& grad_scale, bool decoupled, const char* name,
+                      StateFormat& format) {
   check_all(opt, name, [name](const torch::optim::OptimizerOptions& o, size_t g) {
     check_adam_options(static_cast<const Options&>(o), name, g);
   });
   c10::NoGradGuard no_grad;
+  format.begin_step(opt);
   auto& states = opt.state();
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
     auto& group = opt.param_groups()[g];
@@ -229,19 +316,27 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTa
       at::Tensor& p = work.param;
       const at::Tensor& grad = work.grad;
       auto& slot = states[state_key(states, key)];
+      const StateFormat::Place place = format.place(key);
       if (!slot) {  // LibTorch's lazy state initialization
         auto fresh = std::make_unique<State>();
         fresh->step(0);
-        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg(format.fresh(p, place));
+        fresh->exp_avg_sq(format.fresh(p, place));
         slot = std::move(fresh);
       }
       auto& state = static_cast<State&>(*slot);
       if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
-        state.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));  // amsgrad turned on later
+        state.max_exp_avg_sq(format.fresh(p, place));  // amsgrad turned on later
       }
+      format.adopt(state.exp_avg(), p, place, Moment::kSigned);
+      format.adopt(state.exp_avg_sq(), p, place, Moment::kUnsigned);
+      format.adopt(state.max_exp_avg_sq(), p, place, Moment::kUnsigned);
       state.step(state.step() + 1);
       const at::Tensor* copy = copy_of(p);
+      if (format.format() != amp::OptimizerStateFormat::kFp32) {
+        adam_stored(key, work, state, o, decoupled, grad_scale, copy, format);
+        continue;
+      }
       const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
       switch (route_for(p, grad, {state.exp_avg(), state.exp_avg_sq(), vmax}, copy)) {
         case FusedRoute::kAuto: {
@@ -297,6 +392,7 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTa
 #endif
     for (const auto& work : after_batches) work.finish();
   }
+  format.end_step();
 }
 
 // ---- SGD -------------------------------------------------------------------------------------------
@@ -385,17 +481,71 @@ void lamb_per_op(at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& sta
   state.exp_avg_sq().copy_(v);
 }
 
-// The LAMB state of `key` (the tensor param_groups holds), created for `p` (the tensor stepped) on first use.
+// The LAMB state of `key` (the tensor param_groups holds), created for `p` (the tensor stepped) on first use, in
+// `format`'s representation.
 template <class States>
-FusedLAMBParamState& lamb_state(States& states, const at::Tensor& key, const at::Tensor& p) {
+FusedLAMBParamState& lamb_state(States& states, const at::Tensor& key, const at::Tensor& p, const StateFormat& format) {
   auto& slot = states[state_key(states, key)];
+  const StateFormat::Place place = format.place(key);
   if (!slot) {
     auto fresh = std::make_unique<FusedLAMBParamState>();
-    fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-    fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    fresh->exp_avg(format.fresh(p, place));
+    fresh->exp_avg_sq(format.fresh(p, place));
     slot = std::move(fresh);
   }
-  return static_cast<FusedLAMBParamState&>(*slot);
+  auto& state = static_cast<FusedLAMBParamState&>(*slot);
+  format.adopt(state.exp_avg(), p, place, Moment::kSigned);
+  format.adopt(state.exp_avg_sq(), p, place, Moment::kUnsigned);
+  return state;
+}
+
+std::vector<StoredMoment> lamb_moments(FusedLAMBParamState& state) {
+  return {{&state.exp_avg(), Moment::kSigned, 0}, {&state.exp_avg_sq(), Moment::kUnsigned, 1}};
+}
+
+// Whether one parameter's LAMB step takes the CPU loops (`views` set where its moments are in a state format).
+bool lamb_on_cpu(const at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& state, const at::Tensor* copy,
+                 const StateFormat& format, const StateFormat::Place& place,
+                 std::optional<std::vector<cpu::StateView>>& views) {
+  if (format.format() == amp::OptimizerStateFormat::kFp32) {
+    return route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, copy) == FusedRoute::kAuto;
+  }
+  if (route_for(p, grad, {}, copy) != FusedRoute::kAuto) return false;
+  views = cpu_views(lamb_moments(state), format, place);
+  return views.has_value();
+}
+
+// Runs `step` on the LAMB state with its moments in fp32: the state itself, or its moments decoded from a state
+// format and encoded back after.
+template <class Step>
+void in_fp32(FusedLAMBParamState& state, const at::Tensor& p, const StateFormat& format, const StateFormat::Place& place,
+             Step step) {
+  if (format.format() == amp::OptimizerStateFormat::kFp32) {
+    step(state);
+    return;
+  }
+  through_fp32(lamb_moments(state), p, format, place, [&](std::vector<at::Tensor>& v) {
+    FusedLAMBParamState fp32;
+    fp32.exp_avg(v[0]);
+    fp32.exp_avg_sq(v[1]);
+    step(fp32);
+  });
+}
+
+// LAMB's first stage on the CPU loop's route: the moments updated and the update written into `update`, with the
+// moments in fp32 (as they are) or in a state format.
+void lamb_stage1_any(const at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& state,
+                     const at::Tensor& update, const cpu::LambScalars& s, const std::optional<std::vector<cpu::StateView>>& views) {
+  const float* pp = p.data_ptr<float>();
+  const float* gp = grad.data_ptr<float>();
+  float* up = update.data_ptr<float>();
+  if (views) {
+    split_chunks(p.numel(), [&](int64_t b, int64_t e) { cpu::lamb_stage1_stored(pp, gp, (*views)[0], (*views)[1], up, b, e, s); });
+  } else {
+    float* mp = state.exp_avg().data_ptr<float>();
+    float* vp = state.exp_avg_sq().data_ptr<float>();
+    split(p.numel(), [&](int64_t b, int64_t n) { cpu::lamb_stage1(pp + b, gp + b, mp + b, vp + b, up + b, n, s); });
+  }
 }
 
 // LibTorch's optimizers evaluate a closure with gradients on before stepping.
@@ -417,7 +567,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
       *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/false,
-      "amp::optim::FusedAdam");
+      "amp::optim::FusedAdam", *format_for(state_format()));
   return loss;
 }
 
@@ -425,7 +575,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
       *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/true,
-      "amp::optim::FusedAdamW");
+      "amp::optim::FusedAdamW", *format_for(state_format()));
   return loss;
 }
 
@@ -506,8 +656,11 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   if (grad_scale() && !grads.empty()) {
     amp::detail::mul_(grads, at::full({}, inverse_scale(grad_scale()), at::TensorOptions().dtype(at::kFloat)));
   }
+  const std::shared_ptr<StateFormat> format = format_for(state_format());
+  format->begin_step(*this);
   if (shard_sums()) {
-    sharded_step(grads);
+    sharded_step(grads, *format);
+    format->end_step();
     return loss;
   }
   // Apex: the norm of every group's gradients, before any update; its max_grad_norm is the defaults' value.
@@ -528,11 +681,13 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       Work work = work_for(key, lean_masters());
       at::Tensor& p = work.param;
       const at::Tensor& grad = work.grad;
-      FusedLAMBParamState& state = lamb_state(states, key, p);
+      FusedLAMBParamState& state = lamb_state(states, key, p, *format);
       const at::Tensor* copy = model_copy(p);
-      const FusedRoute route = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, copy);
-      if (route != FusedRoute::kAuto || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
-        lamb_per_op(p, grad, state, o, clip);
+      const StateFormat::Place place = format->place(key);
+      std::optional<std::vector<cpu::StateView>> views;
+      const bool on_cpu = lamb_on_cpu(p, grad, state, copy, *format, place, views);
+      if (!on_cpu || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
+        in_fp32(state, p, *format, place, [&](FusedLAMBParamState& fp32) { lamb_per_op(p, grad, fp32, o, clip); });
         if (copy) copy->copy_(p);
         work.finish();
         continue;
@@ -540,11 +695,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       if (!clip_on_host) clip_on_host = clip.item<float>();
       const cpu::LambScalars s = lamb_scalars(o, *clip_on_host);
       const at::Tensor update = at::empty_like(p);
-      const float* pp = p.data_ptr<float>();
-      split(p.numel(), [&](int64_t b, int64_t n) {
-        cpu::lamb_stage1(pp + b, grad.data_ptr<float>() + b, state.exp_avg().data_ptr<float>() + b,
-                         state.exp_avg_sq().data_ptr<float>() + b, update.data_ptr<float>() + b, n, s);
-      });
+      lamb_stage1_any(p, grad, state, update, s, views);
       // The parameter's norm before the update (Apex takes it before stage 1, which does not write p).
       const float param_norm = amp::detail::total_norm({p}, 2.0).item<float>();
       const float update_norm = amp::detail::total_norm({update}, 2.0).item<float>();
@@ -556,6 +707,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       work.finish();
     }
   }
+  format->end_step();
   return loss;
 }
 
@@ -564,7 +716,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
 // (ShardSums), then rooted and rounded to float as the unsharded step rounds its norms. The update is the unsharded
 // step's, piece by piece (the same kernels on the CPU, lamb_per_op's arithmetic elsewhere), in two passes around
 // the one exchange of the per-tensor sums.
-void FusedLAMB::sharded_step(const std::vector<at::Tensor>& grads) {
+void FusedLAMB::sharded_step(const std::vector<at::Tensor>& grads, amp::detail::StateFormat& format) {
   const ShardSums& sums = *shard_sums();
   auto square_sum = [](const at::Tensor& t) { return t.to(at::kDouble).pow(2).sum().item<double>(); };
   const double max_grad_norm = static_cast<const FusedLAMBOptions&>(defaults()).max_grad_norm();
@@ -598,24 +750,27 @@ void FusedLAMB::sharded_step(const std::vector<at::Tensor>& grads) {
       }
       at::Tensor& p = entry.work.param;
       const at::Tensor& grad = entry.work.grad;
-      FusedLAMBParamState& state = lamb_state(states, key, p);
-      entry.on_cpu = route_for(p, grad, {state.exp_avg(), state.exp_avg_sq()}, nullptr) == FusedRoute::kAuto;
+      FusedLAMBParamState& state = lamb_state(states, key, p, format);
+      const StateFormat::Place place = format.place(key);
+      std::optional<std::vector<cpu::StateView>> views;
+      entry.on_cpu = lamb_on_cpu(p, grad, state, nullptr, format, place, views);
       const cpu::LambScalars s = lamb_scalars(o, clip);
       if (entry.on_cpu) {
         entry.update = at::empty_like(p);
-        cpu::lamb_stage1(p.data_ptr<float>(), grad.data_ptr<float>(), state.exp_avg().data_ptr<float>(),
-                         state.exp_avg_sq().data_ptr<float>(), entry.update.data_ptr<float>(), p.numel(), s);
+        lamb_stage1_any(p, grad, state, entry.update, s, views);
         entry.p32 = p;
       } else {  // lamb_per_op's arithmetic
-        entry.p32 = p.to(at::kFloat);
-        at::Tensor scaled = grad.to(at::kFloat).div(clip);
-        if (!s.adam_w_mode) scaled = scaled.add(entry.p32.mul(s.weight_decay));
-        const at::Tensor m = state.exp_avg().to(at::kFloat).mul(s.beta1).add(scaled.mul(s.beta3));
-        const at::Tensor v = state.exp_avg_sq().to(at::kFloat).mul(s.beta2).add(scaled.mul(1.0f - s.beta2).mul(scaled));
-        entry.update = m.div(s.bias_correction1).div(v.div(s.bias_correction2).sqrt().add(s.eps));
-        if (s.adam_w_mode) entry.update = entry.update.add(entry.p32.mul(s.weight_decay));
-        state.exp_avg().copy_(m);
-        state.exp_avg_sq().copy_(v);
+        in_fp32(state, p, format, place, [&](FusedLAMBParamState& fp32) {
+          entry.p32 = p.to(at::kFloat);
+          at::Tensor scaled = grad.to(at::kFloat).div(clip);
+          if (!s.adam_w_mode) scaled = scaled.add(entry.p32.mul(s.weight_decay));
+          const at::Tensor m = fp32.exp_avg().to(at::kFloat).mul(s.beta1).add(scaled.mul(s.beta3));
+          const at::Tensor v = fp32.exp_avg_sq().to(at::kFloat).mul(s.beta2).add(scaled.mul(1.0f - s.beta2).mul(scaled));
+          entry.update = m.div(s.bias_correction1).div(v.div(s.bias_correction2).sqrt().add(s.eps));
+          if (s.adam_w_mode) entry.update = entry.update.add(entry.p32.mul(s.weight_decay));
+          fp32.exp_avg().copy_(m);
+          fp32.exp_avg_sq().copy_(v);
+        });
       }
       param_sums.push_back(square_sum(entry.p32));  // before the update, as Apex
       update_sums.push_back(square_sum(entry.update));

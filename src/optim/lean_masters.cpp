@@ -13,6 +13,7 @@
 
 #include "amp/properties.h"
 #include "optim/float32_bytes.h"
+#include "optim/stochastic_rounding.h"
 
 namespace amp::detail {
 namespace {
@@ -34,22 +35,6 @@ float float_of(uint32_t b) {
 float float_of_bf16(uint16_t x) { return float_of(static_cast<uint32_t>(x) << 16); }
 
 uint16_t round_to_nearest(float f) { return c10::BFloat16(f).x; }  // c10's conversion rounds to nearest even
-
-// splitmix64's output function: 64 well-mixed bits of element n of the stream `seed`.
-uint64_t random_bits(uint64_t seed, uint64_t n) {
-  uint64_t z = seed + (n + 1) * 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// Rounds f to one of its two bfloat16 neighbours, the upper (in magnitude) with probability equal to the
-// fraction of the gap below it: adding 16 uniform bits under the kept 16 carries into them exactly that often.
-uint16_t round_stochastically(float f, uint16_t random) {
-  const uint32_t b = bits_of(f);
-  if ((b & 0x7f800000u) == 0x7f800000u) return round_to_nearest(f);  // inf and NaN stay what they are
-  return static_cast<uint16_t>((b + random) >> 16);
-}
 
 template <class Body>
 void each_element(int64_t n, Body body) {

@@ -23,6 +23,7 @@
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
 #include "optim/optimizer_state_key.h"
+#include "optim/state_format.h"
 #include "options/format.h"
 
 namespace amp::detail {
@@ -113,6 +114,18 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
               "optimizers do; this optimizer is ", c10::demangle(typeid(opt).name()), ". Use "
               "amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's), or "
               "master_weights_format copy.");
+  const amp::OptimizerStateFormat state_format = properties.optimizer_state_format;
+  if (state_format != amp::OptimizerStateFormat::kFp32) {
+    const bool adam_family = dynamic_cast<optim::FusedAdam*>(&opt) || dynamic_cast<optim::FusedAdamW*>(&opt) ||
+                             dynamic_cast<optim::FusedLAMB*>(&opt);
+    TORCH_CHECK(!dynamic_cast<optim::FusedSGD*>(&opt), where, ": optimizer_state_format ", to_string(state_format),
+                " stores Adam's two moments; amp::optim::FusedSGD keeps one momentum buffer, which stays in the "
+                "parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW or FusedLAMB, or optimizer_state_format fp32.");
+    TORCH_CHECK(adam_family, where, ": optimizer_state_format ", to_string(state_format), " stores Adam's moments "
+                "inside amp's fused step; this optimizer is ", c10::demangle(typeid(opt).name()), ", whose step keeps "
+                "them in fp32. Use amp::optim::FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's "
+                "Adam and AdamW), or optimizer_state_format fp32.");
+  }
 
   // What the optimizer already has, found through the tensors param_groups hold (masters at O2).
   std::unordered_map<const c10::TensorImpl*, size_t> known_master, known_direct;
@@ -247,7 +260,12 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
     for (auto& p : group.params()) known_groups_.back().push_back(p.unsafeGetTensorImpl());
   }
   // A fused optimizer writes each master's rounded copy into the model in its own pass (no copy_to_model).
+  if (!state_format_) {  // once: its generator lives as long as the optimizer (seeded as kStochasticRounding's)
+    const bool draws = state_format == amp::OptimizerStateFormat::kBf16;
+    state_format_ = std::make_shared<StateFormat>(state_format, draws ? seed_from_default_generator() : 0);
+  }
   if (fused) {
+    fused->set_state_format(state_format_);
     fused->set_lean_masters(lean_);
     std::unordered_map<const c10::TensorImpl*, at::Tensor> copies;
     for (size_t i = 0; i < masters_->size(); ++i) copies.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->model()[i]);

@@ -20,6 +20,7 @@ namespace amp::detail {
 
 class LeanMasters;
 class MasterWeights;
+class StateFormat;
 
 class ParamIndex {
  public:
@@ -38,6 +39,8 @@ class ParamIndex {
   MasterWeights& masters() const { return *masters_; }
   /// The lean masters (master_weights_format other than copy), or null.
   const std::shared_ptr<LeanMasters>& lean() const noexcept { return lean_; }
+  /// How a fused optimizer stores Adam's moments (Options::optimizer_state_format); null before the first sync.
+  const std::shared_ptr<StateFormat>& state_format() const noexcept { return state_format_; }
   /// Parameters the optimizer updates in place (lean ones included), and their names.
   const std::vector<at::Tensor>& direct() const noexcept { return direct_; }
   const std::vector<std::string>& direct_names() const noexcept { return direct_names_; }
@@ -61,6 +64,7 @@ class ParamIndex {
 
   std::shared_ptr<MasterWeights> masters_;  // low-precision params and their fp32 masters
   std::shared_ptr<LeanMasters> lean_;       // bf16 params with lean masters, or null
+  std::shared_ptr<StateFormat> state_format_;
   std::vector<at::Tensor> direct_;
   std::vector<std::string> direct_names_;
   std::vector<std::vector<const c10::TensorImpl*>> known_groups_;  // param_groups as last synced

@@ -19,6 +19,7 @@ inline std::string option_text(c10::ScalarType value) { return dtype_name(value)
 inline std::string option_text(const LossScale& value) { return to_string(value); }
 inline std::string option_text(CastLists value) { return to_string(value); }
 inline std::string option_text(MasterWeights value) { return to_string(value); }
+inline std::string option_text(OptimizerStateFormat value) { return to_string(value); }
 inline std::string option_text(const std::vector<std::string>& values) {  // Python's list repr: ['head', '*.norm']
   std::string out = "[";
   for (const auto& v : values) out += (out.size() > 1 ? ", '" : "'") + v + "'";

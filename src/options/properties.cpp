@@ -40,6 +40,15 @@ const char* to_string(MasterWeights format) {
   return "copy";
 }
 
+const char* to_string(OptimizerStateFormat format) {
+  switch (format) {
+    case OptimizerStateFormat::kFp32: return "fp32";
+    case OptimizerStateFormat::kBf16: return "bf16";
+    case OptimizerStateFormat::k8Bit: return "8bit";
+  }
+  return "fp32";
+}
+
 Properties properties(OptLevel level) { return opt_levels::spec(level).defaults; }
 
 std::string to_string(const Properties& p) {

@@ -22,6 +22,7 @@
 #include "optim/optimizer_state_key.h"
 #include "optim/param_index.h"
 #include "optim/sharding.h"
+#include "optim/state_format.h"
 #include "optim/state_tensors.h"
 #include "scaling/multi_tensor.h"
 
@@ -33,7 +34,9 @@
 // 2 its gradient. ShardPieces travel by *lane*: the elements of one group whose model parameters share a dtype, packed rank
 // by rank in that order, every rank padded to the longest rank's count, so one all-gather (updated values, in the
 // model's dtype, as bytes: bitwise) or one reduce-scatter (gradients, averaged as the all-reduce averages them) moves
-// every rank's part at once, bucket by bucket.
+// every rank's part at once, bucket by bucket. With 8-bit optimizer states (NOTE [Optimizer state formats]) each
+// quantized tensor starts at a multiple of 256 in the run and S is one too, so no piece splits a block of 256 values:
+// a piece's codes and scales are its whole tensor's, the step quantizes them as the unsharded step does.
 
 namespace amp::parallel::detail {
 namespace {
@@ -41,6 +44,7 @@ namespace {
 using amp::detail::OptimizerAccess;
 using ShardStateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 constexpr const char* kShard = "amp::parallel::shard_optimizer";
+constexpr int64_t kShardBlock = 256;  // an 8-bit moment's block
 
 struct ShardEntry {
   at::Tensor stepped;  // what the param group holds: an fp32 master (a placeholder once sharded) or the parameter
@@ -49,6 +53,7 @@ struct ShardEntry {
   bool mastered = false;
   size_t master_index = 0;  // in the MasterWeights table (the archives' "master/<i>")
   int64_t offset = 0;       // in the group's flat run
+  int64_t whole_offset = 0; // in the optimizer's numbering (StateFormat::Place)
   int64_t numel = 0;
   int64_t version = 0;  // the model parameter's, when it and the pieces last agreed
   const void* storage = nullptr;
@@ -129,12 +134,20 @@ at::Tensor shard_reduce_scatter(const GroupState& state, const at::Tensor& input
   return input.narrow(0, static_cast<int64_t>(state.rank) * width, width).clone();
 }
 
-// A piece's state, cut out of its whole tensor's (`full`).
+// A piece's state, cut out of its whole tensor's (`full`); 8-bit moments by whole blocks (NOTE [ZeRO layout]), or
+// decoded where the layout was not made for them (the moments then convert at the next step).
 std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::optim::OptimizerParamState& full, int64_t begin,
                                                                int64_t length) {
   auto out = full.clone();
-  for (at::Tensor* t : amp::detail::state_fields(*out).tensors) {
-    if (t->defined()) *t = t->reshape({-1}).narrow(0, begin, length).clone();
+  const auto fields = amp::detail::state_fields(*out).tensors;
+  for (size_t f = 0; f < fields.size(); ++f) {
+    at::Tensor& t = *fields[f];
+    if (!t.defined()) continue;
+    const auto moment = f == 0 ? amp::detail::Moment::kSigned : amp::detail::Moment::kUnsigned;
+    if (amp::detail::is_packed(t) && (begin % kShardBlock != 0 || length % kShardBlock != 0)) {
+      t = amp::detail::decode_moment(t, {-1}, moment);
+    }
+    t = amp::detail::slice_moment(t, begin, length);
   }
   return out;
 }
@@ -198,6 +211,9 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   AverageSettings average_;
   std::vector<std::vector<ShardEntry>> groups_;
   std::vector<int64_t> group_numel_;
+  std::shared_ptr<amp::detail::StateFormat> format_;  // the optimizer's state format
+  int64_t slice_multiple_ = 1;  // kShardBlock with 8-bit moments (NOTE [ZeRO layout])
+  int64_t whole_numel_ = 0;     // every stepped tensor's values, the state format's numbering
   std::vector<ShardPiece> pieces_;
   std::vector<ShardLane> lanes_;
   std::vector<std::vector<char>> used_;  // stage 2: [group][entry] has a reduced gradient in its lane's incoming
@@ -223,6 +239,9 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   for (const auto& p : core_->params()) trained.insert(p.unsafeGetTensorImpl());
 
   const int64_t n_ranks = state_.world_size;
+  format_ = index.state_format();
+  const bool blocks = format_ && format_->format() == amp::OptimizerStateFormat::k8Bit;
+  if (blocks) slice_multiple_ = kShardBlock;
   for (auto& group : opt.param_groups()) {
     std::vector<ShardEntry> entries;
     int64_t total = 0;
@@ -240,9 +259,12 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
                   "optimizer of the model you passed to make_distributed.");
       TORCH_CHECK(e.model.is_contiguous() && t.is_contiguous(), kShard, ": parameter '", e.name, "' is not contiguous, "
                   "so its slices can't be views of it. Make it contiguous before amp::initialize.");
-      e.offset = total;
       e.numel = t.numel();
+      if (blocks && amp::detail::quantizes(e.numel)) total = (total + kShardBlock - 1) / kShardBlock * kShardBlock;
+      e.offset = total;
+      e.whole_offset = whole_numel_;
       total += e.numel;
+      whole_numel_ += e.numel;
       entries.push_back(std::move(e));
     }
     groups_.push_back(std::move(entries));
@@ -303,7 +325,9 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
 
 // NOTE [ZeRO layout]: the parts of group g's tensors inside rank r's slice, in group order (pos left 0).
 std::vector<ShardSpan> Zero::slice_spans(size_t g, int64_t r) const {
-  const int64_t total = group_numel_[g], slice = (total + state_.world_size - 1) / state_.world_size;
+  const int64_t total = group_numel_[g];
+  const int64_t slice = ((total + state_.world_size - 1) / state_.world_size + slice_multiple_ - 1) / slice_multiple_ *
+                        slice_multiple_;
   const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
   std::vector<ShardSpan> out;
   for (size_t i = 0; i < groups_[g].size(); ++i) {
@@ -611,7 +635,24 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
   const amp::optim::FusedOptimizer::ShardSums sums{[this](double v) { return sum_over_ranks(v); },
                                                    [this](std::vector<double>& v) { sum_per_tensor(v); }};
   if (fused) fused->set_shard_sums(&sums);
+  // The state format numbers a piece's elements as its whole tensor's (NOTE [Optimizer state formats]).
+  const std::shared_ptr<amp::detail::StateFormat>& format = format_;
+  if (format && use == Use::kStep) {
+    std::unordered_map<const c10::TensorImpl*, amp::detail::StateFormat::Place> places;
+    for (const auto& p : pieces_) {
+      const ShardEntry& e = groups_[p.group][p.entry];
+      places.emplace(p.value.unsafeGetTensorImpl(), amp::detail::StateFormat::Place{e.whole_offset + p.begin, e.numel});
+    }
+    format->set_placement(
+        [places = std::move(places)](const at::Tensor& t) -> std::optional<amp::detail::StateFormat::Place> {
+          const auto it = places.find(t.unsafeGetTensorImpl());
+          if (it == places.end()) return std::nullopt;
+          return it->second;
+        },
+        whole_numel_);
+  }
   auto restore = [&] {
+    if (format && use == Use::kStep) format->set_placement(nullptr, 0);
     if (fused) fused->set_shard_sums(nullptr);
     for (size_t g = 0; g < groups.size() && g < saved.size(); ++g) groups[g].params() = std::move(saved[g]);
     for (auto& p : pieces_) p.value.mutable_grad() = at::Tensor();
@@ -801,34 +842,46 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
       }
     }
   }
-  // 1. What each piece has: state or not, its step count, which fields are defined.
+  // 1. What each piece has: state or not, its step count, which fields are defined, and each field's dtype and size
+  // (a state format stores moments in bf16 or packed 8-bit blocks: NOTE [Optimizer state formats]).
+  const int64_t n_desc = 3 + 2 * static_cast<int64_t>(n_fields);
   int64_t max_pieces = 0;
   for (const auto& list : rank_pieces) max_pieces = std::max<int64_t>(max_pieces, static_cast<int64_t>(list.size()));
-  at::Tensor desc = at::zeros({max_pieces * 3}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor desc = at::zeros({max_pieces * n_desc}, at::TensorOptions().dtype(at::kLong));
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const auto it = state.find(amp::detail::state_key(state, pieces_[k].value));
     if (it == state.end() || !it->second) continue;
     const auto fields = amp::detail::state_fields(*it->second);
+    const int64_t at_desc = static_cast<int64_t>(k) * n_desc;
     int64_t mask = 0;
     for (size_t f = 0; f < fields.tensors.size(); ++f) {
-      if (fields.tensors[f]->defined()) mask |= int64_t{1} << f;
+      const at::Tensor& t = *fields.tensors[f];
+      if (!t.defined()) continue;
+      mask |= int64_t{1} << f;
+      desc[at_desc + 3 + static_cast<int64_t>(f)] = static_cast<int64_t>(t.scalar_type());
+      desc[at_desc + 3 + static_cast<int64_t>(n_fields + f)] = t.numel();
     }
-    desc[static_cast<int64_t>(k) * 3] = 1;
-    desc[static_cast<int64_t>(k) * 3 + 1] = fields.step ? *fields.step : 0;
-    desc[static_cast<int64_t>(k) * 3 + 2] = mask;
+    desc[at_desc] = 1;
+    desc[at_desc + 1] = fields.step ? *fields.step : 0;
+    desc[at_desc + 2] = mask;
   }
   const std::string what = "amp::parallel::save_consolidated (gathering the shards)";
   const at::Tensor descs = shard_all_gather_bytes(state_, desc.view(at::kByte), bucket_bytes_, what).view(at::kLong);
-  auto info = [&](size_t r, size_t j, int f) { return descs[static_cast<int64_t>(r) * max_pieces * 3 + static_cast<int64_t>(j) * 3 + f].item<int64_t>(); };
+  auto info = [&](size_t r, size_t j, int64_t f) {
+    return descs[static_cast<int64_t>(r) * max_pieces * n_desc + static_cast<int64_t>(j) * n_desc + f].item<int64_t>();
+  };
+  auto field_dtype = [&](size_t r, size_t j, size_t f) { return static_cast<at::ScalarType>(info(r, j, 3 + static_cast<int64_t>(f))); };
+  auto field_numel = [&](size_t r, size_t j, size_t f) { return info(r, j, 3 + static_cast<int64_t>(n_fields + f)); };
   // 2. The bytes: each piece's master value (mastered tensors), then its defined state fields.
   auto piece_bytes = [&](size_t r, size_t j) {
     const ShardSpan& s = rank_pieces[r][j];
     const ShardEntry& e = groups_[rank_groups[r][j]][s.entry];
-    const int64_t esz = static_cast<int64_t>(c10::elementSize(e.stepped.scalar_type()));
-    int64_t count = e.mastered ? 1 : 0;
+    int64_t count = e.mastered ? s.length * static_cast<int64_t>(c10::elementSize(e.stepped.scalar_type())) : 0;
     const int64_t mask = info(r, j, 2);
-    for (size_t f = 0; f < n_fields; ++f) count += (mask >> f) & 1;
-    return count * s.length * esz;
+    for (size_t f = 0; f < n_fields; ++f) {
+      if ((mask >> f) & 1) count += field_numel(r, j, f) * static_cast<int64_t>(c10::elementSize(field_dtype(r, j, f)));
+    }
+    return count;
   };
   int64_t width = 0;
   for (size_t r = 0; r < rank_pieces.size(); ++r) {
@@ -854,10 +907,11 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
   }
   const at::Tensor recv = shard_all_gather_bytes(state_, send, bucket_bytes_, what);
   if (state_.rank != 0 && !everywhere) return;
-  // 3. Rank 0 assembles the whole tensors.
+  // 3. Rank 0 assembles the whole tensors: masters slice by slice, each state field from its pieces in order.
   ShardStateMap full;
   std::vector<at::Tensor> masters(OptimizerAccess::index(optimizer).masters().size());
   std::unordered_map<const ShardEntry*, std::unique_ptr<torch::optim::OptimizerParamState>> states;
+  std::unordered_map<const ShardEntry*, std::vector<std::vector<at::Tensor>>> parts;  // [field] -> pieces, in order
   for (const auto& entries : groups_) {
     for (const auto& e : entries) {
       if (e.mastered) masters[e.master_index] = at::empty(e.stepped.sizes(), e.stepped.options());
@@ -865,30 +919,40 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
   }
   for (size_t r = 0; r < rank_pieces.size(); ++r) {
     int64_t offset = static_cast<int64_t>(r) * width;
+    auto take = [&](int64_t numel, at::ScalarType dtype) {
+      const int64_t n_bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+      at::Tensor out = recv.narrow(0, offset, n_bytes).clone().view(dtype);
+      offset += n_bytes;
+      return out;
+    };
     for (size_t j = 0; j < rank_pieces[r].size(); ++j) {
       const ShardSpan& s = rank_pieces[r][j];
       const ShardEntry& e = groups_[rank_groups[r][j]][s.entry];
-      const int64_t n_bytes = s.length * static_cast<int64_t>(c10::elementSize(e.stepped.scalar_type()));
-      auto take = [&](const at::Tensor& into) {
-        into.view({-1}).narrow(0, s.begin, s.length)
-            .copy_(recv.narrow(0, offset, n_bytes).clone().view(e.stepped.scalar_type()));
-        offset += n_bytes;
-      };
-      if (e.mastered) take(masters[e.master_index]);
+      if (e.mastered) masters[e.master_index].view({-1}).narrow(0, s.begin, s.length).copy_(take(s.length, e.stepped.scalar_type()));
       if (!info(r, j, 0)) continue;
       auto& slot = states[&e];
+      auto& fields_parts = parts[&e];
+      const int64_t mask = info(r, j, 2);
       if (!slot) {
         slot = prototype->clone();
-        auto fields = amp::detail::state_fields(*slot);
-        if (fields.step) *fields.step = info(r, j, 1);
-        const int64_t mask = info(r, j, 2);
-        for (size_t f = 0; f < n_fields; ++f) {
-          *fields.tensors[f] = (mask >> f) & 1 ? at::empty(e.stepped.sizes(), e.stepped.options()) : at::Tensor();
-        }
+        if (auto* step = amp::detail::state_fields(*slot).step) *step = info(r, j, 1);
+        fields_parts.resize(n_fields);
       }
-      for (at::Tensor* t : amp::detail::state_fields(*slot).tensors) {
-        if (t->defined()) take(*t);
+      for (size_t f = 0; f < n_fields; ++f) {
+        if ((mask >> f) & 1) fields_parts[f].push_back(take(field_numel(r, j, f), field_dtype(r, j, f)));
       }
+    }
+  }
+  for (auto& [entry, slot] : states) {
+    const auto fields = amp::detail::state_fields(*slot).tensors;
+    const auto& fields_parts = parts[entry];
+    for (size_t f = 0; f < n_fields; ++f) {
+      if (fields_parts[f].empty()) {
+        *fields[f] = at::Tensor();
+        continue;
+      }
+      const at::Tensor whole = amp::detail::join_moments(fields_parts[f]);
+      *fields[f] = amp::detail::is_packed(whole) ? whole : whole.view(entry->stepped.sizes());
     }
   }
   for (auto& [entry, slot] : states) full[amp::detail::state_key(full, entry->stepped)] = std::move(slot);

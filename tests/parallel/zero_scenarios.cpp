@@ -27,6 +27,8 @@
 
 #include "amp/amp.h"
 #include "casting/fp8.h"
+#include "optim/optimizer_state_key.h"
+#include "optim/state_tensors.h"
 #include "options/exception_message.h"
 #include "scenarios.h"
 #include "worker_support.h"
@@ -534,6 +536,102 @@ void misuse(const ProcessGroup& group) {
   report(m.find("master_weights_format split") != std::string::npos, "lean masters are refused, named", m);
 }
 
+// Optimizer states in 8 bits and bf16 under ZeRO (NOTE [ZeRO layout]): a net whose two weights quantize (6144 and
+// 8192 values), sharded and unsharded side by side, bit for bit on 2 ranks with Adam (bf16's rounding draws are the
+// unsharded step's for each element, 8-bit blocks never straddle a slice), within 1e-5 with LAMB (its norms are sums
+// over the ranks' pieces); the consolidated archive holds the unsharded run's codes and scales; the state divides.
+void state_formats(const ProcessGroup& group, int stage, const std::string& dir) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  auto make_net = [] {
+    torch::manual_seed(21);
+    return torch::nn::Sequential(torch::nn::Linear(12, 512), torch::nn::ReLU(), torch::nn::Linear(512, 16),
+                                 torch::nn::ReLU(), torch::nn::Linear(16, 5));
+  };
+  struct Case {
+    const char* label;
+    amp::OptimizerStateFormat format;
+    int optimizer;
+  };
+  for (const Case& c : {Case{"8bit FusedAdamW", amp::OptimizerStateFormat::k8Bit, 0},
+                        Case{"bf16 FusedAdamW", amp::OptimizerStateFormat::kBf16, 0},
+                        Case{"8bit FusedAdam amsgrad", amp::OptimizerStateFormat::k8Bit, 3},
+                        Case{"8bit FusedLAMB", amp::OptimizerStateFormat::k8Bit, 4}}) {
+    const std::string label = std::string("O2 bf16 ") + c.label + " stage " + std::to_string(stage);
+    const amp::Options options =
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).optimizer_state_format(c.format).verbosity(0);
+    auto ref_net = make_net(), net = make_net();
+    with_optimizer(c.optimizer, ref_net, [&](auto ref_opt) {
+      with_optimizer(c.optimizer, net, [&](auto opt) {
+        torch::manual_seed(8);
+        auto [ref_model, ref_optimizer] = amp::initialize(ref_net, std::move(ref_opt), options);
+        torch::manual_seed(8);
+        auto [model, optimizer] = amp::initialize(net, std::move(opt), options);
+        auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
+        auto ddp = amp::parallel::make_distributed(model, group);
+        amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.01));
+        bool same = true;
+        double worst = 0;
+        for (int step = 0; step < 5; ++step) {
+          const Batch batch = global_batch(step, kGlobal);
+          const Batch local = rows(batch, group.rank() * local_rows, local_rows);
+          auto train = [&](auto& o, auto& d) {
+            o.zero_grad();
+            {
+              auto scaled = amp::scale_loss(loss_of(d(local.x), local.y), o);
+              scaled.backward();
+            }
+            o.step();
+          };
+          train(ref_optimizer, ref_ddp);
+          train(optimizer, ddp);
+          const auto a = params_of(net), b = params_of(ref_net);
+          same = same && bitwise(a, b);
+          worst = std::max(worst, relative_diff(a, b));
+        }
+        const bool lamb = c.optimizer == 4;
+        if (n == 2 && !lamb) report(same, label + ": the sharded replica equals the unsharded one bit for bit");
+        report(worst <= (n == 2 ? (lamb ? 1e-5 : 0.0) : 0.1), label + ": parameters against the unsharded run",
+               "worst relative " + str(worst));
+        report(same_on_all_ranks(group, params_of(net)), label + ": every rank's replica is identical");
+        const auto sharded = amp::state_bytes(optimizer), unsharded = amp::state_bytes(ref_optimizer);
+        report(sharded.optimizer_state < unsharded.optimizer_state, label + ": the quantized state divides",
+               std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
+        // The consolidated archive is the unsharded run's: every moment (codes and scales, or bf16) bit for bit.
+        const std::string consolidated = dir + "/zero_states_" + std::to_string(stage) + ".pt";
+        amp::parallel::save_consolidated(optimizer, consolidated);
+        if (group.rank() == 0) {
+          auto check_net = make_net();
+          with_optimizer(c.optimizer, check_net, [&](auto check_opt) {
+            auto [check_model, check_optimizer] = amp::initialize(check_net, std::move(check_opt), options);
+            torch::load(check_optimizer, consolidated);
+            bool moments_equal = true, packed = false;
+            auto& mine = check_optimizer.state();
+            auto& theirs = ref_optimizer.state();
+            const auto& groups = check_optimizer.param_groups();
+            const auto& ref_groups = ref_optimizer.param_groups();
+            for (size_t g = 0; g < groups.size(); ++g) {
+              for (size_t i = 0; i < groups[g].params().size(); ++i) {
+                auto* a = mine.at(amp::detail::state_key(mine, groups[g].params()[i])).get();
+                auto* b = theirs.at(amp::detail::state_key(theirs, ref_groups[g].params()[i])).get();
+                const auto fa = amp::detail::state_fields(*a).tensors, fb = amp::detail::state_fields(*b).tensors;
+                for (size_t f = 0; f < fa.size(); ++f) {
+                  if (!fa[f]->defined() && !fb[f]->defined()) continue;
+                  moments_equal = moments_equal && fa[f]->defined() && fb[f]->defined() &&
+                                  fa[f]->scalar_type() == fb[f]->scalar_type() && torch::equal(*fa[f], *fb[f]);
+                  packed = packed || fa[f]->scalar_type() == torch::kUInt8;
+                }
+              }
+            }
+            report(moments_equal, label + ": the consolidated archive holds the unsharded run's moments bit for bit");
+            if (c.format == amp::OptimizerStateFormat::k8Bit) report(packed, label + ": ... in 8 bits");
+          });
+        }
+      });
+    });
+  }
+}
+
 }  // namespace
 
 void scenario_zero(const ProcessGroup& group) {
@@ -563,6 +661,7 @@ void scenario_zero(const ProcessGroup& group) {
     two_optimizers(group, stage);
     python_checkpoints(group, stage, dir);
     torchscript(group, stage);
+    state_formats(group, stage, dir);
   }
   misuse(group);
 }
@@ -590,15 +689,21 @@ void scenario_zero_bench(const ProcessGroup& group) {
   };
   std::vector<Row> rows_out;
   int64_t num_params = 0;
-  for (int stage : {0, 1, 2}) {
+  // The last two rows keep Adam's moments in 8 bits (optimizer_state_format 8bit), unsharded and at stage 2.
+  const std::vector<std::pair<int, amp::OptimizerStateFormat>> runs = {
+      {0, amp::OptimizerStateFormat::kFp32}, {1, amp::OptimizerStateFormat::kFp32}, {2, amp::OptimizerStateFormat::kFp32},
+      {0, amp::OptimizerStateFormat::k8Bit}, {2, amp::OptimizerStateFormat::k8Bit}};
+  for (const auto& [stage, format] : runs) {
     auto net = make_net();
     num_params = 0;
     for (const auto& p : net->parameters()) num_params += p.numel();
-    auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-4)),
-                                              amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-4)),
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).optimizer_state_format(format).verbosity(0));
     auto ddp = amp::parallel::make_distributed(model, group);
     if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
-    Row row{stage == 0 ? "unsharded" : "stage " + std::to_string(stage)};
+    Row row{(stage == 0 ? std::string("unsharded") : "stage " + std::to_string(stage)) +
+            (format == amp::OptimizerStateFormat::k8Bit ? ", 8-bit moments" : "")};
     std::vector<double> times;
     amp::parallel::CommunicationStats before{};
     for (int step = 0; step < 9; ++step) {
@@ -641,6 +746,8 @@ void scenario_zero_bench(const ProcessGroup& group) {
   std::cout << std::flush;
   report(rows_out[1].bytes.total() < rows_out[0].bytes.total() && rows_out[2].bytes.total() < rows_out[1].bytes.total(),
          "each ZeRO stage holds less than the one before");
+  report(rows_out[4].bytes.total() < rows_out[2].bytes.total() && rows_out[3].bytes.total() < rows_out[0].bytes.total(),
+         "8-bit moments hold less than fp32 ones, sharded or not");
 }
 
 }  // namespace amp_worker

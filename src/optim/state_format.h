@@ -1,0 +1,123 @@
+#pragma once
+// How amp's fused Adam, AdamW and LAMB store Adam's moments (Options::optimizer_state_format).
+//
+// NOTE [Optimizer state formats]
+// A moment is one tensor in the optimizer's state, whatever its format, so torch::save / torch::load, ZeRO's shards
+// and state_bytes need no second place to look:
+//   kFp32   the parameter's dtype, as LibTorch (fp32 beside a master or a lean bf16 weight);
+//   kBf16   bfloat16 of the parameter's shape, written with stochastic rounding (draws from a counter-based
+//           generator seeded as kStochasticRounding's: element i of moment k of the tensor at offset o in the
+//           optimizer's numbering takes draw counter + k * total + o + i, so a ZeRO shard draws what the unsharded
+//           step draws for its elements; each step advances the counter by 3 * total);
+//   k8Bit   torchao's AdamW8bit: a 1-d uint8 tensor of n codes followed by the n / 256 fp32 scales of its blocks
+//           (packed). Tensors under 4096 values or not a multiple of 256 stay in the parameter's dtype.
+// The step decodes each chunk to fp32, updates it with torchao's arithmetic for the moments (lerp, fused as ATen's
+// vectorized lerp is), takes the update from those fp32 moments and encodes them (torchao's order). A moment held in
+// another representation (a checkpoint of another format, a Python checkpoint's fp32) is converted first, rounded to
+// nearest: formats can change between runs.
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <unordered_map>
+
+#include "amp/optimizer_state_format.h"
+#include "optim/cpu_state_codec.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace amp::detail {
+
+/// Which map an 8-bit moment takes: exp_avg the signed one, the squares (exp_avg_sq, max_exp_avg_sq) the unsigned.
+enum class Moment { kSigned, kUnsigned };
+
+/// torchao's create_dynamic_map(signed) as float32, computed with the same ATen ops (so the same values).
+const std::array<float, 256>& quantization_map(Moment moment);
+
+/// Whether a tensor of `numel` values gets 8-bit moments: at least 4096 values, a multiple of 256 (torchao's rule).
+bool quantizes(int64_t numel);
+/// Whether `stored` is a packed 8-bit moment.
+bool is_packed(const at::Tensor& stored);
+
+/// The values of a stored moment as a new fp32 tensor of `shape`.
+at::Tensor decode_moment(const at::Tensor& stored, at::IntArrayRef shape, Moment moment);
+/// Writes fp32 `values` into `stored`, which has the representation it keeps; bf16 with `draws` (seed, first draw)
+/// rounds stochastically, without them to nearest.
+void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment moment,
+                   std::optional<std::pair<uint64_t, uint64_t>> draws = std::nullopt);
+/// A CPU loop's view of a contiguous CPU stored moment (nullopt: another device or layout; ATen ops then).
+std::optional<cpu::StateView> cpu_view(const at::Tensor& stored, Moment moment,
+                                       std::optional<std::pair<uint64_t, uint64_t>> draws = std::nullopt);
+/// torchao's quantize_8bit_with_qmap on `scaled` (values divided by their block's scale), in ATen ops: the codes.
+at::Tensor quantize_with_map(const at::Tensor& scaled, Moment moment);
+/// Elements [begin, begin + length) of a 1-d stored moment (packed: whole blocks) as a tensor of their own.
+at::Tensor slice_moment(const at::Tensor& stored, int64_t begin, int64_t length);
+/// The stored moments of consecutive slices of one 1-d tensor, joined.
+at::Tensor join_moments(const std::vector<at::Tensor>& parts);
+
+class StateFormat;
+
+/// Runs `fn` with `opt`'s moments in fp32 (8-bit ones decoded; bf16 ones too under kBf16), as torch.optim keeps
+/// them (PythonCheckpoint::put_optimizer), and puts the stored ones back after.
+void with_fp32_moments(torch::optim::Optimizer& opt, const StateFormat* format, const std::function<void()>& fn);
+/// Stores `opt`'s moments in `format` (after PythonCheckpoint::load_optimizer read fp32 ones).
+void encode_moments(torch::optim::Optimizer& opt, const StateFormat& format);
+
+/// One optimizer's state format and the generator of its stochastic rounding.
+class StateFormat {
+ public:
+  /// Where a stepped tensor's elements sit in the optimizer's numbering, and how many values its whole tensor has.
+  struct Place {
+    int64_t offset = 0;
+    int64_t whole_numel = 0;
+  };
+  /// ZeRO's answer for a piece (nullopt: a whole tensor), and the number of elements of every whole tensor.
+  using Placement = std::function<std::optional<Place>(const at::Tensor&)>;
+
+  StateFormat(OptimizerStateFormat format, uint64_t seed, uint64_t counter = 0)
+      : format_(format), seed_(seed), counter_(counter) {}
+
+  OptimizerStateFormat format() const noexcept { return format_; }
+  uint64_t seed() const noexcept { return seed_; }
+  uint64_t counter() const noexcept { return counter_; }
+  void set_generator(uint64_t seed, uint64_t counter) noexcept {
+    seed_ = seed;
+    counter_ = counter;
+  }
+  /// Set by ZeRO for as long as the optimizer's param_groups hold its pieces.
+  void set_placement(Placement placement, int64_t total) {
+    placement_ = std::move(placement);
+    placement_total_ = total;
+  }
+
+  /// Numbers the tensors of `opt`'s param_groups for one step; end_step() advances the generator past it.
+  void begin_step(const torch::optim::Optimizer& opt);
+  void end_step();
+  Place place(const at::Tensor& stepped) const;
+  /// The draws of moment `slot` (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) of the tensor at `place` in this step;
+  /// nullopt unless kBf16.
+  std::optional<std::pair<uint64_t, uint64_t>> draws(const Place& place, int slot) const;
+
+  /// A zero moment for `like` (the stepped tensor) at `place`, in this format.
+  at::Tensor fresh(const at::Tensor& like, const Place& place) const;
+  /// Converts `stored` in place to this format's representation for `like` at `place`, if it has another.
+  void adopt(at::Tensor& stored, const at::Tensor& like, const Place& place, Moment moment) const;
+
+ private:
+  bool holds(const at::Tensor& stored, const at::Tensor& like, const Place& place) const;
+
+  OptimizerStateFormat format_;
+  uint64_t seed_;
+  uint64_t counter_;
+  Placement placement_;
+  int64_t placement_total_ = 0;
+  std::unordered_map<const void*, Place> places_;  // this step's whole tensors, by TensorImpl
+  int64_t total_ = 0;
+};
+
+}  // namespace amp::detail

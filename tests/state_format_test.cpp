@@ -1,0 +1,758 @@
+// Optimizer states in bf16 and 8 bits (amp::OptimizerStateFormat, NOTE [Optimizer state formats] in
+// src/optim/state_format.h): torchao's maps and each 8-bit step from the same state (codes equal), a 20-step run
+// beside torchao's AdamW8bit (tests/python/state_formats.py, at test time), bf16's stochastic rounding (torchao's
+// test_bf16_stochastic_round, ported), every master format and level, skipped steps, resume, Python checkpoints,
+// training quality against fp32 moments and O3's stall, bytes per parameter, and the errors.
+//
+// Ported from torchao's test/test_low_bit_optim.py: test_bf16_stochastic_round (the mean of 100k stochastic
+// roundings within 3e-5), test_optim_8bit_correctness (the 8-bit step against a reference, here torchao itself).
+
+#include <amp/amp.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "optim/fused_route.h"
+#include "optim/optimizer_state_key.h"
+#include "optim/state_format.h"
+#include "support/data.h"
+#include "support/support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using amp::OptimizerStateFormat;
+using amp::detail::Moment;
+
+// ---- helpers ---------------------------------------------------------------------------------------
+
+fs::path sf_dir(const std::string& name) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("state_format_" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// Runs tests/python/state_formats.py MODE DIR; returns its exit status (3: torchao is not importable).
+int sf_python(const std::string& mode, const fs::path& dir) {
+  const std::string command = amp_test::python_interpreter() + " '" AMP_SOURCE_DIR "/tests/python/state_formats.py' " +
+                              mode + " '" + dir.string() + "' > '" + (dir / "python.log").string() + "' 2>&1";
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+#define SF_RUN_PYTHON(mode, dir)                                                                        \
+  do {                                                                                                 \
+    if (!amp_test::python_has_torch()) GTEST_SKIP() << "no Python torch to compute the reference";     \
+    const int rc = sf_python(mode, dir);                                                               \
+    if (rc == 3) GTEST_SKIP() << "torchao==0.18.0 is not installed (scripts/setup.sh installs it)";    \
+    std::ifstream log((dir) / "python.log");                                                           \
+    ASSERT_EQ(rc, 0) << std::string(std::istreambuf_iterator<char>(log), {});                          \
+  } while (0)
+
+// A packed 8-bit moment's codes and scales (NOTE [Optimizer state formats]).
+torch::Tensor codes_of(const torch::Tensor& packed, int64_t n) { return packed.narrow(0, 0, n); }
+torch::Tensor scales_of(const torch::Tensor& packed, int64_t n) {
+  return packed.narrow(0, n, packed.numel() - n).contiguous().view(torch::kFloat);
+}
+
+// The largest difference in ulps of the reference tensor's largest magnitude.
+double sf_ulps(const torch::Tensor& a, const torch::Tensor& b) {
+  const double scale = b.abs().max().item<double>();
+  if (scale == 0) return (a - b).abs().max().item<double>() == 0 ? 0 : INFINITY;
+  const double ulp = std::ldexp(1.0, std::ilogb(scale) - 23);
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>() / ulp;
+}
+
+// Moment k (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) of an Adam or AdamW state.
+torch::Tensor& sf_field(torch::optim::OptimizerParamState& state, size_t k) {
+  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(&state)) return k == 0 ? s->exp_avg() : k == 1 ? s->exp_avg_sq() : s->max_exp_avg_sq();
+  auto& a = dynamic_cast<torch::optim::AdamParamState&>(state);
+  return k == 0 ? a.exp_avg() : k == 1 ? a.exp_avg_sq() : a.max_exp_avg_sq();
+}
+
+template <class Opt>
+void set_format(Opt& optimizer, OptimizerStateFormat format, uint64_t seed = 0) {
+  optimizer.set_state_format(std::make_shared<amp::detail::StateFormat>(format, seed));
+}
+
+// The classification MLP the composition tests train: a 64x128 layer (8192 values: 8-bit), a 128x4 layer (512: fp32
+// in the 8-bit format, as torchao keeps tensors under 4096) and their biases.
+struct SfNet : torch::nn::Module {
+  SfNet() : a(register_module("a", torch::nn::Linear(64, 128))), b(register_module("b", torch::nn::Linear(128, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(torch::relu(a(x))); }
+  torch::nn::Linear a, b;
+};
+
+std::shared_ptr<SfNet> sf_net() {
+  torch::manual_seed(5);
+  return std::make_shared<SfNet>();
+}
+
+amp::Options sf_options(const std::string& level, c10::ScalarType dtype, OptimizerStateFormat format) {
+  return amp::Options(level).low_precision_dtype(dtype).optimizer_state_format(format).verbosity(0);
+}
+
+template <class Model, class Optimizer>
+double sf_step(Model& model, Optimizer& optimizer, const torch::Tensor& x, const torch::Tensor& y, bool overflow = false) {
+  optimizer.zero_grad();
+  const auto loss = torch::nn::functional::cross_entropy(model(x), y);
+  {
+    auto scaled = amp::scale_loss(overflow ? loss * std::numeric_limits<float>::infinity() : loss, optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+  return loss.template item<double>();
+}
+
+// Every moment tensor of `optimizer`'s state, in param_groups order (exp_avg, exp_avg_sq[, max_exp_avg_sq]).
+template <class Optimizer>
+std::vector<torch::Tensor> sf_moments(Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  auto& state = optimizer.state();
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = state.find(amp::detail::state_key(state, p));
+      if (it == state.end()) continue;
+      if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+        out.push_back(s->exp_avg()), out.push_back(s->exp_avg_sq());
+      } else if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+        out.push_back(s->exp_avg()), out.push_back(s->exp_avg_sq());
+      } else if (auto* s = dynamic_cast<amp::optim::FusedLAMBParamState*>(it->second.get())) {
+        out.push_back(s->exp_avg()), out.push_back(s->exp_avg_sq());
+      }
+    }
+  }
+  return out;
+}
+
+// ---- against torchao -------------------------------------------------------------------------------
+
+TEST(StateFormatReferenceTest, QuantizationMapsAreTorchaos) {
+  const auto dir = sf_dir("maps");
+  SF_RUN_PYTHON("maps", dir);
+  const auto reference = amp::PythonCheckpoint::load((dir / "maps.pt").string());
+  for (const auto& [key, moment] : {std::make_pair("signed", Moment::kSigned), std::make_pair("unsigned", Moment::kUnsigned)}) {
+    const auto& map = amp::detail::quantization_map(moment);
+    const auto mine = torch::from_blob(const_cast<float*>(map.data()), {256}, torch::kFloat);
+    EXPECT_TRUE(amp_test::bitwise_equal(mine, reference.get(key).toTensor())) << key;
+  }
+  fs::remove_all(dir);
+}
+
+// One step from a given state, amp's against torchao's single_param_adam (eager), for AdamW and Adam (L2), over 4
+// steps of a training run: the codes and scales equal, the parameters within rounding (the parameter's arithmetic is
+// LibTorch's order, torchao's differs by an ulp). torchao 0.18's 8-bit amsgrad does not run (OptimState8bit has no
+// aten.maximum), so amp's amsgrad (max_exp_avg_sq on the unsigned map) is checked against its own fp32 route below.
+TEST(StateFormatReferenceTest, EachEightBitStepFromTheSameStateIsTorchaos) {
+  struct Case {
+    const char* name;
+    bool adamw, amsgrad;
+  };
+  const std::vector<Case> cases = {{"adamw", true, false}, {"adam_l2", false, false}};
+  const std::vector<std::vector<int64_t>> shapes = {{64, 128}, {16, 256}, {64}, {3, 100}};
+  const double lr = 1e-2, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0.01;
+  c10::impl::GenericList inputs(c10::AnyType::get());
+  std::vector<torch::Tensor> after_params;
+  std::vector<std::vector<torch::Tensor>> after_moments;
+  for (const auto& c : cases) {
+    torch::manual_seed(17);
+    std::vector<torch::Tensor> params;
+    for (const auto& s : shapes) params.push_back(torch::randn(s).mul_(0.1).requires_grad_());
+    auto run = [&](auto& optimizer) {
+      set_format(optimizer, OptimizerStateFormat::k8Bit);
+      for (int step = 1; step <= 4; ++step) {
+        for (auto& p : params) p.mutable_grad() = torch::randn(p.sizes()) * (0.01 * step);
+        std::vector<c10::impl::GenericDict> entries;
+        for (const auto& p : params) {
+          c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+          d.insert("param", p.detach().clone());
+          d.insert("grad", p.grad().clone());
+          d.insert("step", static_cast<int64_t>(step));
+          d.insert("lr", lr), d.insert("beta1", beta1), d.insert("beta2", beta2), d.insert("eps", eps);
+          d.insert("weight_decay", wd), d.insert("adamw", c.adamw), d.insert("amsgrad", c.amsgrad);
+          auto& state = optimizer.state();
+          const auto it = state.find(amp::detail::state_key(state, p));
+          const std::vector<std::string> keys = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+          for (size_t k = 0; k < keys.size(); ++k) {
+            torch::Tensor t;
+            if (it != state.end()) t = sf_field(*it->second, k);
+            const bool packed = amp::detail::quantizes(p.numel());
+            if (!t.defined()) t = packed ? torch::zeros({p.numel() + p.numel() / 64}, torch::kUInt8) : torch::zeros_like(p);
+            d.insert(keys[k] + "_codes", packed ? c10::IValue(codes_of(t, p.numel()).clone()) : c10::IValue());
+            d.insert(keys[k] + "_scales", packed ? c10::IValue(scales_of(t, p.numel()).clone()) : c10::IValue());
+            d.insert(keys[k], packed ? c10::IValue() : c10::IValue(t.clone()));
+          }
+          entries.push_back(d);
+        }
+        optimizer.step();
+        for (size_t i = 0; i < params.size(); ++i) {
+          inputs.push_back(entries[i]);
+          after_params.push_back(params[i].detach().clone());
+          auto& state = optimizer.state();
+          auto& s = *state.at(amp::detail::state_key(state, params[i]));
+          after_moments.push_back({sf_field(s, 0).clone(), sf_field(s, 1).clone(),
+                                   c.amsgrad ? sf_field(s, 2).clone() : torch::Tensor()});
+        }
+      }
+    };
+    if (c.adamw) {
+      amp::optim::FusedAdamW optimizer(params, torch::optim::AdamWOptions(lr).betas({beta1, beta2}).eps(eps)
+                                                   .weight_decay(wd).amsgrad(c.amsgrad));
+      run(optimizer);
+    } else {
+      amp::optim::FusedAdam optimizer(params, torch::optim::AdamOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(wd));
+      run(optimizer);
+    }
+  }
+  const auto dir = sf_dir("steps");
+  amp::PythonCheckpoint in;
+  in.put("cases", inputs);
+  in.save((dir / "steps_in.pt").string());
+  SF_RUN_PYTHON("steps", dir);
+  const auto reference = amp::PythonCheckpoint::load((dir / "steps_out.pt").string());
+  const auto results = reference.get("results").toList();
+  ASSERT_EQ(results.size(), after_params.size());
+  double worst_param = 0, worst_moment = 0;
+  int64_t codes_compared = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto r = results.get(i).toGenericDict();
+    const int64_t n = after_params[i].numel();
+    worst_param = std::max(worst_param, sf_ulps(after_params[i], r.at("param").toTensor()));
+    const std::vector<std::string> keys = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const torch::Tensor& mine = after_moments[i][k];
+      if (!mine.defined()) continue;
+      if (amp::detail::is_packed(mine)) {
+        EXPECT_TRUE(torch::equal(codes_of(mine, n), r.at(keys[k] + "_codes").toTensor())) << "case " << i << " " << keys[k];
+        EXPECT_TRUE(amp_test::bitwise_equal(scales_of(mine, n), r.at(keys[k] + "_scales").toTensor())) << "case " << i;
+        codes_compared += n;
+      } else {
+        worst_moment = std::max(worst_moment, sf_ulps(mine, r.at(keys[k]).toTensor()));
+      }
+    }
+  }
+  std::cout << "[ measured ] " << results.size() << " tensor steps against torchao: " << codes_compared
+            << " codes equal; parameters within " << worst_param << " ulp, fp32 moments within " << worst_moment
+            << " ulp" << std::endl;
+  // The update's two roundings in another order (lr * m / bc1 / denom): a few ulps of the tensor's largest value.
+  EXPECT_LE(worst_param, 16.0);
+  EXPECT_LE(worst_moment, 2.0);
+  fs::remove_all(dir);
+}
+
+// 20 free-running steps of a regression beside torchao's AdamW8bit from the same start: the runs part only where a
+// code lands on the other side of a rounding boundary, so the weights must agree to a small fraction of how far
+// training moved them.
+TEST(StateFormatReferenceTest, TwentyStepsTrackTorchaosAdamW8bit) {
+  torch::manual_seed(23);
+  const auto w0 = torch::randn({64, 128}) * 0.1, b0 = torch::zeros({64});
+  const auto x = torch::randn({256, 128}), y = torch::randn({256, 64});
+  auto weight = w0.clone().requires_grad_(), bias = b0.clone().requires_grad_();
+  amp::optim::FusedAdamW optimizer(std::vector<torch::Tensor>{weight, bias}, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  set_format(optimizer, OptimizerStateFormat::k8Bit);
+  std::vector<double> losses;
+  for (int s = 0; s < 20; ++s) {
+    optimizer.zero_grad();
+    const auto loss = torch::mse_loss(torch::nn::functional::linear(x, weight, bias), y);
+    loss.backward();
+    optimizer.step();
+    losses.push_back(loss.item<double>());
+  }
+  const auto dir = sf_dir("run");
+  amp::PythonCheckpoint in;
+  in.put("weight", w0), in.put("bias", b0), in.put("x", x), in.put("y", y);
+  in.put("lr", 1e-2), in.put("weight_decay", 0.01), in.put("steps", static_cast<int64_t>(20));
+  in.save((dir / "run_in.pt").string());
+  SF_RUN_PYTHON("run", dir);
+  const auto reference = amp::PythonCheckpoint::load((dir / "run_out.pt").string());
+  const auto ref_w = reference.get("weight").toTensor();
+  const double moved = (ref_w - w0).norm().item<double>(), apart = (weight.detach() - ref_w).norm().item<double>();
+  auto& state = optimizer.state();
+  const auto& mine = static_cast<torch::optim::AdamWParamState&>(*state.at(amp::detail::state_key(state, weight)));
+  const double same_codes =
+      codes_of(mine.exp_avg(), weight.numel()).eq(reference.get("exp_avg_codes").toTensor()).to(torch::kDouble).mean().item<double>();
+  const double last_ref = reference.get("losses").toTensor()[19].item<double>();
+  std::cout << "[ measured ] after 20 steps: |w - w_torchao| / |w_torchao - w0| = " << apart / moved << ", exp_avg codes "
+            << "equal: " << 100 * same_codes << "%, loss " << losses.back() << " (torchao " << last_ref << ")" << std::endl;
+  EXPECT_LT(apart, 1e-2 * moved);
+  EXPECT_GT(same_codes, 0.98);
+  EXPECT_NEAR(losses.back(), last_ref, 1e-3 * last_ref);
+  fs::remove_all(dir);
+}
+
+// ---- the codec -------------------------------------------------------------------------------------
+
+// torchao's test_bf16_stochastic_round: 100,000 stochastic roundings of each of 32 values average to the value.
+TEST(StateFormatCodecTest, Bf16StochasticRoundingIsUnbiased) {
+  torch::manual_seed(0);
+  const auto x = torch::rand({32}) * 100;
+  const auto copies = x.view({-1, 1}).repeat({1, 100000});
+  auto stored = torch::empty(copies.sizes(), torch::kBFloat16);
+  amp::detail::encode_moment(copies, stored, Moment::kSigned, std::make_pair(uint64_t{42}, uint64_t{0}));
+  const auto mean = stored.to(torch::kFloat).mean(1);
+  EXPECT_TRUE(torch::allclose(mean, x, /*rtol=*/3e-5, /*atol=*/3e-5)) << (mean - x).abs().max().item<float>();
+  // Each copy is one of the value's two bf16 neighbours; the same draws give the same bits, others differ.
+  const auto down = x.to(torch::kBFloat16).to(torch::kFloat);
+  auto again = torch::empty(copies.sizes(), torch::kBFloat16);
+  amp::detail::encode_moment(copies, again, Moment::kSigned, std::make_pair(uint64_t{42}, uint64_t{0}));
+  EXPECT_TRUE(amp_test::bitwise_equal(stored, again));
+  amp::detail::encode_moment(copies, again, Moment::kSigned, std::make_pair(uint64_t{42}, uint64_t{1}));
+  EXPECT_FALSE(amp_test::bitwise_equal(stored, again));
+  const auto gap = (stored.to(torch::kFloat) - copies).abs();
+  EXPECT_TRUE((gap <= copies.abs() * std::ldexp(1.0, -7)).all().item<bool>());
+  (void)down;
+}
+
+// The CPU loop's codes are torchao's ATen ops' (quantize_with_map), block scales included; decoding is
+// map[code] * scale; slicing and joining by blocks (ZeRO's pieces) is lossless.
+TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
+  torch::manual_seed(1);
+  auto values = torch::randn({64, 256}) * torch::logspace(-8, 2, 64).view({-1, 1});
+  values[3].zero_();           // a block of zeros: scale 1e-12
+  values[5][7] = 1e-30f;       // far below the block's scale
+  for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+    const auto v = moment == Moment::kSigned ? values : values.abs();
+    const int64_t n = v.numel();
+    auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
+    amp::detail::encode_moment(v, packed, moment);
+    const auto blocks = v.view({-1, 256});
+    const auto scale = blocks.abs().amax(-1).clamp_min(1e-12);
+    const auto codes = amp::detail::quantize_with_map(blocks / scale.view({-1, 1}), moment).reshape({-1});
+    EXPECT_TRUE(torch::equal(codes_of(packed, n), codes));
+    EXPECT_TRUE(amp_test::bitwise_equal(scales_of(packed, n), scale));
+    const auto& map = amp::detail::quantization_map(moment);
+    const auto map_t = torch::from_blob(const_cast<float*>(map.data()), {256}, torch::kFloat);
+    const auto expected = (map_t.index_select(0, codes.to(torch::kLong)).view({-1, 256}) * scale.view({-1, 1})).reshape(v.sizes());
+    EXPECT_TRUE(amp_test::bitwise_equal(amp::detail::decode_moment(packed, v.sizes(), moment), expected));
+    // Within half a code's gap of the value: the largest gap of the map near 1 is 0.0141 (of the block's absmax).
+    EXPECT_LE(((expected - v).abs() / scale.view({-1, 1}).expand({64, 256}).reshape(v.sizes())).max().item<double>(), 0.0071);
+    const auto joined = amp::detail::join_moments({amp::detail::slice_moment(packed, 0, 4096),
+                                                   amp::detail::slice_moment(packed, 4096, 8192),
+                                                   amp::detail::slice_moment(packed, 12288, n - 12288)});
+    EXPECT_TRUE(torch::equal(joined, packed));
+  }
+}
+
+// ---- through amp::initialize: levels, master formats, routes ---------------------------------------------
+
+struct SfCase {
+  std::string level;
+  c10::ScalarType dtype;
+  amp::MasterWeights master;
+  OptimizerStateFormat format;
+};
+
+std::string sf_case_name(const ::testing::TestParamInfo<SfCase>& info) {
+  const auto& c = info.param;
+  return c.level + "_" + (c.dtype == torch::kHalf ? "fp16" : "bf16") + "_" + amp::to_string(c.master) + "_" +
+         (c.format == OptimizerStateFormat::k8Bit ? "8bit" : "bf16state");
+}
+
+std::vector<SfCase> sf_cases() {
+  std::vector<SfCase> out;
+  for (const auto format : {OptimizerStateFormat::kBf16, OptimizerStateFormat::k8Bit}) {
+    out.push_back({"O0", torch::kBFloat16, amp::MasterWeights::kCopy, format});
+    out.push_back({"O1", torch::kBFloat16, amp::MasterWeights::kCopy, format});
+    out.push_back({"O2", torch::kHalf, amp::MasterWeights::kCopy, format});
+    out.push_back({"O3", torch::kBFloat16, amp::MasterWeights::kCopy, format});
+    for (const auto master : {amp::MasterWeights::kCopy, amp::MasterWeights::kSplit, amp::MasterWeights::kStochasticRounding,
+                              amp::MasterWeights::kKahan}) {
+      out.push_back({"O2", torch::kBFloat16, master, format});
+    }
+  }
+  return out;
+}
+
+class StateFormatLevelTest : public ::testing::TestWithParam<SfCase> {
+ protected:
+  void SetUp() override {
+    if (GetParam().level != "O0") SKIP_WITHOUT_CPU_KERNELS(GetParam().dtype);
+  }
+  amp::Options options() const {
+    auto o = sf_options(GetParam().level, GetParam().dtype, GetParam().format);
+    if (GetParam().level == "O2") o.master_weights_format(GetParam().master);
+    return o;
+  }
+};
+
+// Trains, with FusedAdamW and FusedLAMB, on both routes: the moments are stored in the format (8-bit for the
+// 64x128 layer's weight, whose 8192 values quantize; fp32 or the parameter's dtype for the others), the loss falls
+// as with fp32 moments, and state_bytes counts them.
+TEST_P(StateFormatLevelTest, TrainsWithTheMomentsInTheFormat) {
+  const auto [x, y] = amp_test::blobs(256, 64, 4, 3);
+  for (const bool lamb : {false, true}) {
+    for (const auto route : {amp::optim::detail::FusedRoute::kAuto, amp::optim::detail::FusedRoute::kPerOp}) {
+      SCOPED_TRACE(std::string(lamb ? "FusedLAMB" : "FusedAdamW") + (route == amp::optim::detail::FusedRoute::kPerOp ? " per-op" : ""));
+      amp::optim::detail::force_fused_route(route);
+      auto train = [&](OptimizerStateFormat format, auto make) {
+        torch::manual_seed(9);
+        auto net = sf_net();
+        auto o = options();
+        o.optimizer_state_format(format);
+        auto [model, optimizer] = amp::initialize(net, make(net), o);
+        double first = 0, last = 0;
+        for (int s = 0; s < 30; ++s) {
+          last = sf_step(model, optimizer, x, y);
+          if (s == 0) first = last;
+        }
+        return std::make_tuple(first, last, sf_moments(optimizer), amp::state_bytes(optimizer), net);
+      };
+      auto run = [&](OptimizerStateFormat format) {
+        if (lamb) {
+          return train(format, [](const std::shared_ptr<SfNet>& n) { return amp::optim::FusedLAMB(n->parameters(), amp::optim::FusedLAMBOptions(1e-2)); });
+        }
+        return train(format, [](const std::shared_ptr<SfNet>& n) { return amp::optim::FusedAdamW(n->parameters(), torch::optim::AdamWOptions(1e-2)); });
+      };
+      const auto [first32, last32, moments32, bytes32, net32] = run(OptimizerStateFormat::kFp32);
+      const auto [first, last, moments, bytes, net] = run(GetParam().format);
+      amp::optim::detail::force_fused_route(amp::optim::detail::FusedRoute::kAuto);
+      EXPECT_LT(last, 0.7 * first);
+      EXPECT_LT(last, last32 + 0.05 * first32) << "fp32 moments reach " << last32;
+      ASSERT_EQ(moments.size(), 8u);
+      for (size_t i = 0; i < moments.size(); ++i) {
+        const bool big = i < 2;  // a.weight's exp_avg and exp_avg_sq
+        if (GetParam().format == OptimizerStateFormat::kBf16) {
+          EXPECT_EQ(moments[i].scalar_type(), torch::kBFloat16) << i;
+        } else {
+          EXPECT_EQ(moments[i].scalar_type(), big ? torch::kUInt8 : moments32[i].scalar_type()) << i;
+        }
+      }
+      const int64_t big_n = 64 * 128;
+      const int64_t saved = GetParam().format == OptimizerStateFormat::k8Bit
+                                ? 2 * (big_n * 4 - (big_n + big_n / 64))
+                                : [&] {
+                                    int64_t s = 0;
+                                    for (size_t i = 0; i < moments32.size(); ++i) s += moments32[i].nbytes() - moments[i].nbytes();
+                                    return s;
+                                  }();
+      if (moments32.front().scalar_type() == torch::kFloat) {
+        EXPECT_EQ(bytes32.optimizer_state - bytes.optimizer_state, saved);
+      }
+    }
+  }
+}
+
+// An overflowing step changes no code, scale, moment or generator state; a torch::save archive resumes bit for bit
+// (the generator of bf16's rounding included), whichever seed the resuming process has.
+TEST_P(StateFormatLevelTest, SkipsOverflowsAndResumesBitwise) {
+  const auto [x, y] = amp_test::blobs(128, 64, 4, 4);
+  auto net_a = sf_net();
+  torch::manual_seed(31);  // the generator of bf16's rounding is seeded here
+  auto [model_a, opt_a] = amp::initialize(net_a, amp::optim::FusedAdamW(net_a->parameters(), torch::optim::AdamWOptions(1e-2)), options());
+  for (int s = 0; s < 3; ++s) sf_step(model_a, opt_a, x, y);
+  if (opt_a.properties().loss_scale.is_dynamic()) {
+    const auto moments = sf_moments(opt_a);
+    std::vector<torch::Tensor> params;
+    for (const auto& p : net_a->parameters()) params.push_back(p.detach().clone());
+    sf_step(model_a, opt_a, x, y, /*overflow=*/true);
+    EXPECT_EQ(opt_a.skipped_steps(), 1);
+    const auto after = sf_moments(opt_a);
+    for (size_t i = 0; i < moments.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(moments[i], after[i])) << i;
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(params[i], net_a->parameters()[i]));
+  }
+  std::stringstream model_bytes, opt_bytes;
+  torch::save(net_a, model_bytes);
+  torch::save(opt_a, opt_bytes);
+  for (int s = 0; s < 3; ++s) sf_step(model_a, opt_a, x, y);
+  auto net_b = sf_net();
+  torch::manual_seed(777);  // another seed: the archive's generator must win
+  auto [model_b, opt_b] = amp::initialize(net_b, amp::optim::FusedAdamW(net_b->parameters(), torch::optim::AdamWOptions(1e-2)), options());
+  torch::load(net_b, model_bytes);
+  torch::load(opt_b, opt_bytes);
+  for (int s = 0; s < 3; ++s) sf_step(model_b, opt_b, x, y);
+  for (size_t i = 0; i < net_a->parameters().size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(net_a->parameters()[i], net_b->parameters()[i])) << "parameter " << i;
+  }
+  const auto ma = sf_moments(opt_a), mb = sf_moments(opt_b);
+  ASSERT_EQ(ma.size(), mb.size());
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(ma[i], mb[i])) << "moment " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, StateFormatLevelTest, ::testing::ValuesIn(sf_cases()), sf_case_name);
+
+// amp::GradScaler steps a fused optimizer with the loss scale still in the gradients (the loop unscales as it
+// reads them), after clip_grad_norm_: with 8-bit and bf16 moments the step is the one unscaled gradients give.
+TEST(StateFormatCompositionTest, GradScalerStepsAndClipping) {
+  for (const auto format : {OptimizerStateFormat::kBf16, OptimizerStateFormat::k8Bit}) {
+    for (const bool unscale_first : {false, true}) {
+      SCOPED_TRACE(std::string(amp::to_string(format)) + (unscale_first ? " unscale_ and clip first" : ""));
+      auto run = [&](bool scaled) {
+        torch::manual_seed(3);
+        auto w = (torch::randn({64, 128}) * 0.1).requires_grad_();
+        amp::optim::FusedAdamW optimizer(std::vector<torch::Tensor>{w}, torch::optim::AdamWOptions(1e-2));
+        set_format(optimizer, format, 5);
+        amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1024.0));
+        const auto x = torch::randn({32, 128});
+        for (int s = 0; s < 5; ++s) {
+          optimizer.zero_grad();
+          const auto loss = torch::nn::functional::linear(x, w).pow(2).mean();
+          if (scaled) {
+            scaler.scale(loss).backward();
+            if (unscale_first) {
+              scaler.unscale_(optimizer);
+              torch::nn::utils::clip_grad_norm_(std::vector<torch::Tensor>{w}, 0.05);
+            }
+            scaler.step(optimizer);
+            scaler.update();
+          } else {
+            loss.backward();
+            if (unscale_first) torch::nn::utils::clip_grad_norm_(std::vector<torch::Tensor>{w}, 0.05);
+            optimizer.step();
+          }
+        }
+        return w.detach().clone();
+      };
+      // 1024 is a power of two: scaling and unscaling are exact, so the runs agree bit for bit.
+      EXPECT_TRUE(amp_test::bitwise_equal(run(true), run(false)));
+    }
+  }
+}
+
+// ---- Python checkpoints ------------------------------------------------------------------------------
+
+// put_optimizer writes torch.optim's fp32 moments (a Python torch.optim.AdamW continues from them), and
+// load_optimizer stores what Python saved in the format: the 8-bit codes of Python's fp32 moments.
+TEST(StateFormatPythonTest, PythonContinuesFromFp32MomentsAndLoadQuantizesThem) {
+  const auto dir = sf_dir("resume");
+  torch::manual_seed(41);
+  auto net = torch::nn::Linear(128, 64);
+  auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)),
+                                            sf_options("O0", torch::kBFloat16, OptimizerStateFormat::k8Bit));
+  const auto x = torch::randn({32, 128});
+  for (int s = 0; s < 3; ++s) {
+    optimizer.zero_grad();
+    model(x).pow(2).mean().backward();
+    optimizer.step();
+  }
+  amp::PythonCheckpoint out;
+  out.put_model("model", *net);
+  out.put_optimizer("optimizer", optimizer);
+  out.put("grad_weight", torch::randn({64, 128}) * 0.01);
+  out.put("grad_bias", torch::randn({64}) * 0.01);
+  out.save((dir / "cpp.pt").string());
+  // What was written is the decoded moments, in fp32.
+  const auto written = amp::PythonCheckpoint::load((dir / "cpp.pt").string()).get("optimizer").toGenericDict();
+  const auto weight_state = written.at("state").toGenericDict().at(c10::IValue(int64_t{0})).toGenericDict();
+  const auto& stored = static_cast<torch::optim::AdamWParamState&>(
+      *optimizer.state().at(amp::detail::state_key(optimizer.state(), net->weight)));
+  EXPECT_TRUE(amp_test::bitwise_equal(weight_state.at("exp_avg").toTensor(),
+                                      amp::detail::decode_moment(stored.exp_avg(), {64, 128}, Moment::kSigned)));
+  SF_RUN_PYTHON("resume", dir);
+  const auto python = amp::PythonCheckpoint::load((dir / "python.pt").string());
+  python.load_model(*net, "model");
+  python.load_optimizer(optimizer, "optimizer");
+  const auto py_state = python.get("optimizer").toGenericDict().at("state").toGenericDict();
+  const auto py_weight = py_state.at(c10::IValue(int64_t{0})).toGenericDict();
+  const auto py_bias = py_state.at(c10::IValue(int64_t{1})).toGenericDict();
+  const auto& loaded = static_cast<torch::optim::AdamWParamState&>(
+      *optimizer.state().at(amp::detail::state_key(optimizer.state(), net->weight)));
+  const auto& loaded_bias = static_cast<torch::optim::AdamWParamState&>(
+      *optimizer.state().at(amp::detail::state_key(optimizer.state(), net->bias)));
+  for (const auto& [key, moment] : {std::make_pair("exp_avg", Moment::kSigned), std::make_pair("exp_avg_sq", Moment::kUnsigned)}) {
+    const auto& mine = std::string(key) == "exp_avg" ? loaded.exp_avg() : loaded.exp_avg_sq();
+    ASSERT_TRUE(amp::detail::is_packed(mine)) << key;
+    auto expected = torch::zeros_like(mine);
+    amp::detail::encode_moment(py_weight.at(key).toTensor(), expected, moment);
+    EXPECT_TRUE(torch::equal(mine, expected)) << key;
+  }
+  EXPECT_TRUE(amp_test::bitwise_equal(loaded_bias.exp_avg(), py_bias.at("exp_avg").toTensor()));  // 64 values: fp32
+  EXPECT_EQ(loaded.step(), 4);
+  optimizer.zero_grad();
+  model(x).pow(2).mean().backward();
+  optimizer.step();  // and trains on
+  fs::remove_all(dir);
+}
+
+// ---- quality -----------------------------------------------------------------------------------------
+
+// The stalling regression of LeanFormatQualityTest with Adam: 64 weights start at 1, optima in [1, 1.08]; AdamW's
+// updates of about lr = 1e-3 are below half a bf16 ulp (2^-8 at 1), so O3 (bf16 weights, bf16 moments) never moves,
+// while O2's fp32 masters accumulate them. 300 steps: 8-bit and bf16 moments end within 3% of fp32 moments' loss
+// (plus the bf16 forward's floor, 64 ulp^2), LAMB's close at least 98% of fp32 moments' loss drop.
+TEST(StateFormatQualityTest, WithinThreePercentOfFp32MomentsAndFarFromO3sStall) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kBFloat16);
+  constexpr int64_t dim = 64, batch = 256;
+  torch::manual_seed(0);
+  const auto target = 1.0 + 0.08 * torch::rand({1, dim});
+  auto train = [&](const amp::Options& options, bool lamb) {
+    torch::manual_seed(1);
+    auto net = torch::nn::Linear(torch::nn::LinearOptions(dim, 64).bias(false));  // 4096 weights: 8-bit
+    {
+      torch::NoGradGuard no_grad;
+      net->weight.fill_(1.0);
+    }
+    auto body = [&](auto model, auto& optimizer) {
+      double first = 0, last = 0;
+      torch::manual_seed(2);
+      for (int s = 0; s < 300; ++s) {
+        const auto x = torch::randn({batch, dim});
+        const auto y = torch::matmul(x, target.t()).expand({batch, 64});
+        optimizer.zero_grad();
+        const auto loss = torch::mse_loss(model(x), y);
+        {
+          auto scaled = amp::scale_loss(loss, optimizer);
+          scaled.backward();
+        }
+        optimizer.step();
+        if (s == 0) first = loss.template item<double>();
+        last = loss.template item<double>();
+      }
+      return std::make_pair(first, last);
+    };
+    if (lamb) {
+      auto [model, optimizer] = amp::initialize(net, amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(1e-3).weight_decay(0)), options);
+      return body(model, optimizer);
+    }
+    auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0)), options);
+    return body(model, optimizer);
+  };
+  const double floor = dim * std::ldexp(1.0, -14);
+  for (const bool lamb : {false, true}) {
+    const auto fp32 = train(sf_options("O2", torch::kBFloat16, OptimizerStateFormat::kFp32), lamb);
+    const auto o3 = train(sf_options("O3", torch::kBFloat16, OptimizerStateFormat::kFp32), lamb);
+    std::printf("[ curves   ] %s first -> last loss: fp32 moments %.4g -> %.4g, O3 %.4g -> %.4g", lamb ? "LAMB" : "AdamW",
+                fp32.first, fp32.second, o3.first, o3.second);
+    EXPECT_GT(o3.second, 0.9 * o3.first) << "O3's updates should vanish in bf16 here";
+    EXPECT_LT(fp32.second, 0.1 * fp32.first);
+    for (const auto format : {OptimizerStateFormat::kBf16, OptimizerStateFormat::k8Bit}) {
+      const auto run = train(sf_options("O2", torch::kBFloat16, format), lamb);
+      std::printf(", %s %.4g -> %.4g", amp::to_string(format), run.first, run.second);
+      EXPECT_LT(run.second, 1.03 * fp32.second + floor) << amp::to_string(format);
+      if (lamb) EXPECT_GE(run.first - run.second, 0.98 * (fp32.first - fp32.second)) << amp::to_string(format);
+      EXPECT_LT(run.second, 0.1 * o3.second) << amp::to_string(format);
+    }
+    std::printf("\n");
+  }
+}
+
+// A bench-style task: an MLP memorizing random labels (the loss falls slowly and stays far from 0), 300 steps at O2
+// bf16. Each format ends within 3% of fp32 moments' loss (mean of the last 20 steps); LAMB's close at least 98% of
+// fp32 moments' loss drop.
+TEST(StateFormatQualityTest, MemorizationWithinThreePercentOfFp32Moments) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kBFloat16);
+  torch::manual_seed(12);
+  const auto x = torch::randn({512, 64}), y = torch::randint(4, {512}, torch::kLong);
+  auto train = [&](OptimizerStateFormat format, bool lamb) {
+    auto net = sf_net();
+    auto body = [&](auto model, auto& optimizer) {
+      double first = 0, tail = 0;
+      for (int s = 0; s < 300; ++s) {
+        const double loss = sf_step(model, optimizer, x, y);
+        if (s == 0) first = loss;
+        if (s >= 280) tail += loss / 20;
+      }
+      return std::make_pair(first, tail);
+    };
+    const auto options = sf_options("O2", torch::kBFloat16, format);
+    if (lamb) {
+      auto [model, optimizer] = amp::initialize(net, amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(3e-3)), options);
+      return body(model, optimizer);
+    }
+    auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(3e-3)), options);
+    return body(model, optimizer);
+  };
+  for (const bool lamb : {false, true}) {
+    const auto fp32 = train(OptimizerStateFormat::kFp32, lamb);
+    std::printf("[ curves   ] %s memorization, first -> mean of the last 20 losses: fp32 moments %.4f -> %.4f",
+                lamb ? "LAMB" : "AdamW", fp32.first, fp32.second);
+    EXPECT_LT(fp32.second, 0.8 * fp32.first);
+    for (const auto format : {OptimizerStateFormat::kBf16, OptimizerStateFormat::k8Bit}) {
+      const auto run = train(format, lamb);
+      std::printf(", %s %.4f -> %.4f", amp::to_string(format), run.first, run.second);
+      EXPECT_LE(run.second, 1.03 * fp32.second) << amp::to_string(format);
+      if (lamb) EXPECT_GE(run.first - run.second, 0.98 * (fp32.first - fp32.second)) << amp::to_string(format);
+    }
+    std::printf("\n");
+  }
+}
+
+// amsgrad's max_exp_avg_sq takes the unsigned map: the CPU loop and the per-op route (fp32 values through ATen's
+// ops) train alike.
+TEST(StateFormatCompositionTest, AmsgradOnBothRoutes) {
+  auto run = [&](amp::optim::detail::FusedRoute route) {
+    amp::optim::detail::force_fused_route(route);
+    torch::manual_seed(4);
+    auto w = (torch::randn({64, 128}) * 0.1).requires_grad_();
+    amp::optim::FusedAdam optimizer(std::vector<torch::Tensor>{w}, torch::optim::AdamOptions(1e-2).amsgrad(true));
+    set_format(optimizer, OptimizerStateFormat::k8Bit);
+    const auto x = torch::randn({32, 128});
+    for (int s = 0; s < 10; ++s) {
+      optimizer.zero_grad();
+      torch::nn::functional::linear(x, w).pow(2).mean().backward();
+      optimizer.step();
+    }
+    amp::optim::detail::force_fused_route(amp::optim::detail::FusedRoute::kAuto);
+    auto& state = static_cast<torch::optim::AdamParamState&>(*optimizer.state().at(amp::detail::state_key(optimizer.state(), w)));
+    EXPECT_TRUE(amp::detail::is_packed(state.max_exp_avg_sq()));
+    return std::make_pair(w.detach().clone(), amp::detail::decode_moment(state.max_exp_avg_sq(), w.sizes(), Moment::kUnsigned));
+  };
+  const auto [w_cpu, v_cpu] = run(amp::optim::detail::FusedRoute::kAuto);
+  const auto [w_op, v_op] = run(amp::optim::detail::FusedRoute::kPerOp);
+  EXPECT_LT((w_cpu - w_op).abs().max().item<double>(), 1e-3);
+  EXPECT_LT(((v_cpu - v_op).abs() / v_op.abs().max()).max().item<double>(), 0.02);
+}
+
+// ---- errors ------------------------------------------------------------------------------------------
+
+TEST(StateFormatErrorsTest, OptimizersThatKeepFp32MomentsAreRefused) {
+  auto net = sf_net();
+  ASSERT_THROWS_WITH(amp::initialize(net, torch::optim::Adam(net->parameters()), sf_options("O2", torch::kBFloat16, OptimizerStateFormat::k8Bit)),
+                     "amp::initialize: optimizer_state_format 8bit stores Adam's moments inside amp's fused step; this "
+                     "optimizer is amp::Optimizer<torch::optim::Adam>, whose step keeps them in fp32. Use "
+                     "amp::optim::FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's Adam and AdamW), or "
+                     "optimizer_state_format fp32.");
+  EXPECT_EQ(net->parameters().front().scalar_type(), torch::kFloat) << "a refused initialize leaves the model as it was";
+  ASSERT_THROWS_WITH(amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.1)),
+                                     sf_options("O0", torch::kBFloat16, OptimizerStateFormat::kBf16)),
+                     "amp::initialize: optimizer_state_format bf16 stores Adam's two moments; amp::optim::FusedSGD keeps "
+                     "one momentum buffer, which stays in the parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW or "
+                     "FusedLAMB, or optimizer_state_format fp32.");
+}
+
+TEST(StateFormatErrorsTest, ConfigKeyAndItsBadValue) {
+  auto config = [](const std::string& text) {
+    const std::string path = ::testing::TempDir() + "/state_format.cfg";
+    std::ofstream(path) << text;
+    return path;
+  };
+  EXPECT_EQ(amp::load_options(config("opt_level = O2\noptimizer_state_format = 8bit\n")).resolve().optimizer_state_format,
+            OptimizerStateFormat::k8Bit);
+  EXPECT_EQ(amp::load_options(config("opt_level = O1\noptimizer_state_format = bf16\n")).resolve().optimizer_state_format,
+            OptimizerStateFormat::kBf16);
+  const std::string bad = config("opt_level = O2\noptimizer_state_format = int8\n");
+  ASSERT_THROWS_WITH(amp::load_options(bad), "optimizer_state_format");
+  ASSERT_THROWS_WITH(amp::load_options(bad), "expected fp32, bf16 or 8bit");
+}
+
+// An archive with 8-bit moments can't resume a LibTorch optimizer (its step would read codes as values); a fused one
+// of another format converts them at its next step.
+TEST(StateFormatErrorsTest, EightBitArchivesNeedAFusedOptimizer) {
+  const auto [x, y] = amp_test::blobs(64, 64, 4, 8);
+  auto net = sf_net();
+  auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters()),
+                                            sf_options("O0", torch::kBFloat16, OptimizerStateFormat::k8Bit));
+  sf_step(model, optimizer, x, y);
+  std::stringstream bytes;
+  torch::save(optimizer, bytes);
+  auto net2 = sf_net();
+  auto [model2, plain] = amp::initialize(net2, torch::optim::AdamW(net2->parameters()), sf_options("O0", torch::kBFloat16, OptimizerStateFormat::kFp32));
+  std::stringstream copy(bytes.str());
+  ASSERT_THROWS_WITH(torch::load(plain, copy),
+                     "amp::Optimizer::load: the checkpoint holds Adam's moments in optimizer_state_format 8bit, which "
+                     "only amp's fused Adam, AdamW and LAMB read; this optimizer is amp::Optimizer<torch::optim::AdamW>. "
+                     "Resume with amp::optim::FusedAdam, FusedAdamW or FusedLAMB.");
+  auto net3 = sf_net();
+  auto [model3, fp32] = amp::initialize(net3, amp::optim::FusedAdamW(net3->parameters()), sf_options("O0", torch::kBFloat16, OptimizerStateFormat::kFp32));
+  std::stringstream again(bytes.str());
+  torch::load(fp32, again);
+  sf_step(model3, fp32, x, y);
+  for (const auto& m : sf_moments(fp32)) EXPECT_EQ(m.scalar_type(), torch::kFloat);
+}
+
+}  // namespace
