@@ -339,6 +339,44 @@ TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
   }
 }
 
+// The bucket table (NOTE [Finding a code] in src/optim/cpu_state_codec.cpp) against torchao's search in ATen ops,
+// where codes change: every rounding midpoint of both maps and the 6 floats on each side of it, and each map value's
+// neighbours, in blocks whose absmax is 1 (so the values are divided by exactly 1).
+TEST(StateFormatCodecTest, BucketTableGivesTheSearchsCodesAtEveryBoundary) {
+  for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+    const auto& map = amp::detail::quantization_map(moment);
+    std::vector<float> values;
+    for (int c = 0; c < 256; ++c) {
+      std::vector<float> centres = {map[c]};
+      if (c < 255) centres.push_back(map[c] + (map[c + 1] - map[c]) * 0.5f);
+      for (float centre : centres) {
+        float below = centre, above = centre;
+        values.push_back(centre);
+        for (int k = 0; k < 6; ++k) {
+          below = std::nextafter(below, -2.0f), above = std::nextafter(above, 2.0f);
+          for (float v : {below, above}) {
+            if (std::abs(v) <= 1.0f) values.push_back(v);
+          }
+        }
+      }
+    }
+    while (values.size() % 255 != 0) values.push_back(0.0f);
+    // Each block: 255 values and a 1 (the absmax).
+    std::vector<float> blocks;
+    for (size_t i = 0; i < values.size(); i += 255) {
+      blocks.insert(blocks.end(), values.begin() + static_cast<int64_t>(i), values.begin() + static_cast<int64_t>(i) + 255);
+      blocks.push_back(1.0f);
+    }
+    const auto v = torch::tensor(blocks);
+    const int64_t n = v.numel();
+    auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
+    amp::detail::encode_moment(v, packed, moment);
+    const auto expected = amp::detail::quantize_with_map(v.view({-1, 256}), moment).reshape({-1});
+    const auto mismatches = codes_of(packed, n).ne(expected).sum().item<int64_t>();
+    EXPECT_EQ(mismatches, 0) << (moment == Moment::kSigned ? "signed" : "unsigned") << " map, " << n << " values";
+  }
+}
+
 // ---- through amp::initialize: levels, master formats, routes ---------------------------------------------
 
 struct SfCase {

@@ -3,6 +3,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -17,10 +21,42 @@
 namespace amp::detail::cpu {
 namespace {
 
-// torchao's quantize_8bit_with_qmap for one value already divided by its block's scale: a branchless binary
-// search for the last map entry <= y (ties and NaN as torch.where's comparisons decide them), then up one code
-// where y is at least half-way to the next entry.
-inline uint8_t code_of(float y, const float* map) {
+// NOTE [Finding a code]
+// torchao's code for y (a value divided by its block's absmax, so |y| <= 1) is the largest c with map[c] <= y, plus
+// one where y - map[c] >= (map[c + 1] - map[c]) * 0.5 in fp32: 8 dependent lookups of a binary search. The code is
+// a non-decreasing function of y, so a table over buckets of floats with the same sign, exponent and top 7 mantissa
+// bits (|y| < 2^-24 is one bucket per sign) keeps the code of each bucket's smallest y and the smallest y of the
+// bucket whose code is one more (+inf where none is): code_buckets finds it by bisection and checks that no bucket
+// spans more than two codes. A code is then one lookup and one comparison, bit for bit the search's.
+constexpr int kMantissaBits = 7;
+constexpr int kMinExponent = -24;
+constexpr int64_t kPerSign = (0 - kMinExponent + 2) * (int64_t{1} << kMantissaBits);
+static_assert(2 * kPerSign == kCodeBuckets, "the bucket table's size");
+
+float float_from(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+inline uint8_t round_code(float y, int c, const float* map) {
+  const int up = std::min(c + 1, 255);
+  const float down = map[c];
+  return static_cast<uint8_t>(y - down >= (map[up] - down) * 0.5f ? up : c);
+}
+
+// The bucket of y's bits (inf and NaN land in exponent 0's buckets: encode keeps them from here).
+inline int32_t bucket_of(uint32_t b) {
+  const int32_t sign = static_cast<int32_t>(b >> 31);
+  const int32_t exponent = std::min(static_cast<int32_t>((b >> 23) & 0xffu) - 127, 0);
+  const int32_t mantissa = static_cast<int32_t>((b >> (23 - kMantissaBits)) & ((1u << kMantissaBits) - 1));
+  const int32_t at = (exponent - kMinExponent + 1) * (1 << kMantissaBits) + mantissa;
+  return sign * static_cast<int32_t>(kPerSign) + (exponent < kMinExponent ? 0 : at);
+}
+
+}  // namespace
+
+uint8_t code_by_search(float y, const float* map) {
   int c = y >= map[128] ? 128 : 0;
   c += y >= map[c + 64] ? 64 : 0;
   c += y >= map[c + 32] ? 32 : 0;
@@ -29,14 +65,54 @@ inline uint8_t code_of(float y, const float* map) {
   c += y >= map[c + 4] ? 4 : 0;
   c += y >= map[c + 2] ? 2 : 0;
   c += y >= map[c + 1] ? 1 : 0;
-  const int up = std::min(c + 1, 255);
-  const float down = map[c];
-  return static_cast<uint8_t>(y - down >= (map[up] - down) * 0.5f ? up : c);
+  return round_code(y, c, map);
 }
 
-AMP_VECTOR_CLONES void encode_block(const float* __restrict in, uint8_t* __restrict codes, float* scale,
-                                    const float* __restrict map) {
-  // torchao's scale_tensor: the block's absmax, clipped to 1e-12 (NaN propagates, as amax does).
+bool code_buckets(const float* map, CodeBucket* table) {
+  const uint32_t low_mask = (1u << (23 - kMantissaBits)) - 1;
+  bool ok = true;
+  // The bucket of magnitudes [first, last] (bit patterns) with `sign`; y grows with the magnitude for sign 0.
+  auto fill = [&](int64_t at, uint32_t sign, uint32_t first, uint32_t last) {
+    auto y_of = [&](uint32_t magnitude) { return float_from((sign << 31) | magnitude); };
+    const int q_lo = code_by_search(y_of(sign ? last : first), map), q_hi = code_by_search(y_of(sign ? first : last), map);
+    ok = ok && q_hi - q_lo <= 1;
+    table[at].code = q_lo;
+    table[at].next = std::numeric_limits<float>::infinity();
+    if (q_hi == q_lo) return;
+    // The magnitudes whose code is q_hi are one end of [first, last]: bisect for the boundary.
+    auto is_hi = [&](uint32_t m) { return code_by_search(y_of(m), map) == q_hi; };
+    uint32_t a = first, b = last;
+    if (sign == 0) {  // the smallest magnitude with code q_hi
+      while (a < b) {
+        const uint32_t mid = a + (b - a) / 2;
+        if (is_hi(mid)) b = mid; else a = mid + 1;
+      }
+    } else {  // the largest magnitude with code q_hi (the smallest y)
+      while (a < b) {
+        const uint32_t mid = a + (b - a + 1) / 2;
+        if (is_hi(mid)) a = mid; else b = mid - 1;
+      }
+    }
+    table[at].next = y_of(a);
+  };
+  const uint32_t below_tiny = (static_cast<uint32_t>(127 + kMinExponent) << 23) - 1;
+  for (uint32_t sign = 0; sign < 2; ++sign) {
+    fill(sign * kPerSign, sign, 0, below_tiny);  // |y| < 2^-24, denormals included
+    for (int exponent = kMinExponent; exponent <= 0; ++exponent) {
+      for (uint32_t m = 0; m < (1u << kMantissaBits); ++m) {
+        const uint32_t base = (static_cast<uint32_t>(exponent + 127) << 23) | (m << (23 - kMantissaBits));
+        fill(bucket_of((sign << 31) | base), sign, base, base | low_mask);
+      }
+    }
+  }
+  return ok;
+}
+
+namespace {
+
+// torchao's scale_tensor: the block's absmax, clipped to 1e-12 (NaN propagates, as amax does); the values divided
+// by it.
+AMP_VECTOR_CLONES float scale_block(const float* __restrict in, float* __restrict scaled) {
   float amax = 0.0f;
   bool nan = false;
   for (int64_t i = 0; i < kCodeBlock; ++i) {
@@ -45,8 +121,99 @@ AMP_VECTOR_CLONES void encode_block(const float* __restrict in, uint8_t* __restr
     amax = a > amax ? a : amax;
   }
   const float s = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(amax, 1e-12f);
-  *scale = s;
-  for (int64_t i = 0; i < kCodeBlock; ++i) codes[i] = code_of(in[i] / s, map);
+  for (int64_t i = 0; i < kCodeBlock; ++i) scaled[i] = in[i] / s;
+  return s;
+}
+
+// The codes of a block's scaled values through the bucket table (NOTE [Finding a code]).
+AMP_VECTOR_CLONES void codes_by_buckets(const float* __restrict y, uint8_t* __restrict codes,
+                                        const CodeBucket* __restrict table) {
+  for (int64_t i = 0; i < kCodeBlock; ++i) {
+    uint32_t b;
+    std::memcpy(&b, y + i, sizeof b);
+    const CodeBucket& bucket = table[bucket_of(b)];
+    codes[i] = static_cast<uint8_t>(bucket.code + (y[i] >= bucket.next ? 1 : 0));
+  }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define AMP_HAVE_AVX2_CODES 1
+// codes_by_buckets with AVX2's gathers (GCC does not vectorize the loop above): 8 values at a time, the same
+// comparison, so the same codes.
+__attribute__((target("avx2"))) void codes_by_buckets_avx2(const float* y, uint8_t* codes, const CodeBucket* table) {
+  const __m256i zero = _mm256_setzero_si256();
+  const int* words = reinterpret_cast<const int*>(table);
+  for (int64_t i = 0; i < kCodeBlock; i += 8) {
+    const __m256 v = _mm256_loadu_ps(y + i);
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i sign = _mm256_srli_epi32(b, 31);
+    const __m256i exponent = _mm256_min_epi32(
+        _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(0xff)), _mm256_set1_epi32(127)), zero);
+    const __m256i mantissa =
+        _mm256_and_si256(_mm256_srli_epi32(b, 23 - kMantissaBits), _mm256_set1_epi32((1 << kMantissaBits) - 1));
+    __m256i at = _mm256_add_epi32(
+        _mm256_slli_epi32(_mm256_add_epi32(exponent, _mm256_set1_epi32(1 - kMinExponent)), kMantissaBits), mantissa);
+    at = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kMinExponent), exponent), at);  // tiny: bucket 0
+    at = _mm256_add_epi32(at, _mm256_mullo_epi32(sign, _mm256_set1_epi32(static_cast<int32_t>(kPerSign))));
+    at = _mm256_slli_epi32(at, 1);  // a bucket is two 32-bit words
+    const __m256i code = _mm256_i32gather_epi32(words, at, 4);
+    const __m256 next = _mm256_i32gather_ps(reinterpret_cast<const float*>(words + 1), at, 4);
+    // code - mask adds one where the mask is all ones (y >= next).
+    const __m256i c = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(v, next, _CMP_GE_OQ)));
+    const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(halves, halves));
+  }
+}
+
+// scale_block with AVX2 (GCC keeps the NaN-aware maximum scalar): max_ps never picks a NaN, which the unordered
+// comparison reports instead; the division is the same correctly rounded one.
+__attribute__((target("avx2"))) float scale_block_avx2(const float* in, float* scaled) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < kCodeBlock; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(in + i), abs_mask);
+    amax = _mm256_max_ps(a, amax);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = 0.0f;
+  for (float lane : lanes) m = lane > m ? lane : m;
+  const float s = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, 1e-12f);
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int64_t i = 0; i < kCodeBlock; i += 8) _mm256_storeu_ps(scaled + i, _mm256_div_ps(_mm256_loadu_ps(in + i), sv));
+  return s;
+}
+
+__attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, float scale, const float* map, float* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < kCodeBlock; i += 8) {
+    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, index, 4), s));
+  }
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+void encode_block(const float* in, uint8_t* codes, float* scale, const float* map, const CodeBucket* buckets) {
+  float scaled[kCodeBlock];
+#ifdef AMP_HAVE_AVX2_CODES
+  *scale = has_avx2() ? scale_block_avx2(in, scaled) : scale_block(in, scaled);
+#else
+  *scale = scale_block(in, scaled);
+#endif
+  if (std::isfinite(*scale)) {
+#ifdef AMP_HAVE_AVX2_CODES
+    if (has_avx2()) return codes_by_buckets_avx2(scaled, codes, buckets);
+#endif
+    codes_by_buckets(scaled, codes, buckets);
+  } else {  // inf or NaN in the block: the search, as torchao's
+    for (int64_t i = 0; i < kCodeBlock; ++i) codes[i] = code_by_search(scaled[i], map);
+  }
 }
 
 AMP_VECTOR_CLONES void decode_block(const uint8_t* __restrict codes, float scale, const float* __restrict map,
@@ -54,16 +221,45 @@ AMP_VECTOR_CLONES void decode_block(const uint8_t* __restrict codes, float scale
   for (int64_t i = 0; i < kCodeBlock; ++i) out[i] = map[codes[i]] * scale;
 }
 
+AMP_VECTOR_CLONES void widen_bf16(const uint16_t* __restrict in, float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(out + i, &b, sizeof b);
+  }
+}
+
+// Stochastic rounding to bf16, element i taking 16 bits of draw (first + i) / 4: one splitmix64 output serves 4
+// consecutive elements of the optimizer's numbering, wherever a chunk or a shard starts.
+// x86-64-v4's 64-bit vector multiplies (AVX-512DQ) vectorize splitmix64; v3 and the baseline emulate them.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void round_groups(const float* __restrict in, uint16_t* __restrict out, int64_t groups, uint64_t seed,
+                                    uint64_t first_draw) {
+  for (int64_t k = 0; k < groups; ++k) {
+    const uint64_t bits = random_bits(seed, first_draw + static_cast<uint64_t>(k));
+    for (int j = 0; j < 4; ++j) out[4 * k + j] = round_stochastically(in[4 * k + j], static_cast<uint16_t>(bits >> (16 * j)));
+  }
+}
+
+void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64_t seed, uint64_t first) {
+  auto one = [&](int64_t i) {
+    const uint64_t g = first + static_cast<uint64_t>(i);
+    out[i] = round_stochastically(in[i], static_cast<uint16_t>(random_bits(seed, g >> 2) >> (16 * (g & 3))));
+  };
+  int64_t i = 0;
+  for (; i < n && ((first + static_cast<uint64_t>(i)) & 3) != 0; ++i) one(i);
+  const int64_t groups = (n - i) / 4;
+  round_groups(in + i, out + i, groups, seed, (first + static_cast<uint64_t>(i)) >> 2);
+  for (i += 4 * groups; i < n; ++i) one(i);
+}
+
 }  // namespace
 
 void decode(const StateView& view, int64_t begin, int64_t n, float* out) {
   switch (view.kind) {
     case StateKind::kFloat: std::memcpy(out, static_cast<const float*>(view.data) + begin, n * sizeof(float)); return;
-    case StateKind::kBFloat16: {
-      const auto* in = static_cast<const c10::BFloat16*>(view.data) + begin;
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
-      return;
-    }
+    case StateKind::kBFloat16: widen_bf16(static_cast<const uint16_t*>(view.data) + begin, out, n); return;
     case StateKind::kHalf: {
       const auto* in = static_cast<const c10::Half*>(view.data) + begin;
       for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
@@ -72,6 +268,12 @@ void decode(const StateView& view, int64_t begin, int64_t n, float* out) {
     case StateKind::kCodes: {
       const auto* codes = static_cast<const uint8_t*>(view.data);
       for (int64_t b = 0; b < n; b += kCodeBlock) {
+#ifdef AMP_HAVE_AVX2_CODES
+        if (has_avx2()) {
+          decode_block_avx2(codes + begin + b, view.scales[(begin + b) / kCodeBlock], view.map, out + b);
+          continue;
+        }
+#endif
         decode_block(codes + begin + b, view.scales[(begin + b) / kCodeBlock], view.map, out + b);
       }
       return;
@@ -88,17 +290,14 @@ void encode(const StateView& view, int64_t begin, int64_t n, const float* in) {
         convert(in, Dtype::BFloat16, out, n);
         return;
       }
-      const uint64_t first = view.first + static_cast<uint64_t>(begin);
-      for (int64_t i = 0; i < n; ++i) {
-        out[i] = round_stochastically(in[i], static_cast<uint16_t>(random_bits(view.seed, first + static_cast<uint64_t>(i))));
-      }
+      round_bf16_stochastically(in, out, n, view.seed, view.first + static_cast<uint64_t>(begin));
       return;
     }
     case StateKind::kHalf: convert(in, Dtype::Half, static_cast<char*>(view.data) + begin * 2, n); return;
     case StateKind::kCodes: {
       auto* codes = static_cast<uint8_t*>(view.data);
       for (int64_t b = 0; b < n; b += kCodeBlock) {
-        encode_block(in + b, codes + begin + b, view.scales + (begin + b) / kCodeBlock, view.map);
+        encode_block(in + b, codes + begin + b, view.scales + (begin + b) / kCodeBlock, view.map, view.buckets);
       }
       return;
     }

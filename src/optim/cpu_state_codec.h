@@ -9,17 +9,33 @@ namespace amp::detail::cpu {
 
 enum class StateKind { kFloat, kBFloat16, kHalf, kCodes };
 
+/// One bucket of a quantization map's table (NOTE [Finding a code] in the .cpp): the code of its smallest value, and
+/// the smallest value whose code is one more (+inf: none).
+struct CodeBucket {
+  int32_t code;
+  float next;
+};
+
 /// One stored moment as the loops see it; element indices are the tensor's own (0 = its first value).
 struct StateView {
   StateKind kind = StateKind::kFloat;
   void* data = nullptr;        // the values, or kCodes' codes
   float* scales = nullptr;     // kCodes: one per block of 256 values
   const float* map = nullptr;  // kCodes: the 256 values a code stands for
-  bool stochastic = false;     // kBFloat16: written with stochastic rounding, element i taking draw `first + i`
+  const CodeBucket* buckets = nullptr;  // kCodes: code_buckets(map)
+  bool stochastic = false;     // kBFloat16: written with stochastic rounding, element i taking number `first + i`
   uint64_t seed = 0, first = 0;
 };
 
 constexpr int64_t kCodeBlock = 256;
+
+constexpr int64_t kCodeBuckets = 2 * 26 * 128;
+/// Fills `table` (kCodeBuckets entries) for `map` (256 floats); false if a bucket spans more than two codes.
+bool code_buckets(const float* map, CodeBucket* table);
+
+/// torchao's quantize_8bit_with_qmap for one value y already divided by its block's scale, by its binary search:
+/// the reference the bucket table is built from (and the route for blocks holding inf or NaN).
+uint8_t code_by_search(float y, const float* map);
 
 /// out[0, n) = the fp32 values of elements [begin, begin + n); kCodes: begin and n are multiples of the block.
 void decode(const StateView& view, int64_t begin, int64_t n, float* out);

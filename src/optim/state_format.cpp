@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace amp::detail {
@@ -58,6 +59,24 @@ const std::array<float, 256>& quantization_map(Moment moment) {
   return moment == Moment::kSigned ? signed_map : unsigned_map;
 }
 
+namespace {
+
+// A map's bucket table (NOTE [Finding a code] in cpu_state_codec.cpp).
+struct CodeTables {
+  std::vector<cpu::CodeBucket> buckets;
+  explicit CodeTables(Moment moment) : buckets(cpu::kCodeBuckets) {
+    TORCH_INTERNAL_ASSERT(cpu::code_buckets(quantization_map(moment).data(), buckets.data()),
+                          "amp: a bucket of the 8-bit map spans 3 codes");
+  }
+};
+
+const CodeTables& tables_of(Moment moment) {
+  static const CodeTables signed_tables(Moment::kSigned), unsigned_tables(Moment::kUnsigned);
+  return moment == Moment::kSigned ? signed_tables : unsigned_tables;
+}
+
+}  // namespace
+
 bool quantizes(int64_t numel) { return numel >= kMinQuantized && numel % kBlock == 0; }
 
 bool is_packed(const at::Tensor& stored) { return stored.defined() && stored.scalar_type() == at::kByte; }
@@ -84,6 +103,7 @@ std::optional<cpu::StateView> cpu_view(const at::Tensor& stored, Moment moment,
       view.scales = reinterpret_cast<float*>(bytes + packed_numel(stored));
       if (reinterpret_cast<uintptr_t>(view.scales) % alignof(float) != 0) return std::nullopt;
       view.map = quantization_map(moment).data();
+      view.buckets = tables_of(moment).buckets.data();
       break;
     }
     default: return std::nullopt;

@@ -5,10 +5,10 @@
 // A moment is one tensor in the optimizer's state, whatever its format, so torch::save / torch::load, ZeRO's shards
 // and state_bytes need no second place to look:
 //   kFp32   the parameter's dtype, as LibTorch (fp32 beside a master or a lean bf16 weight);
-//   kBf16   bfloat16 of the parameter's shape, written with stochastic rounding (draws from a counter-based
-//           generator seeded as kStochasticRounding's: element i of moment k of the tensor at offset o in the
-//           optimizer's numbering takes draw counter + k * total + o + i, so a ZeRO shard draws what the unsharded
-//           step draws for its elements; each step advances the counter by 3 * total);
+//   kBf16   bfloat16 of the parameter's shape, written with stochastic rounding (a counter-based generator seeded as
+//           kStochasticRounding's: element i of moment k of the tensor at offset o in the optimizer's numbering is
+//           number g = counter + k * total + o + i and takes 16 bits of draw g / 4, so a ZeRO shard draws what the
+//           unsharded step draws for its elements; each step advances the counter by 3 * total);
 //   k8Bit   torchao's AdamW8bit: a 1-d uint8 tensor of n codes followed by the n / 256 fp32 scales of its blocks
 //           (packed). Tensors under 4096 values or not a multiple of 256 stay in the parameter's dtype.
 // The step decodes each chunk to fp32, updates it with torchao's arithmetic for the moments (lerp, fused as ATen's
