@@ -16,12 +16,12 @@
 namespace amp::detail {
 namespace {
 
-constexpr int64_t kBlock = cpu::kCodeBlock;
-constexpr int64_t kMinQuantized = 4096;
+constexpr int64_t kStateBlock = cpu::kCodeBlock;
+constexpr int64_t kMinQuantizedNumel = 4096;
 
 // torchao's create_dynamic_map(signed, max_exponent_bits=7, total_bits=8) (from bitsandbytes), op for op: each
 // decade 10^(i-6) holds the midpoints of linspace(0.1, 1, k) (fp32), scaled in fp32 by the Python float; plus 0 and 1.
-std::array<float, 256> dynamic_map(bool is_signed) {
+std::array<float, 256> state_dynamic_map(bool is_signed) {
   c10::NoGradGuard no_grad;
   std::vector<float> data;
   for (int i = 0; i < 7; ++i) {
@@ -44,9 +44,9 @@ std::array<float, 256> dynamic_map(bool is_signed) {
   return out;
 }
 
-int64_t packed_numel(const at::Tensor& stored) { return stored.numel() / (kBlock + 4) * kBlock; }
+int64_t state_packed_numel(const at::Tensor& stored) { return stored.numel() / (kStateBlock + 4) * kStateBlock; }
 
-at::Tensor map_tensor(Moment moment, const at::Device& device) {
+at::Tensor state_map_tensor(Moment moment, const at::Device& device) {
   const auto& map = quantization_map(moment);
   return at::from_blob(const_cast<float*>(map.data()), {256}, at::TensorOptions().dtype(at::kFloat)).to(device, false, true);
 }
@@ -54,30 +54,30 @@ at::Tensor map_tensor(Moment moment, const at::Device& device) {
 }  // namespace
 
 const std::array<float, 256>& quantization_map(Moment moment) {
-  static const std::array<float, 256> signed_map = dynamic_map(true);
-  static const std::array<float, 256> unsigned_map = dynamic_map(false);
+  static const std::array<float, 256> signed_map = state_dynamic_map(true);
+  static const std::array<float, 256> unsigned_map = state_dynamic_map(false);
   return moment == Moment::kSigned ? signed_map : unsigned_map;
 }
 
 namespace {
 
 // A map's bucket table (NOTE [Finding a code] in cpu_state_codec.cpp).
-struct CodeTables {
+struct StateCodeTables {
   std::vector<cpu::CodeBucket> buckets;
-  explicit CodeTables(Moment moment) : buckets(cpu::kCodeBuckets) {
+  explicit StateCodeTables(Moment moment) : buckets(cpu::kCodeBuckets) {
     TORCH_INTERNAL_ASSERT(cpu::code_buckets(quantization_map(moment).data(), buckets.data()),
                           "amp: a bucket of the 8-bit map spans 3 codes");
   }
 };
 
-const CodeTables& tables_of(Moment moment) {
-  static const CodeTables signed_tables(Moment::kSigned), unsigned_tables(Moment::kUnsigned);
+const StateCodeTables& state_code_tables(Moment moment) {
+  static const StateCodeTables signed_tables(Moment::kSigned), unsigned_tables(Moment::kUnsigned);
   return moment == Moment::kSigned ? signed_tables : unsigned_tables;
 }
 
 }  // namespace
 
-bool quantizes(int64_t numel) { return numel >= kMinQuantized && numel % kBlock == 0; }
+bool quantizes(int64_t numel) { return numel >= kMinQuantizedNumel && numel % kStateBlock == 0; }
 
 bool is_packed(const at::Tensor& stored) { return stored.defined() && stored.scalar_type() == at::kByte; }
 
@@ -100,10 +100,10 @@ std::optional<cpu::StateView> cpu_view(const at::Tensor& stored, Moment moment,
     case at::kByte: {
       view.kind = cpu::StateKind::kCodes;
       auto* bytes = static_cast<uint8_t*>(view.data);
-      view.scales = reinterpret_cast<float*>(bytes + packed_numel(stored));
+      view.scales = reinterpret_cast<float*>(bytes + state_packed_numel(stored));
       if (reinterpret_cast<uintptr_t>(view.scales) % alignof(float) != 0) return std::nullopt;
       view.map = quantization_map(moment).data();
-      view.buckets = tables_of(moment).buckets.data();
+      view.buckets = state_code_tables(moment).buckets.data();
       break;
     }
     default: return std::nullopt;
@@ -113,7 +113,7 @@ std::optional<cpu::StateView> cpu_view(const at::Tensor& stored, Moment moment,
 
 at::Tensor quantize_with_map(const at::Tensor& scaled, Moment moment) {
   // torchao's GPU-friendly binary search, then rounding up where at least half-way to the next entry.
-  const at::Tensor map = map_tensor(moment, scaled.device());
+  const at::Tensor map = state_map_tensor(moment, scaled.device());
   auto at_or_above = [&](const at::Tensor& codes, int64_t step) {
     return at::where(scaled >= map.index_select(0, (codes + step).reshape({-1})).view(scaled.sizes()),
                      at::full({}, step, codes.options()), at::zeros({}, codes.options()));
@@ -130,7 +130,7 @@ at::Tensor quantize_with_map(const at::Tensor& scaled, Moment moment) {
 at::Tensor decode_moment(const at::Tensor& stored, at::IntArrayRef shape, Moment moment) {
   c10::NoGradGuard no_grad;
   if (!is_packed(stored)) return stored.to(at::kFloat, false, /*copy=*/true).reshape(shape);
-  const int64_t n = packed_numel(stored);
+  const int64_t n = state_packed_numel(stored);
   if (const auto view = cpu_view(stored, moment)) {
     at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
     cpu::decode(*view, 0, n, out.data_ptr<float>());
@@ -138,7 +138,7 @@ at::Tensor decode_moment(const at::Tensor& stored, at::IntArrayRef shape, Moment
   }
   const at::Tensor codes = stored.narrow(0, 0, n).to(at::kLong);
   const at::Tensor scales = stored.narrow(0, n, stored.numel() - n).contiguous().view(at::kFloat);
-  return (map_tensor(moment, stored.device()).index_select(0, codes).view({-1, kBlock}) * scales.view({-1, 1}))
+  return (state_map_tensor(moment, stored.device()).index_select(0, codes).view({-1, kStateBlock}) * scales.view({-1, 1}))
       .reshape(shape);
 }
 
@@ -149,7 +149,7 @@ void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment mo
   const bool stochastic = draws && stored.scalar_type() == at::kBFloat16;
   if (const auto view = cpu_view(stored, moment, draws); view && flat.device().is_cpu()) {
     const int64_t n = flat.numel();
-    TORCH_INTERNAL_ASSERT(n == (is_packed(stored) ? packed_numel(stored) : stored.numel()), "amp: encoding ", n,
+    TORCH_INTERNAL_ASSERT(n == (is_packed(stored) ? state_packed_numel(stored) : stored.numel()), "amp: encoding ", n,
                           " values into a moment of ", stored.numel(), " elements");
     cpu::encode(*view, 0, n, flat.data_ptr<float>());
     stored.unsafeGetTensorImpl()->bump_version();
@@ -166,8 +166,8 @@ void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment mo
     return;
   }
   // torchao's scale_tensor and quantize_8bit_with_qmap.
-  const int64_t n = packed_numel(stored);
-  const at::Tensor blocks = flat.view({-1, kBlock});
+  const int64_t n = state_packed_numel(stored);
+  const at::Tensor blocks = flat.view({-1, kStateBlock});
   const at::Tensor scale = blocks.abs().amax(-1).clamp_min(1e-12);
   stored.narrow(0, 0, n).copy_(quantize_with_map(blocks / scale.view({-1, 1}), moment).reshape({-1}));
   stored.narrow(0, n, stored.numel() - n).copy_(scale.view(at::kByte));
@@ -175,17 +175,17 @@ void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment mo
 
 at::Tensor slice_moment(const at::Tensor& stored, int64_t begin, int64_t length) {
   if (!is_packed(stored)) return stored.reshape({-1}).narrow(0, begin, length).clone();
-  TORCH_INTERNAL_ASSERT(begin % kBlock == 0 && length % kBlock == 0, "amp: a slice of an 8-bit moment at ", begin,
+  TORCH_INTERNAL_ASSERT(begin % kStateBlock == 0 && length % kStateBlock == 0, "amp: a slice of an 8-bit moment at ", begin,
                         " of ", length, " values straddles a block");
-  const int64_t n = packed_numel(stored);
-  return at::cat({stored.narrow(0, begin, length), stored.narrow(0, n + begin / kBlock * 4, length / kBlock * 4)});
+  const int64_t n = state_packed_numel(stored);
+  return at::cat({stored.narrow(0, begin, length), stored.narrow(0, n + begin / kStateBlock * 4, length / kStateBlock * 4)});
 }
 
 at::Tensor join_moments(const std::vector<at::Tensor>& parts) {
   if (parts.empty() || !is_packed(parts.front())) return at::cat(parts);
   std::vector<at::Tensor> codes, scales;
   for (const auto& p : parts) {
-    const int64_t n = packed_numel(p);
+    const int64_t n = state_packed_numel(p);
     codes.push_back(p.narrow(0, 0, n));
     scales.push_back(p.narrow(0, n, p.numel() - n));
   }
@@ -248,6 +248,7 @@ void encode_moments(torch::optim::Optimizer& opt, const StateFormat& format) {
 
 void StateFormat::begin_step(const torch::optim::Optimizer& opt) {
   places_.clear();
+  if (format_ == OptimizerStateFormat::kFp32) return;  // places decide only quantization and draws
   if (placement_) {
     total_ = placement_total_;
     return;
@@ -287,7 +288,7 @@ at::Tensor StateFormat::fresh(const at::Tensor& like, const Place& place) const 
     case OptimizerStateFormat::k8Bit:
       if (quantizes(place.whole_numel)) {
         const int64_t n = like.numel();
-        return at::zeros({n + n / kBlock * 4}, like.options().dtype(at::kByte));
+        return at::zeros({n + n / kStateBlock * 4}, like.options().dtype(at::kByte));
       }
       break;
   }
@@ -306,7 +307,7 @@ bool StateFormat::holds(const at::Tensor& stored, const at::Tensor& like, const 
 
 void StateFormat::adopt(at::Tensor& stored, const at::Tensor& like, const Place& place, Moment moment) const {
   if (!stored.defined() || holds(stored, like, place)) return;
-  const int64_t n = is_packed(stored) ? packed_numel(stored) : stored.numel();
+  const int64_t n = is_packed(stored) ? state_packed_numel(stored) : stored.numel();
   TORCH_CHECK(n == like.numel(), "amp: an optimizer state of ", n, " values belongs to a parameter of ", like.numel(),
               "; the state was loaded from another model or param group order.");
   at::Tensor target = fresh(like, place);
