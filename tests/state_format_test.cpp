@@ -10,6 +10,7 @@
 #include <amp/amp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -133,6 +134,14 @@ std::vector<torch::Tensor> sf_moments(Optimizer& optimizer) {
 
 // ---- against torchao -------------------------------------------------------------------------------
 
+// Whether the reference ran on this build's LibTorch version (the 1.13 flavor's Python torch is the 2.13 wheel).
+bool sf_same_torch(const amp::PythonCheckpoint& reference) {
+  const std::string version = reference.get("torch_version").toStringRef();
+  return version.substr(0, version.find('+')) == TORCH_VERSION;
+}
+
+// The maps come from ATen's linspace and fp32 products, as torchao's create_dynamic_map computes them: on the same
+// LibTorch, torchao's bit for bit. Another LibTorch's linspace may round an entry differently (1.13's does).
 TEST(StateFormatReferenceTest, QuantizationMapsAreTorchaos) {
   const auto dir = sf_dir("maps");
   SF_RUN_PYTHON("maps", dir);
@@ -140,7 +149,14 @@ TEST(StateFormatReferenceTest, QuantizationMapsAreTorchaos) {
   for (const auto& [key, moment] : {std::make_pair("signed", Moment::kSigned), std::make_pair("unsigned", Moment::kUnsigned)}) {
     const auto& map = amp::detail::quantization_map(moment);
     const auto mine = torch::from_blob(const_cast<float*>(map.data()), {256}, torch::kFloat);
-    EXPECT_TRUE(amp_test::bitwise_equal(mine, reference.get(key).toTensor())) << key;
+    const auto theirs = reference.get(key).toTensor();
+    if (sf_same_torch(reference)) {
+      EXPECT_TRUE(amp_test::bitwise_equal(mine, theirs)) << key;
+    } else {
+      std::cout << "[ measured ] " << key << " map against torchao on torch " << reference.get("torch_version").toStringRef()
+                << ": " << mine.ne(theirs).sum().item<int64_t>() << " of 256 entries differ" << std::endl;
+      EXPECT_TRUE(torch::allclose(mine, theirs, /*rtol=*/1e-6, /*atol=*/0)) << key;
+    }
   }
   fs::remove_all(dir);
 }
@@ -219,7 +235,8 @@ TEST(StateFormatReferenceTest, EachEightBitStepFromTheSameStateIsTorchaos) {
   const auto results = reference.get("results").toList();
   ASSERT_EQ(results.size(), after_params.size());
   double worst_param = 0, worst_moment = 0;
-  int64_t codes_compared = 0;
+  int64_t codes_compared = 0, codes_differing = 0;
+  const bool same_torch = sf_same_torch(reference);
   for (size_t i = 0; i < results.size(); ++i) {
     const auto r = results.get(i).toGenericDict();
     const int64_t n = after_params[i].numel();
@@ -229,20 +246,27 @@ TEST(StateFormatReferenceTest, EachEightBitStepFromTheSameStateIsTorchaos) {
       const torch::Tensor& mine = after_moments[i][k];
       if (!mine.defined()) continue;
       if (amp::detail::is_packed(mine)) {
-        EXPECT_TRUE(torch::equal(codes_of(mine, n), r.at(keys[k] + "_codes").toTensor())) << "case " << i << " " << keys[k];
-        EXPECT_TRUE(amp_test::bitwise_equal(scales_of(mine, n), r.at(keys[k] + "_scales").toTensor())) << "case " << i;
+        const auto codes = r.at(keys[k] + "_codes").toTensor(), scales = r.at(keys[k] + "_scales").toTensor();
+        codes_differing += codes_of(mine, n).ne(codes).sum().item<int64_t>();
+        if (same_torch) {
+          EXPECT_TRUE(amp_test::bitwise_equal(scales_of(mine, n), scales)) << "case " << i;
+        } else {
+          EXPECT_TRUE(torch::allclose(scales_of(mine, n), scales, 1e-5, 0)) << "case " << i;
+        }
         codes_compared += n;
       } else {
         worst_moment = std::max(worst_moment, sf_ulps(mine, r.at(keys[k]).toTensor()));
       }
     }
   }
-  std::cout << "[ measured ] " << results.size() << " tensor steps against torchao: " << codes_compared
-            << " codes equal; parameters within " << worst_param << " ulp, fp32 moments within " << worst_moment
-            << " ulp" << std::endl;
+  std::cout << "[ measured ] " << results.size() << " tensor steps against torchao: " << codes_compared - codes_differing
+            << " of " << codes_compared << " codes equal; parameters within " << worst_param << " ulp, fp32 moments "
+            << "within " << worst_moment << " ulp" << std::endl;
+  // Another LibTorch's map differs in an entry's last bit (QuantizationMapsAreTorchaos): a code here and there.
+  EXPECT_LE(codes_differing, same_torch ? 0 : codes_compared / 1000);
   // The update's two roundings in another order (lr * m / bc1 / denom): a few ulps of the tensor's largest value.
   EXPECT_LE(worst_param, 16.0);
-  EXPECT_LE(worst_moment, 2.0);
+  EXPECT_LE(worst_moment, same_torch ? 2.0 : 64.0);
   fs::remove_all(dir);
 }
 

@@ -286,7 +286,12 @@ void adam_stored(const at::Tensor& key, Work& work, State& state, const Options&
       fp32.exp_avg(v[0]);
       fp32.exp_avg_sq(v[1]);
       if (o.amsgrad()) fp32.max_exp_avg_sq(v[2]);
-      adam_per_op(p, grad, fp32, o, decoupled, grad_scale);
+      if (p.scalar_type() == at::kFloat) return adam_per_op(p, grad, fp32, o, decoupled, grad_scale);
+      // O3's bf16/fp16 parameters: the update in fp32 (ATen's opmath), rounded to nearest once.
+      at::Tensor p32 = p.to(at::kFloat), g32 = grad.to(at::kFloat);
+      adam_per_op(p32, g32, fp32, o, decoupled, grad_scale);
+      p.copy_(p32);
+      if (grad_scale) grad.copy_(g32);  // stored back unscaled, as on every route
     });
     if (copy) copy->copy_(p);
   }
