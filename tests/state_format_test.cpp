@@ -817,4 +817,29 @@ TEST(StateFormatErrorsTest, EightBitArchivesNeedAFusedOptimizer) {
   for (const auto& m : sf_moments(fp32)) EXPECT_EQ(m.scalar_type(), torch::kFloat);
 }
 
+// An archive loaded into an optimizer whose parameters come in another order hands each parameter another one's
+// moments: every format's step refuses them (the loops would read and write past the smaller tensor).
+TEST(StateFormatErrorsTest, MomentsOfAnotherParameterAreRefusedAtTheStep) {
+  const auto [x, y] = amp_test::blobs(64, 64, 4, 9);
+  for (const auto format : {OptimizerStateFormat::kFp32, OptimizerStateFormat::kBf16, OptimizerStateFormat::k8Bit}) {
+    SCOPED_TRACE(amp::to_string(format));
+    auto net = sf_net();
+    auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdamW(net->parameters()),
+                                              sf_options("O0", torch::kBFloat16, format));
+    sf_step(model, optimizer, x, y);
+    std::stringstream bytes;
+    torch::save(optimizer, bytes);
+    auto net2 = sf_net();
+    std::vector<torch::Tensor> reversed = net2->parameters();
+    std::reverse(reversed.begin(), reversed.end());
+    auto [model2, optimizer2] = amp::initialize(net2, amp::optim::FusedAdamW(reversed), sf_options("O0", torch::kBFloat16, format));
+    torch::load(optimizer2, bytes);  // b.bias (4 values) now holds a.weight's moments (8192)
+    ASSERT_THROWS_WITH(sf_step(model2, optimizer2, x, y),
+                       "amp::optim: an Adam moment of 8192 values is the state of a parameter of shape [4] (4 "
+                       "values): the optimizer's state was loaded from another model or another order of parameters. "
+                       "Load the checkpoint into an optimizer built as the saved one was (same model, same param groups "
+                       "in the same order).");
+  }
+}
+
 }  // namespace

@@ -306,10 +306,15 @@ bool StateFormat::holds(const at::Tensor& stored, const at::Tensor& like, const 
 }
 
 void StateFormat::adopt(at::Tensor& stored, const at::Tensor& like, const Place& place, Moment moment) const {
-  if (!stored.defined() || holds(stored, like, place)) return;
+  if (!stored.defined()) return;
+  // Every step checks the size: the loops read and write as many values as the parameter has.
   const int64_t n = is_packed(stored) ? state_packed_numel(stored) : stored.numel();
-  TORCH_CHECK(n == like.numel(), "amp: an optimizer state of ", n, " values belongs to a parameter of ", like.numel(),
-              "; the state was loaded from another model or param group order.");
+  TORCH_CHECK(n == like.numel() && (!is_packed(stored) || stored.numel() == n + n / kStateBlock * 4),
+              "amp::optim: an Adam moment of ", n, " values is the state of a parameter of shape ", like.sizes(),
+              " (", like.numel(), " values): the optimizer's state was loaded from another model or another order of "
+              "parameters. Load the checkpoint into an optimizer built as the saved one was (same model, same param "
+              "groups in the same order).");
+  if (holds(stored, like, place)) return;
   at::Tensor target = fresh(like, place);
   encode_moment(decode_moment(stored, like.sizes(), moment), target, moment);
   stored = std::move(target);

@@ -105,7 +105,8 @@ class StateFormat {
 
   /// A zero moment for `like` (the stepped tensor) at `place`, in this format.
   at::Tensor fresh(const at::Tensor& like, const Place& place) const;
-  /// Converts `stored` in place to this format's representation for `like` at `place`, if it has another.
+  /// Converts `stored` in place to this format's representation for `like` at `place`, if it has another; throws if
+  /// it holds another number of values than `like`.
   void adopt(at::Tensor& stored, const at::Tensor& like, const Place& place, Moment moment) const;
 
  private:
