@@ -39,9 +39,11 @@ fs::path sf_dir(const std::string& name) {
   return dir;
 }
 
-// Runs tests/python/state_formats.py MODE DIR; returns its exit status (3: torchao is not importable).
+// Runs tests/python/state_formats.py MODE DIR under its own time limit (a hang fails here, named); returns its exit
+// status (3: torchao is not importable, 124: it ran past 300 s).
 int sf_python(const std::string& mode, const fs::path& dir) {
-  const std::string command = amp_test::python_interpreter() + " '" AMP_SOURCE_DIR "/tests/python/state_formats.py' " +
+  const std::string command = "timeout 300 " + amp_test::python_interpreter() +
+                              " '" AMP_SOURCE_DIR "/tests/python/state_formats.py' " +
                               mode + " '" + dir.string() + "' > '" + (dir / "python.log").string() + "' 2>&1";
   const int status = std::system(command.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -322,7 +324,6 @@ TEST(StateFormatCodecTest, Bf16StochasticRoundingIsUnbiased) {
   const auto mean = stored.to(torch::kFloat).mean(1);
   EXPECT_TRUE(torch::allclose(mean, x, /*rtol=*/3e-5, /*atol=*/3e-5)) << (mean - x).abs().max().item<float>();
   // Each copy is one of the value's two bf16 neighbours; the same draws give the same bits, others differ.
-  const auto down = x.to(torch::kBFloat16).to(torch::kFloat);
   auto again = torch::empty(copies.sizes(), torch::kBFloat16);
   amp::detail::encode_moment(copies, again, Moment::kSigned, std::make_pair(uint64_t{42}, uint64_t{0}));
   EXPECT_TRUE(amp_test::bitwise_equal(stored, again));
@@ -330,75 +331,92 @@ TEST(StateFormatCodecTest, Bf16StochasticRoundingIsUnbiased) {
   EXPECT_FALSE(amp_test::bitwise_equal(stored, again));
   const auto gap = (stored.to(torch::kFloat) - copies).abs();
   EXPECT_TRUE((gap <= copies.abs() * std::ldexp(1.0, -7)).all().item<bool>());
-  (void)down;
 }
 
 // The CPU loop's codes are torchao's ATen ops' (quantize_with_map), block scales included; decoding is
 // map[code] * scale; slicing and joining by blocks (ZeRO's pieces) is lossless.
-TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
-  torch::manual_seed(1);
-  auto values = torch::randn({64, 256}) * torch::logspace(-8, 2, 64).view({-1, 1});
-  values[3].zero_();           // a block of zeros: scale 1e-12
-  values[5][7] = 1e-30f;       // far below the block's scale
-  for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
-    const auto v = moment == Moment::kSigned ? values : values.abs();
-    const int64_t n = v.numel();
-    auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
-    amp::detail::encode_moment(v, packed, moment);
-    const auto blocks = v.view({-1, 256});
-    const auto scale = blocks.abs().amax(-1).clamp_min(1e-12);
-    const auto codes = amp::detail::quantize_with_map(blocks / scale.view({-1, 1}), moment).reshape({-1});
-    EXPECT_TRUE(torch::equal(codes_of(packed, n), codes));
-    EXPECT_TRUE(amp_test::bitwise_equal(scales_of(packed, n), scale));
-    const auto& map = amp::detail::quantization_map(moment);
-    const auto map_t = torch::from_blob(const_cast<float*>(map.data()), {256}, torch::kFloat);
-    const auto expected = (map_t.index_select(0, codes.to(torch::kLong)).view({-1, 256}) * scale.view({-1, 1})).reshape(v.sizes());
-    EXPECT_TRUE(amp_test::bitwise_equal(amp::detail::decode_moment(packed, v.sizes(), moment), expected));
-    // Within half a code's gap of the value: the largest gap of the map near 1 is 0.0141 (of the block's absmax).
-    EXPECT_LE(((expected - v).abs() / scale.view({-1, 1}).expand({64, 256}).reshape(v.sizes())).max().item<double>(), 0.0071);
-    const auto joined = amp::detail::join_moments({amp::detail::slice_moment(packed, 0, 4096),
-                                                   amp::detail::slice_moment(packed, 4096, 8192),
-                                                   amp::detail::slice_moment(packed, 12288, n - 12288)});
-    EXPECT_TRUE(torch::equal(joined, packed));
+// Runs `body` on the codec's AVX2 loops (where the CPU has them) and on its portable ones.
+template <class Body>
+void on_both_codecs(Body body) {
+  struct PortableLoopsGuard {
+    explicit PortableLoopsGuard(bool portable) { amp::detail::cpu::force_portable_loops(portable); }
+    ~PortableLoopsGuard() { amp::detail::cpu::force_portable_loops(false); }
+  };
+  for (const bool portable : {false, true}) {
+    SCOPED_TRACE(portable ? "portable loops" : "the CPU's loops");
+    const PortableLoopsGuard loops(portable);
+    body();
   }
+}
+
+TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
+  on_both_codecs([] {
+    torch::manual_seed(1);
+    auto values = torch::randn({64, 256}) * torch::logspace(-8, 2, 64).view({-1, 1});
+    values[3].zero_();           // a block of zeros: scale 1e-12
+    values[5][7] = 1e-30f;       // far below the block's scale
+    for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+      const auto v = moment == Moment::kSigned ? values : values.abs();
+      const int64_t n = v.numel();
+      auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
+      amp::detail::encode_moment(v, packed, moment);
+      const auto blocks = v.view({-1, 256});
+      const auto scale = blocks.abs().amax(-1).clamp_min(1e-12);
+      const auto codes = amp::detail::quantize_with_map(blocks / scale.view({-1, 1}), moment).reshape({-1});
+      EXPECT_TRUE(torch::equal(codes_of(packed, n), codes));
+      EXPECT_TRUE(amp_test::bitwise_equal(scales_of(packed, n), scale));
+      const auto& map = amp::detail::quantization_map(moment);
+      const auto map_t = torch::from_blob(const_cast<float*>(map.data()), {256}, torch::kFloat);
+      const auto expected = (map_t.index_select(0, codes.to(torch::kLong)).view({-1, 256}) * scale.view({-1, 1})).reshape(v.sizes());
+      EXPECT_TRUE(amp_test::bitwise_equal(amp::detail::decode_moment(packed, v.sizes(), moment), expected));
+      // Within half a code's gap of the value: the largest gap of the map near 1 is 0.0141 (of the block's absmax).
+      EXPECT_LE(((expected - v).abs() / scale.view({-1, 1}).expand({64, 256}).reshape(v.sizes())).max().item<double>(), 0.0071);
+      const auto joined = amp::detail::join_moments({amp::detail::slice_moment(packed, 0, 4096),
+                                                     amp::detail::slice_moment(packed, 4096, 8192),
+                                                     amp::detail::slice_moment(packed, 12288, n - 12288)});
+      EXPECT_TRUE(torch::equal(joined, packed));
+    }
+  });
 }
 
 // The bucket table (NOTE [Finding a code] in src/optim/cpu_state_codec.cpp) against torchao's search in ATen ops,
 // where codes change: every rounding midpoint of both maps and the 6 floats on each side of it, and each map value's
 // neighbours, in blocks whose absmax is 1 (so the values are divided by exactly 1).
 TEST(StateFormatCodecTest, BucketTableGivesTheSearchsCodesAtEveryBoundary) {
-  for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
-    const auto& map = amp::detail::quantization_map(moment);
-    std::vector<float> values;
-    for (int c = 0; c < 256; ++c) {
-      std::vector<float> centres = {map[c]};
-      if (c < 255) centres.push_back(map[c] + (map[c + 1] - map[c]) * 0.5f);
-      for (float centre : centres) {
-        float below = centre, above = centre;
-        values.push_back(centre);
-        for (int k = 0; k < 6; ++k) {
-          below = std::nextafter(below, -2.0f), above = std::nextafter(above, 2.0f);
-          for (float v : {below, above}) {
-            if (std::abs(v) <= 1.0f) values.push_back(v);
+  on_both_codecs([] {
+    for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+      const auto& map = amp::detail::quantization_map(moment);
+      std::vector<float> values;
+      for (int c = 0; c < 256; ++c) {
+        std::vector<float> centres = {map[c]};
+        if (c < 255) centres.push_back(map[c] + (map[c + 1] - map[c]) * 0.5f);
+        for (float centre : centres) {
+          float below = centre, above = centre;
+          values.push_back(centre);
+          for (int k = 0; k < 6; ++k) {
+            below = std::nextafter(below, -2.0f), above = std::nextafter(above, 2.0f);
+            for (float v : {below, above}) {
+              if (std::abs(v) <= 1.0f) values.push_back(v);
+            }
           }
         }
       }
+      while (values.size() % 255 != 0) values.push_back(0.0f);
+      // Each block: 255 values and a 1 (the absmax).
+      std::vector<float> blocks;
+      for (size_t i = 0; i < values.size(); i += 255) {
+        blocks.insert(blocks.end(), values.begin() + static_cast<int64_t>(i), values.begin() + static_cast<int64_t>(i) + 255);
+        blocks.push_back(1.0f);
+      }
+      const auto v = torch::tensor(blocks);
+      const int64_t n = v.numel();
+      auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
+      amp::detail::encode_moment(v, packed, moment);
+      const auto expected = amp::detail::quantize_with_map(v.view({-1, 256}), moment).reshape({-1});
+      const auto mismatches = codes_of(packed, n).ne(expected).sum().item<int64_t>();
+      EXPECT_EQ(mismatches, 0) << (moment == Moment::kSigned ? "signed" : "unsigned") << " map, " << n << " values";
     }
-    while (values.size() % 255 != 0) values.push_back(0.0f);
-    // Each block: 255 values and a 1 (the absmax).
-    std::vector<float> blocks;
-    for (size_t i = 0; i < values.size(); i += 255) {
-      blocks.insert(blocks.end(), values.begin() + static_cast<int64_t>(i), values.begin() + static_cast<int64_t>(i) + 255);
-      blocks.push_back(1.0f);
-    }
-    const auto v = torch::tensor(blocks);
-    const int64_t n = v.numel();
-    auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
-    amp::detail::encode_moment(v, packed, moment);
-    const auto expected = amp::detail::quantize_with_map(v.view({-1, 256}), moment).reshape({-1});
-    const auto mismatches = codes_of(packed, n).ne(expected).sum().item<int64_t>();
-    EXPECT_EQ(mismatches, 0) << (moment == Moment::kSigned ? "signed" : "unsigned") << " map, " << n << " values";
-  }
+  });
 }
 
 // ---- through amp::initialize: levels, master formats, routes ---------------------------------------------
@@ -451,7 +469,7 @@ TEST_P(StateFormatLevelTest, TrainsWithTheMomentsInTheFormat) {
   for (const bool lamb : {false, true}) {
     for (const auto route : {amp::optim::detail::FusedRoute::kAuto, amp::optim::detail::FusedRoute::kPerOp}) {
       SCOPED_TRACE(std::string(lamb ? "FusedLAMB" : "FusedAdamW") + (route == amp::optim::detail::FusedRoute::kPerOp ? " per-op" : ""));
-      amp::optim::detail::force_fused_route(route);
+      const amp::optim::detail::FusedRouteGuard forced(route);
       auto train = [&](OptimizerStateFormat format, auto make) {
         torch::manual_seed(9);
         auto net = sf_net();
@@ -463,7 +481,7 @@ TEST_P(StateFormatLevelTest, TrainsWithTheMomentsInTheFormat) {
           last = sf_step(model, optimizer, x, y);
           if (s == 0) first = last;
         }
-        return std::make_tuple(first, last, sf_moments(optimizer), amp::state_bytes(optimizer), net);
+        return std::make_tuple(first, last, sf_moments(optimizer), amp::state_bytes(optimizer));
       };
       auto run = [&](OptimizerStateFormat format) {
         if (lamb) {
@@ -471,9 +489,8 @@ TEST_P(StateFormatLevelTest, TrainsWithTheMomentsInTheFormat) {
         }
         return train(format, [](const std::shared_ptr<SfNet>& n) { return amp::optim::FusedAdamW(n->parameters(), torch::optim::AdamWOptions(1e-2)); });
       };
-      const auto [first32, last32, moments32, bytes32, net32] = run(OptimizerStateFormat::kFp32);
-      const auto [first, last, moments, bytes, net] = run(GetParam().format);
-      amp::optim::detail::force_fused_route(amp::optim::detail::FusedRoute::kAuto);
+      const auto [first32, last32, moments32, bytes32] = run(OptimizerStateFormat::kFp32);
+      const auto [first, last, moments, bytes] = run(GetParam().format);
       EXPECT_LT(last, 0.7 * first);
       EXPECT_LT(last, last32 + 0.05 * first32) << "fp32 moments reach " << last32;
       ASSERT_EQ(moments.size(), 8u);
@@ -485,15 +502,12 @@ TEST_P(StateFormatLevelTest, TrainsWithTheMomentsInTheFormat) {
           EXPECT_EQ(moments[i].scalar_type(), big ? torch::kUInt8 : moments32[i].scalar_type()) << i;
         }
       }
-      const int64_t big_n = 64 * 128;
-      const int64_t saved = GetParam().format == OptimizerStateFormat::k8Bit
-                                ? 2 * (big_n * 4 - (big_n + big_n / 64))
-                                : [&] {
-                                    int64_t s = 0;
-                                    for (size_t i = 0; i < moments32.size(); ++i) s += moments32[i].nbytes() - moments[i].nbytes();
-                                    return s;
-                                  }();
+      // Where fp32 moments are fp32 (not O3's bf16 ones): bf16 halves every moment; 8 bits turn a.weight's two
+      // 8192-value moments into codes and one scale per 256 values.
       if (moments32.front().scalar_type() == torch::kFloat) {
+        const int64_t big_n = 64 * 128;
+        const int64_t saved = GetParam().format == OptimizerStateFormat::k8Bit ? 2 * (big_n * 4 - (big_n + big_n / 64))
+                                                                              : bytes32.optimizer_state / 2;
         EXPECT_EQ(bytes32.optimizer_state - bytes.optimizer_state, saved);
       }
     }
@@ -738,7 +752,7 @@ TEST(StateFormatQualityTest, MemorizationWithinThreePercentOfFp32Moments) {
 // ops) train alike.
 TEST(StateFormatCompositionTest, AmsgradOnBothRoutes) {
   auto run = [&](amp::optim::detail::FusedRoute route) {
-    amp::optim::detail::force_fused_route(route);
+    const amp::optim::detail::FusedRouteGuard forced(route);
     torch::manual_seed(4);
     auto w = (torch::randn({64, 128}) * 0.1).requires_grad_();
     amp::optim::FusedAdam optimizer(std::vector<torch::Tensor>{w}, torch::optim::AdamOptions(1e-2).amsgrad(true));
@@ -749,7 +763,6 @@ TEST(StateFormatCompositionTest, AmsgradOnBothRoutes) {
       torch::nn::functional::linear(x, w).pow(2).mean().backward();
       optimizer.step();
     }
-    amp::optim::detail::force_fused_route(amp::optim::detail::FusedRoute::kAuto);
     auto& state = static_cast<torch::optim::AdamParamState&>(*optimizer.state().at(amp::detail::state_key(optimizer.state(), w)));
     EXPECT_TRUE(amp::detail::is_packed(state.max_exp_avg_sq()));
     return std::make_pair(w.detach().clone(), amp::detail::decode_moment(state.max_exp_avg_sq(), w.sizes(), Moment::kUnsigned));

@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -193,9 +194,11 @@ __attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, flo
   }
 }
 
+std::atomic<bool> portable_forced{false};
+
 bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
+  return yes && !portable_forced;
 }
 #endif
 
@@ -235,7 +238,7 @@ AMP_VECTOR_CLONES void widen_bf16(const uint16_t* __restrict in, float* __restri
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void round_groups(const float* __restrict in, uint16_t* __restrict out, int64_t groups, uint64_t seed,
-                                    uint64_t first_draw) {
+                  uint64_t first_draw) {
   for (int64_t k = 0; k < groups; ++k) {
     const uint64_t bits = random_bits(seed, first_draw + static_cast<uint64_t>(k));
     for (int j = 0; j < 4; ++j) out[4 * k + j] = round_stochastically(in[4 * k + j], static_cast<uint16_t>(bits >> (16 * j)));
@@ -255,6 +258,12 @@ void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64
 }
 
 }  // namespace
+
+void force_portable_loops(bool portable) {
+#ifdef AMP_HAVE_AVX2_CODES
+  portable_forced = portable;
+#endif
+}
 
 void decode(const StateView& view, int64_t begin, int64_t n, float* out) {
   switch (view.kind) {

@@ -37,6 +37,9 @@ bool code_buckets(const float* map, CodeBucket* table);
 /// the reference the bucket table is built from (and the route for blocks holding inf or NaN).
 uint8_t code_by_search(float y, const float* map);
 
+/// Tests: the portable loops even where the CPU has AVX2 (which the codec otherwise takes), so both are checked.
+void force_portable_loops(bool portable);
+
 /// out[0, n) = the fp32 values of elements [begin, begin + n); kCodes: begin and n are multiples of the block.
 void decode(const StateView& view, int64_t begin, int64_t n, float* out);
 /// Stores in[0, n) as elements [begin, begin + n) (kCodes: whole blocks; each gets its absmax scale).

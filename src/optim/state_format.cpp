@@ -207,7 +207,7 @@ void with_fp32_moments(torch::optim::Optimizer& opt, const StateFormat* format, 
       for (size_t f = 0; f < fields.size(); ++f) {
         at::Tensor& t = *fields[f];
         if (!t.defined() || !(is_packed(t) || (bf16 && t.scalar_type() == at::kBFloat16))) continue;
-        t = decode_moment(t, p.sizes(), f == 0 ? Moment::kSigned : Moment::kUnsigned);
+        t = decode_moment(t, p.sizes(), moment_of_field(f));
         any = true;
       }
       decoded[it->first] = std::move(copy);
@@ -240,7 +240,7 @@ void encode_moments(torch::optim::Optimizer& opt, const StateFormat& format) {
       if (format.format() == OptimizerStateFormat::k8Bit && !quantizes(p.numel())) continue;  // stays as read
       const auto fields = state_fields(*it->second).tensors;
       for (size_t f = 0; f < fields.size(); ++f) {
-        format.adopt(*fields[f], p, StateFormat::Place{0, p.numel()}, f == 0 ? Moment::kSigned : Moment::kUnsigned);
+        format.adopt(*fields[f], p, StateFormat::Place{0, p.numel()}, moment_of_field(f));
       }
     }
   }

@@ -23,6 +23,7 @@
 #include <functional>
 #include <optional>
 #include <unordered_map>
+#include <vector>
 
 #include "amp/optimizer_state_format.h"
 #include "optim/cpu_state_codec.h"
@@ -35,6 +36,8 @@ namespace amp::detail {
 
 /// Which map an 8-bit moment takes: exp_avg the signed one, the squares (exp_avg_sq, max_exp_avg_sq) the unsigned.
 enum class Moment { kSigned, kUnsigned };
+/// The map of field `f` of state_fields() (exp_avg first: Adam's, AdamW's and FusedLAMB's order).
+inline Moment moment_of_field(size_t f) { return f == 0 ? Moment::kSigned : Moment::kUnsigned; }
 
 /// torchao's create_dynamic_map(signed) as float32, computed with the same ATen ops (so the same values).
 const std::array<float, 256>& quantization_map(Moment moment);
@@ -76,7 +79,7 @@ class StateFormat {
     int64_t offset = 0;
     int64_t whole_numel = 0;
   };
-  /// ZeRO's answer for a piece (nullopt: a whole tensor), and the number of elements of every whole tensor.
+  /// ZeRO's answer for a piece of a tensor (nullopt: the tensor is whole).
   using Placement = std::function<std::optional<Place>(const at::Tensor&)>;
 
   StateFormat(OptimizerStateFormat format, uint64_t seed, uint64_t counter = 0)
@@ -89,7 +92,8 @@ class StateFormat {
     seed_ = seed;
     counter_ = counter;
   }
-  /// Set by ZeRO for as long as the optimizer's param_groups hold its pieces.
+  /// Set by ZeRO for as long as the optimizer's param_groups hold its pieces; `total`: the values of every whole
+  /// tensor (the numbering's length).
   void set_placement(Placement placement, int64_t total) {
     placement_ = std::move(placement);
     placement_total_ = total;

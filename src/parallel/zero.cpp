@@ -143,9 +143,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::opti
   for (size_t f = 0; f < fields.size(); ++f) {
     at::Tensor& t = *fields[f];
     if (!t.defined()) continue;
-    const auto moment = f == 0 ? amp::detail::Moment::kSigned : amp::detail::Moment::kUnsigned;
     if (amp::detail::is_packed(t) && (begin % kShardBlock != 0 || length % kShardBlock != 0)) {
-      t = amp::detail::decode_moment(t, {-1}, moment);
+      t = amp::detail::decode_moment(t, {-1}, amp::detail::moment_of_field(f));
     }
     t = amp::detail::slice_moment(t, begin, length);
   }
@@ -214,6 +213,7 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   std::shared_ptr<amp::detail::StateFormat> format_;  // the optimizer's state format
   int64_t slice_multiple_ = 1;  // kShardBlock with 8-bit moments (NOTE [ZeRO layout])
   int64_t whole_numel_ = 0;     // every stepped tensor's values, the state format's numbering
+  std::unordered_map<const c10::TensorImpl*, amp::detail::StateFormat::Place> piece_places_;  // by piece value
   std::vector<ShardPiece> pieces_;
   std::vector<ShardLane> lanes_;
   std::vector<std::vector<char>> used_;  // stage 2: [group][entry] has a reduced gradient in its lane's incoming
@@ -297,6 +297,8 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
           p.length = span.length;
           p.value = e.stepped.detach().reshape({-1}).narrow(0, p.begin, p.length).clone();
           span.piece = static_cast<int>(pieces_.size());
+          piece_places_.emplace(p.value.unsafeGetTensorImpl(),
+                                amp::detail::StateFormat::Place{e.whole_offset + p.begin, e.numel});
           pieces_.push_back(std::move(p));
         }
         lanes[d].spans[static_cast<size_t>(r)].push_back(span);
@@ -636,23 +638,18 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
                                                    [this](std::vector<double>& v) { sum_per_tensor(v); }};
   if (fused) fused->set_shard_sums(&sums);
   // The state format numbers a piece's elements as its whole tensor's (NOTE [Optimizer state formats]).
-  const std::shared_ptr<amp::detail::StateFormat>& format = format_;
-  if (format && use == Use::kStep) {
-    std::unordered_map<const c10::TensorImpl*, amp::detail::StateFormat::Place> places;
-    for (const auto& p : pieces_) {
-      const ShardEntry& e = groups_[p.group][p.entry];
-      places.emplace(p.value.unsafeGetTensorImpl(), amp::detail::StateFormat::Place{e.whole_offset + p.begin, e.numel});
-    }
-    format->set_placement(
-        [places = std::move(places)](const at::Tensor& t) -> std::optional<amp::detail::StateFormat::Place> {
-          const auto it = places.find(t.unsafeGetTensorImpl());
-          if (it == places.end()) return std::nullopt;
+  const bool placed = use == Use::kStep && format_ && format_->format() != amp::OptimizerStateFormat::kFp32;
+  if (placed) {
+    format_->set_placement(
+        [this](const at::Tensor& t) -> std::optional<amp::detail::StateFormat::Place> {
+          const auto it = piece_places_.find(t.unsafeGetTensorImpl());
+          if (it == piece_places_.end()) return std::nullopt;
           return it->second;
         },
         whole_numel_);
   }
   auto restore = [&] {
-    if (format && use == Use::kStep) format->set_placement(nullptr, 0);
+    if (placed) format_->set_placement(nullptr, 0);
     if (fused) fused->set_shard_sums(nullptr);
     for (size_t g = 0; g < groups.size() && g < saved.size(); ++g) groups[g].params() = std::move(saved[g]);
     for (auto& p : pieces_) p.value.mutable_grad() = at::Tensor();
