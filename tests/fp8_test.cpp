@@ -263,7 +263,12 @@ INSTANTIATE_TEST_SUITE_P(
         F8TrainCase{"e4m3_delayed", amp::Fp8Options()
                                         .format(amp::Fp8Options::Format::kE4M3)
                                         .scaling(amp::Fp8Options::Scaling::kDelayed)
-                                        .amax_history_len(4)}),
+                                        .amax_history_len(4)},
+        F8TrainCase{"dynamic_pow2", amp::Fp8Options().power_of_2_scales(true)},
+        F8TrainCase{"delayed_pow2", amp::Fp8Options()
+                                        .scaling(amp::Fp8Options::Scaling::kDelayed)
+                                        .amax_history_len(2)
+                                        .power_of_2_scales(true)}),
     [](const auto& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -281,10 +286,11 @@ TEST(Fp8Test, LayersAreTheLinearsWithDimensionsMultipleOf16AndTheBannerListsTheO
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), f8_options().verbosity(1));
   const std::string banner = ::testing::internal::GetCapturedStdout();
   EXPECT_NE(banner.find("FP8 layers (hybrid, dynamic scaling): fc1, fc2\n"), std::string::npos) << banner;
-  EXPECT_NE(banner.find("Linear layers left in bfloat16 (dimensions not multiples of 16): head [10 x 64]"),
-            std::string::npos) << banner;
+  EXPECT_NE(banner.find("Linear layers left in bfloat16: head [10 x 64] (not multiples of 16)"), std::string::npos)
+      << banner;
   EXPECT_NE(banner.find("fp8                    : Fp8Options(format=hybrid, scaling=dynamic, amax_history_len=1024, "
-                        "amax_compute_algo=max, margin=0)"), std::string::npos) << banner;
+                        "amax_compute_algo=max, margin=0, power_of_2_scales=False, min_gemm_size=0, "
+                        "auto_fallback=False)"), std::string::npos) << banner;
   std::vector<std::string> names;
   for (const auto& l : amp::fp8_layers(optimizer)) names.push_back(l.name);
   EXPECT_EQ(names, (std::vector<std::string>{"fc1", "fc2"}));
@@ -459,7 +465,7 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
   // Another model's layers: checked before anything changes.
   const auto fp8 = f8_state(optimizer);
   try {
-    fp8->restore_state(fp8->state_tensors(), {"encoder.fc"}, "the checkpoint");
+    fp8->restore_state(fp8->state_tensors(), {"encoder.fc"}, {}, "the checkpoint");
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(amp_test::message(e).find("the checkpoint holds the FP8 state of the layers encoder.fc, but this model's FP8 "
@@ -628,7 +634,8 @@ TEST(Fp8OptionsTest, ConfigKeysSetTheRecipe) {
     amp::load_options(file.string());
     ADD_FAILURE() << "expected a bad value error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find(":3: bad value 'later' for key 'fp8_scaling': expected dynamic or delayed"),
+    EXPECT_NE(std::string(e.what()).find(":3: bad value 'later' for key 'fp8_scaling': expected dynamic, delayed, rowwise, rowwise_gw_hp, "
+                                    "blockwise or mxfp8"),
               std::string::npos) << e.what();
   }
   fs::remove(file);

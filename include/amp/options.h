@@ -56,6 +56,9 @@ class Options {
   Options& fp8_amax_history_len(int value);
   Options& fp8_amax_compute_algo(std::string value);
   Options& fp8_margin(int value);
+  Options& fp8_power_of_2_scales(bool value);
+  Options& fp8_min_gemm_size(int64_t value);
+  Options& fp8_auto_fallback(bool value);
 
   /// Replaces the opt level, keeping the overrides.
   Options& opt_level(OptLevel value) { level_ = value; return *this; }

@@ -96,7 +96,8 @@ class SummaryWriter {
 
 /// Writes amp's signals of `optimizer` at `step`: `<prefix>loss_scale/<loss_id>` for each of its
 /// num_losses loss scalers (amp::loss_scale) and `<prefix>skipped_steps` (steps skipped after an
-/// overflow so far), and with Options::auto_fp32 `<prefix>fp32_modules` (modules it moved to fp32 so far). Use
+/// overflow so far), with Options::auto_fp32 `<prefix>fp32_modules` (modules it moved to fp32 so far), and with
+/// Fp8Options::auto_fallback `<prefix>fp8_fallbacks` (FP8 layers it moved to bfloat16 so far). Use
 /// another prefix ("amp/G/") for a second optimizer.
 void add_amp_scalars(SummaryWriter& writer, const OptimizerBase& optimizer, int64_t step,
                      const std::string& prefix = "amp/");

@@ -13,7 +13,17 @@
 // Quantizing clamps to the format's range, which would turn an inf into a finite 448 and let an overflowing
 // step through with wrong numbers. Each scale is multiplied by (amax * 0 + 1): exactly 1 for a finite amax, NaN
 // for an inf/NaN one, so a non-finite tensor quantizes to NaN, the GEMM's output is NaN and the loss scaler
-// skips the step, as it would without FP8. No host sync is needed for it.
+// skips the step, as it would without FP8. No host sync is needed for it. The slice, tile and block recipes need
+// no factor: a non-finite amax gives a scale of 0 (0 * inf = NaN) or NaN, and MXFP8's E8M0 scale of an inf block
+// dequantizes its values to inf.
+//
+// NOTE [FP8 auto fallback]
+// Fp8Options::auto_fallback counts, per layer, the optimizer steps in a row (taken or skipped) on which one of its
+// amaxes was inf/NaN, the layers the overflow report names; at kFallbackSteps the layer runs in the level's dtype
+// from the next forward, for good. In a row, not in total: a dynamic loss scale overflows by design every
+// growth_interval steps, and those isolated overflows must never add up to a fallback; a layer named 8 times running
+// has seen its loss scale halved 8 times without effect. Under amp::parallel the flags are reduced (max) first, so
+// every replica moves the same layers. The decisions and the counts are part of both checkpoint formats.
 
 #include "casting/fp8.h"
 
@@ -24,9 +34,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <mutex>
 #include <stdexcept>
 
+#include "casting/fp8_recipes.h"
 #include "options/exception_message.h"
 #include "interception/interception.h"
 #include "casting/jit_mirror.h"
@@ -167,7 +179,7 @@ const c10::TensorImpl* transposed_weight(const at::Tensor& t) {
 
 // Runs one small FP8 GEMM on `device`, so that a device without FP8 kernels (CUDA before SM 8.9) is refused at
 // initialize, not in the first forward.
-void probe(const c10::Device& device) {
+void probe(const c10::Device& device, bool rowwise) {
 #if AMP_HAS_FP8
   try {
     const auto options = at::TensorOptions().device(device);
@@ -175,13 +187,20 @@ void probe(const c10::Device& device) {
     const at::Tensor one = at::ones({}, options.dtype(at::kFloat));
     const at::Tensor out = at::_scaled_mm(a, a.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
     TORCH_CHECK(out.to(at::kFloat).sum().item<double>() == 16.0 * 16 * 16, "wrong result");
+    if (rowwise) {  // [M, 1] and [1, N] scales: CUDA before SM 9.0 has no kernel for them
+      const at::Tensor ones = at::ones({16, 1}, options.dtype(at::kFloat));
+      const at::Tensor row = at::_scaled_mm(a, a.t(), ones, ones.t(), std::nullopt, std::nullopt, at::kBFloat16);
+      TORCH_CHECK(row.to(at::kFloat).sum().item<double>() == 16.0 * 16 * 16, "wrong rowwise result");
+    }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "amp::initialize: fp8 needs at::_scaled_mm on ", device, ", which this LibTorch build (",
+    TORCH_CHECK(false, "amp::initialize: fp8 needs at::_scaled_mm", rowwise ? " with rowwise scales" : "", " on ",
+                device, ", which this LibTorch build (",
                 TORCH_VERSION, ") can't run there: ", message_of(e), "\nFP8 GEMMs need a CUDA GPU of compute "
                 "capability 8.9 or newer (Ada, Hopper, Blackwell) or the CPU (emulated, slow). Remove fp8 on this "
                 "device.");
   }
 #else
+  (void)rowwise;
   TORCH_CHECK(false, "amp::initialize: fp8 needs LibTorch 2.1 or newer (this build is ", TORCH_VERSION, ") on ", device);
 #endif
 }
@@ -211,13 +230,19 @@ void register_fp8_handler() {
 }  // namespace
 
 Fp8State::Fp8State(const Properties& p, torch::nn::Module& root, const std::function<bool(const at::Tensor&)>& in_island)
-    : options_(*p.fp8), out_dtype_(p.low_precision_dtype) {
+    : options_(*p.fp8), out_dtype_(p.low_precision_dtype), verbosity_(p.verbosity) {
+  const int64_t block = fp8_block_of(options_.scaling());
   for (const auto& item : root.named_modules("", /*include_self=*/true)) {
     const at::Tensor w = linear_weight(*item.value());
     if (!w.defined() || in_island(w)) continue;
     const std::string name = item.key().empty() ? kRootName : item.key();
-    if (w.size(0) % 16 != 0 || w.size(1) % 16 != 0) {
-      skipped_.push_back(name + " [" + std::to_string(w.size(0)) + " x " + std::to_string(w.size(1)) + "]");
+    const std::string shape = " [" + std::to_string(w.size(0)) + " x " + std::to_string(w.size(1)) + "]";
+    if (w.size(0) % block != 0 || w.size(1) % block != 0) {
+      skipped_.push_back(name + shape + " (not multiples of " + std::to_string(block) + ")");
+      continue;
+    }
+    if (w.numel() < options_.min_gemm_size()) {
+      skipped_.push_back(name + shape + " (below min_gemm_size " + std::to_string(options_.min_gemm_size()) + ")");
       continue;
     }
     by_weight_.emplace(w.unsafeGetTensorImpl(), static_cast<int64_t>(layers_.size()));
@@ -228,10 +253,16 @@ Fp8State::Fp8State(const Properties& p, torch::nn::Module& root, const std::func
     for (const auto& l : skipped_) skipped += (skipped.empty() ? "" : ", ") + l;
     TORCH_CHECK(false, "amp::initialize: fp8 is on, but the model has no Linear layer FP8 can run: ",
                 skipped.empty() ? "it has no torch::nn::Linear outside the fp32 islands"
-                                : "the dimensions of " + skipped + " are not multiples of 16 (at::_scaled_mm needs them)",
-                ". Remove fp8, or give the layers dimensions that are multiples of 16.");
+                                : "each is left out: " + skipped + " (fp8_scaling " + to_string(options_.scaling()) +
+                                      " needs dimensions that are multiples of " + std::to_string(block) + ")",
+                ". Remove fp8, lower min_gemm_size, or give the layers dimensions that are multiples of ", block, ".");
   }
-  probe(layers_[0].weight.device());
+  const c10::Device device = layers_[0].weight.device();
+  emulated_ = fp8_recipe_emulated(options_.scaling(), device);
+  if (!emulated_) {
+    const auto s = options_.scaling();
+    probe(device, s == Fp8Options::Scaling::kRowwise || s == Fp8Options::Scaling::kRowwiseGwHp);
+  }
   register_fp8_handler();
   const int64_t slots = static_cast<int64_t>(layers_.size()) * 3;
   const auto options = at::TensorOptions().dtype(at::kFloat).device(layers_.empty() ? at::kCPU : layers_[0].weight.device());
@@ -243,6 +274,7 @@ Fp8State::Fp8State(const Properties& p, torch::nn::Module& root, const std::func
   for (int64_t i = 0; i < slots; ++i) maxima.push_back(static_cast<float>(fp8_max(static_cast<Kind>(i % 3))));
   maxima_ = at::tensor(maxima, options);
   pending_.assign(static_cast<size_t>(slots), at::Tensor());
+  overflow_steps_.assign(layers_.size(), 0);
 }
 
 c10::ScalarType Fp8State::fp8_dtype(Kind kind) const {
@@ -258,8 +290,12 @@ double Fp8State::fp8_max(Kind kind) const {
   return kind == kGrad && options_.format() == Fp8Options::Format::kHybrid ? kE5M2Max : kE4M3Max;
 }
 
+at::Tensor Fp8State::rounded(const at::Tensor& scale) const {
+  return options_.power_of_2_scales() ? at::exp2(at::floor(at::log2(scale))) : scale;
+}
+
 at::Tensor Fp8State::scale_from(const at::Tensor& amax, double max) const {
-  return at::full({}, max, amax.options()).div(amax.clamp_min(kAmaxFloor)).div(std::ldexp(1.0, options_.margin()));
+  return rounded(at::full({}, max, amax.options()).div(amax.clamp_min(kAmaxFloor)).div(std::ldexp(1.0, options_.margin())));
 }
 
 at::Tensor Fp8State::scale_for(int64_t slot, const at::Tensor& amax) {
@@ -283,18 +319,77 @@ void Fp8State::record_amax(int64_t slot, const at::Tensor& amax) {
   p = p.defined() ? at::maximum(p, amax) : amax.clone();  // several forwards per step: their largest
 }
 
+void Fp8State::note_scale(int64_t slot, const at::Tensor& scale) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  used_.select(0, slot).copy_(scale);
+}
+
 void Fp8State::set_amax_reducer(std::function<void(at::Tensor&)> reducer) { reducer_ = std::move(reducer); }
 
-void Fp8State::end_step(bool taken) {
+bool Fp8State::reduces_over_ranks() const {
+  return options_.scaling() == Fp8Options::Scaling::kDelayed || options_.auto_fallback();
+}
+
+std::vector<std::string> Fp8State::fallbacks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return fallbacks_;
+}
+
+// NOTE [FP8 auto fallback]
+std::vector<std::string> Fp8State::count_overflows(const std::vector<at::Tensor>& pending) {
+  const size_t n = layers_.size();
+  std::vector<at::Tensor> flags;  // per layer: 1 if an amax of this step is non-finite; last: any FP8 GEMM ran
+  at::Tensor ran = at::zeros({}, scales_.options());
+  const at::Tensor zero = at::zeros({}, scales_.options());
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor bad = zero;
+    for (size_t k = 0; k < 3; ++k) {
+      const at::Tensor& p = pending[i * 3 + k];
+      if (!p.defined()) continue;
+      bad = at::maximum(bad, at::logical_not(at::isfinite(p)).to(at::kFloat));
+      ran = at::ones({}, scales_.options());
+    }
+    flags.push_back(bad);
+  }
+  flags.push_back(ran);
+  at::Tensor all = at::stack(flags);
+  if (reducer_) reducer_(all);  // every replica counts the same flags
+  const at::Tensor host = all.to(at::kCPU);
+  const float* f = host.data_ptr<float>();
+  // No FP8 GEMM on any rank since the last step (a second optimizer's step over the same model): not a step here.
+  if (f[n] == 0) return {};
+  std::vector<std::string> moved;
+  for (size_t i = 0; i < n; ++i) {
+    overflow_steps_[i] = f[i] > 0 ? overflow_steps_[i] + 1 : 0;
+    if (overflow_steps_[i] >= kFallbackSteps && leave_fp8(layers_[i].name)) {
+      moved.push_back(layers_[i].name);
+      std::lock_guard<std::mutex> lock(mutex_);
+      fallbacks_.push_back(layers_[i].name);
+    }
+  }
+  if (!moved.empty() && verbosity_ > 0) {
+    std::cout << "amp: fp8 auto_fallback: ";
+    for (size_t i = 0; i < moved.size(); ++i) std::cout << (i ? ", " : "") << "'" << moved[i] << "'";
+    std::cout << (moved.size() == 1 ? " was" : " were") << " named by the FP8 overflow report on " << kFallbackSteps
+              << " steps in a row; " << (moved.size() == 1 ? "it runs" : "they run") << " in "
+              << c10::toString(out_dtype_) << " from now on (fp8_fallbacks() lists it, checkpoints keep it)."
+              << std::endl;
+  }
+  return moved;
+}
+
+std::vector<std::string> Fp8State::end_step(bool taken) {
   std::vector<at::Tensor> pending;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     pending.swap(pending_);
     pending_.assign(pending.size(), at::Tensor());
   }
+  std::vector<std::string> moved;
+  if (options_.auto_fallback()) moved = count_overflows(pending);
   const bool any = std::any_of(pending.begin(), pending.end(), [](const at::Tensor& p) { return p.defined(); });
   // No FP8 GEMM since the last step (a second optimizer's step over the same model): nothing to commit.
-  if (!taken || !any || options_.scaling() != Fp8Options::Scaling::kDelayed) return;
+  if (!taken || !any || options_.scaling() != Fp8Options::Scaling::kDelayed) return moved;
   at::Tensor zero = at::zeros({}, scales_.options());
   for (auto& p : pending) {
     if (!p.defined()) p = zero;
@@ -305,9 +400,10 @@ void Fp8State::end_step(bool taken) {
   history_.select(1, position_).copy_(amax);
   position_ = (position_ + 1) % history_.size(1);
   const at::Tensor h = options_.amax_compute_algo() == "max" ? history_.amax(1) : amax;
-  const at::Tensor next = maxima_.div(h.clamp_min(kAmaxFloor)).div(std::ldexp(1.0, options_.margin()));
+  const at::Tensor next = rounded(maxima_.div(h.clamp_min(kAmaxFloor)).div(std::ldexp(1.0, options_.margin())));
   scales_.copy_(at::where(h > 0, next, scales_));
   history_amax_.copy_(h);
+  return moved;
 }
 
 std::vector<std::string> Fp8State::non_finite_layers() const {
@@ -330,17 +426,23 @@ std::vector<Fp8LayerState> Fp8State::report() const {
   const at::Tensor s = (options_.scaling() == Fp8Options::Scaling::kDelayed ? scales_ : used_).to(at::kCPU).to(at::kDouble);
   const double* v = s.data_ptr<double>();
   std::vector<Fp8LayerState> out;
-  for (size_t i = 0; i < layers_.size(); ++i) out.push_back({layers_[i].name, v[i * 3], v[i * 3 + 1], v[i * 3 + 2]});
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!by_weight_.count(layers_[i].weight.unsafeGetTensorImpl())) continue;  // left FP8 (auto_fallback, auto_fp32)
+    out.push_back({layers_[i].name, v[i * 3], v[i * 3 + 1], v[i * 3 + 2], emulated_});
+  }
   return out;
 }
 
 void describe_fp8_layers(const Fp8State& state, std::ostream& out) {
   const Fp8Options& o = state.options();
-  out << "FP8 layers (" << to_string(o.format()) << ", " << to_string(o.scaling()) << " scaling): ";
+  out << "FP8 layers (";
+  if (is_per_tensor(o.scaling())) out << to_string(o.format()) << ", ";
+  out << to_string(o.scaling()) << " scaling" << (o.power_of_2_scales() ? ", power-of-two scales" : "")
+      << (state.emulated() ? ", emulated on this device" : "") << (o.auto_fallback() ? ", auto_fallback" : "") << "): ";
   for (size_t i = 0; i < state.layers().size(); ++i) out << (i ? ", " : "") << state.layers()[i].name;
   out << "\n";
   if (!state.skipped().empty()) {
-    out << "Linear layers left in bfloat16 (dimensions not multiples of 16): ";
+    out << "Linear layers left in bfloat16: ";
     for (size_t i = 0; i < state.skipped().size(); ++i) out << (i ? ", " : "") << state.skipped()[i];
     out << "\n";
   }
@@ -364,11 +466,13 @@ std::vector<std::pair<std::string, at::Tensor>> Fp8State::state_tensors() const 
   return {{"scales", scales_.clone()},
           {"history", history_.clone()},
           {"history_amax", history_amax_.clone()},
-          {"position", at::tensor(position_, at::kLong)}};
+          {"position", at::tensor(position_, at::kLong)},
+          {"overflow_steps", at::tensor(overflow_steps_, at::kLong)}};
 }
 
 std::function<void()> Fp8State::restore_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
-                                              const std::vector<std::string>& saved_names, const std::string& where) {
+                                              const std::vector<std::string>& saved_names,
+                                              const std::vector<std::string>& fallbacks, const std::string& where) {
   const std::vector<std::string>& names = saved_names;
   std::string saved;
   for (const auto& name : names) saved += (saved.empty() ? "" : ", ") + name;
@@ -383,6 +487,19 @@ std::function<void()> Fp8State::restore_state(const std::vector<std::pair<std::s
   };
   const at::Tensor scales = find("scales"), history = find("history"), amax = find("history_amax");
   const at::Tensor position = find("position");
+  // auto_fallback's counts (absent before it existed: none yet) and decisions, checked against this model's layers.
+  at::Tensor overflow_steps = at::zeros({static_cast<int64_t>(layers_.size())}, at::kLong);
+  for (const auto& [key, value] : state) {
+    if (key == "overflow_steps") overflow_steps = value;
+  }
+  TORCH_CHECK(overflow_steps.dim() == 1 && overflow_steps.size(0) == static_cast<int64_t>(layers_.size()), where,
+              " holds FP8 overflow counts for ", overflow_steps.numel(), " layers, but the model has ", layers_.size(),
+              ": the checkpoint is damaged.");
+  for (const auto& name : fallbacks) {
+    TORCH_CHECK(std::find(names.begin(), names.end(), name) != names.end(), where, " says auto_fallback moved FP8 "
+                "layer '", name, "', which is not among its FP8 layers (", saved.empty() ? "(none)" : saved,
+                "): the checkpoint is damaged.");
+  }
   TORCH_CHECK(history.dim() == 2 && history.size(1) == history_.size(1), where, " holds an FP8 amax history of ",
               history.dim() == 2 ? history.size(1) : -1, " steps, but this run's amax_history_len is ", history_.size(1),
               " (", to_string(options_.scaling()), " scaling). Resume with the fp8 recipe the checkpoint was saved "
@@ -394,13 +511,18 @@ std::function<void()> Fp8State::restore_state(const std::vector<std::pair<std::s
   const int64_t pos = position.item<int64_t>();
   TORCH_CHECK(pos >= 0 && (history_.size(1) == 0 ? pos == 0 : pos < history_.size(1)), where,
               " holds FP8 history position ", pos, ", outside [0, ", history_.size(1), "): the checkpoint is damaged.");
-  return [self = shared_from_this(), scales, history, amax, pos] {
+  const at::Tensor counts = overflow_steps.to(at::kCPU).to(at::kLong).contiguous();
+  std::vector<int64_t> steps(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
+  return [self = shared_from_this(), scales, history, amax, pos, steps, fallbacks] {
+    for (const auto& name : fallbacks) self->leave_fp8(name);
     std::lock_guard<std::mutex> lock(self->mutex_);
     c10::NoGradGuard no_grad;
     self->scales_.copy_(scales);
     self->history_.copy_(history);
     self->history_amax_.copy_(amax);
     self->position_ = pos;
+    self->overflow_steps_ = steps;
+    self->fallbacks_ = fallbacks;
     for (auto& p : self->pending_) p = at::Tensor();
   };
 }
@@ -408,12 +530,13 @@ std::function<void()> Fp8State::restore_state(const std::vector<std::pair<std::s
 void Fp8State::save(torch::serialize::OutputArchive& archive, const std::string& prefix) const {
   for (const auto& [name, value] : state_tensors()) archive.write(prefix + name, value);
   archive.write(prefix + "layers", c10::IValue(c10::List<std::string>(names())));
+  archive.write(prefix + "fallbacks", c10::IValue(c10::List<std::string>(fallbacks())));
 }
 
 std::function<void()> Fp8State::load(torch::serialize::InputArchive& archive, const std::string& prefix,
                                      const std::string& where) {
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const char* name : {"scales", "history", "history_amax", "position"}) {
+  for (const char* name : {"scales", "history", "history_amax", "position", "overflow_steps"}) {
     at::Tensor t;
     if (archive.try_read(prefix + name, t)) state.emplace_back(name, t);
   }
@@ -422,7 +545,11 @@ std::function<void()> Fp8State::load(torch::serialize::InputArchive& archive, co
   if (archive.try_read(prefix + "layers", names_value) && names_value.isList()) {
     for (const auto& v : names_value.toListRef()) names.push_back(v.toStringRef());
   }
-  return restore_state(state, names, where);
+  std::vector<std::string> fallbacks;
+  if (archive.try_read(prefix + "fallbacks", names_value) && names_value.isList()) {
+    for (const auto& v : names_value.toListRef()) fallbacks.push_back(v.toStringRef());
+  }
+  return restore_state(state, names, fallbacks, where);
 }
 
 bool Fp8State::leave_fp8(const std::string& name) {
@@ -477,6 +604,13 @@ bool Fp8State::run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   // Training forwards feed the amax history; evaluation (under NoGradGuard) reads it only.
   const bool training = at::GradMode::is_enabled() && (input.requires_grad() || w.requires_grad());
+  if (!is_per_tensor(options_.scaling())) {  // torchao's Float8Linear: the GEMM without bias, the bias added after
+    at::Tensor out = fp8_recipe_linear(input, w, shared_from_this(), it->second, training);
+    if (bias.defined()) out = out + bias.to(out.scalar_type());
+    torch::jit::drop(*stack, n);
+    torch::jit::push(*stack, std::move(out));
+    return true;
+  }
   // A custom function's tensor arguments must be defined: no bias travels as an empty tensor.
   if (!bias.defined()) bias = at::empty({0}, w.options().requires_grad(false));
   at::Tensor out = Fp8Linear::apply(input, w, bias, c10::make_intrusive<Fp8Runtime>(weak_from_this(), it->second),

@@ -36,14 +36,18 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
     at::Tensor weight;  // the Linear's weight (the model's parameter), [out, in]
   };
 
-  /// Chooses the FP8 layers among `root`'s Linear modules: those whose weight is not `in_island` and whose
-  /// dimensions are multiples of 16; the others are listed by skipped().
+  /// Chooses the FP8 layers among `root`'s Linear modules: those whose weight is not `in_island`, whose dimensions
+  /// are multiples of the recipe's block and whose in*out is at least min_gemm_size; the others are listed by
+  /// skipped().
   Fp8State(const Properties& properties, torch::nn::Module& root,
            const std::function<bool(const at::Tensor&)>& in_island);
 
   const std::vector<Layer>& layers() const noexcept { return layers_; }
-  /// "name [out x in]" of the Linear layers left in the level's dtype because a dimension is no multiple of 16.
+  /// "name [out x in] (why)" of the Linear layers left in the level's dtype: a dimension no multiple of the
+  /// recipe's block, or below min_gemm_size.
   const std::vector<std::string>& skipped() const noexcept { return skipped_; }
+  /// Whether the recipe's GEMMs are emulated on the layers' device (amp/fp8.h's Fp8LayerState::emulated).
+  bool emulated() const noexcept { return emulated_; }
   const Fp8Options& options() const noexcept { return options_; }
 
   /// Runs `op` (on `stack`, as the dispatcher hands it) as an FP8 GEMM if it is an FP8 layer's linear, addmm or
@@ -52,9 +56,15 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
 
   /// After an optimizer step: `taken` commits the step's amaxes into the history (kDelayed: reduced over the
   /// ranks first, then scales recomputed); a skipped step drops them. Either way the step's amaxes are cleared.
-  void end_step(bool taken);
-  /// Makes end_step reduce the step's amaxes (max over the ranks) before committing them: amp::parallel.
+  /// With auto_fallback, a layer whose amaxes were non-finite on kFallbackSteps steps in a row leaves FP8
+  /// (NOTE [FP8 auto fallback]); the names of those that left now are returned.
+  std::vector<std::string> end_step(bool taken);
+  /// Makes end_step reduce the step's amaxes and overflow flags (max over the ranks): amp::parallel.
   void set_amax_reducer(std::function<void(at::Tensor&)> reducer);
+  /// Whether end_step needs the reducer under amp::parallel (delayed scaling or auto_fallback).
+  bool reduces_over_ranks() const;
+  /// The layers auto_fallback moved to the level's dtype, in the order it moved them.
+  std::vector<std::string> fallbacks() const;
 
   /// The layers whose amax in this step is inf/NaN (the overflow report), in model order.
   std::vector<std::string> non_finite_layers() const;
@@ -69,9 +79,11 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
                              const std::string& where);
   /// The same state by name, for Python checkpoints: "scales", "history", "history_amax", "position".
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
-  /// Checks state_tensors()-shaped `state` saved for the layers `layer_names`; returns what restores it.
+  /// Checks state_tensors()-shaped `state` saved for the layers `layer_names` (with auto_fallback's `fallbacks`);
+  /// returns what restores it.
   std::function<void()> restore_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
-                                      const std::vector<std::string>& layer_names, const std::string& where);
+                                      const std::vector<std::string>& layer_names,
+                                      const std::vector<std::string>& fallbacks, const std::string& where);
   /// The FP8 layers' qualified names, in model order.
   std::vector<std::string> names() const;
 
@@ -87,17 +99,22 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
   at::Tensor scale_for(int64_t slot, const at::Tensor& amax);
   /// Adds `amax` to this step's amaxes (their max per slot).
   void record_amax(int64_t slot, const at::Tensor& amax);
+  /// The scale fp8_layers reports for `slot` (the slice, tile and block recipes: their smallest).
+  void note_scale(int64_t slot, const at::Tensor& scale);
   c10::ScalarType fp8_dtype(Kind kind) const;
   double fp8_max(Kind kind) const;
 
  private:
   at::Tensor scale_from(const at::Tensor& amax, double max) const;
+  at::Tensor rounded(const at::Tensor& scale) const;  // power_of_2_scales
   std::string layer_names() const;
+  std::vector<std::string> count_overflows(const std::vector<at::Tensor>& pending);
 
   Fp8Options options_;
   c10::ScalarType out_dtype_;
   std::vector<Layer> layers_;
   std::vector<std::string> skipped_;
+  bool emulated_ = false;
   std::unordered_map<const c10::TensorImpl*, int64_t> by_weight_;  // weight -> layer index
   // Per slot (layer * 3 + kind), on the layers' device:
   at::Tensor scales_;        // [S] kDelayed: the scales from the history; 1.0 before any
@@ -109,6 +126,12 @@ class Fp8State : public std::enable_shared_from_this<Fp8State> {
   mutable std::mutex mutex_;  // backward records amaxes on autograd's threads
   std::vector<at::Tensor> pending_;  // [S] this step's amax per slot (undefined: none yet)
   std::function<void(at::Tensor&)> reducer_;
+  std::vector<int64_t> overflow_steps_;  // per layer: steps in a row the overflow report named it (auto_fallback)
+  std::vector<std::string> fallbacks_;   // the layers auto_fallback moved, in order
+  int verbosity_ = 1;
 };
+
+/// Steps in a row a layer's FP8 amaxes must be non-finite before auto_fallback moves it (DESIGN.md 1d).
+constexpr int64_t kFallbackSteps = 8;
 
 }  // namespace amp::detail

@@ -1,8 +1,9 @@
 // Options::fp8 as a training feature: the scales and amax histories of each model's FP8 layers (src/casting/fp8.*)
 // commit after a taken step, are dropped after a skipped one, resume bitwise from either checkpoint format, and,
 // with delayed scaling under amp::parallel, commit the maximum over the ranks (as Transformer Engine reduces its
-// amaxes over the data-parallel group; dynamic scaling scales each rank's tensors by their own amax, as torchao's
-// tensorwise recipe under DDP).
+// amaxes over the data-parallel group; dynamic scaling and the slice, tile and block recipes scale each rank's
+// tensors by their own amaxes, as torchao's recipes under DDP). auto_fallback's counts and decisions (NOTE [FP8
+// auto fallback]) travel the same ways.
 
 #include "features/fp8.h"
 
@@ -61,8 +62,8 @@ std::function<void()> Fp8Feature::load(OptimizerBase& optimizer, torch::serializ
   };
 }
 
-// put_amp's entry: one dict per model with FP8 layers, {'layers': [str], 'scales', 'history', 'history_amax',
-// 'position': Tensor}.
+// put_amp's entry: one dict per model with FP8 layers, {'layers': [str], 'fallbacks': [str], 'scales', 'history',
+// 'history_amax', 'position', 'overflow_steps': Tensor}.
 std::optional<c10::IValue> Fp8Feature::python_state(const OptimizerBase& optimizer) const {
   const auto states = feature_fp8_states(optimizer);
   if (states.empty()) return std::nullopt;
@@ -70,6 +71,7 @@ std::optional<c10::IValue> Fp8Feature::python_state(const OptimizerBase& optimiz
   for (const auto& state : states) {
     c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
     entry.insert("layers", c10::List<std::string>(state->names()));
+    entry.insert("fallbacks", c10::List<std::string>(state->fallbacks()));
     for (const auto& [name, tensor] : state->state_tensors()) entry.insert(name, tensor);
     models.push_back(entry);
   }
@@ -91,22 +93,22 @@ std::function<void()> Fp8Feature::load_python_state(OptimizerBase& optimizer, co
     const std::string here = at + "[" + std::to_string(k) + "]";
     TORCH_CHECK(list[k].isGenericDict(), m, here, " is ", type_of(list[k]), ", not a dict.");
     std::vector<std::pair<std::string, at::Tensor>> tensors;
-    std::vector<std::string> layers;
+    std::vector<std::string> layers, fallbacks;
     for (const auto& item : list[k].toGenericDict()) {
       TORCH_CHECK(item.key().isString(), m, here, " has a key that is ", type_of(item.key()), ".");
       const std::string& name = item.key().toStringRef();
-      if (name == "layers") {
-        TORCH_CHECK(item.value().isList(), m, here, "['layers'] is ", type_of(item.value()), ", not a list of str.");
+      if (name == "layers" || name == "fallbacks") {
+        TORCH_CHECK(item.value().isList(), m, here, "['", name, "'] is ", type_of(item.value()), ", not a list of str.");
         for (const auto& v : item.value().toListRef()) {
-          TORCH_CHECK(v.isString(), m, here, "['layers'] holds ", type_of(v), ", not only str.");
-          layers.push_back(v.toStringRef());
+          TORCH_CHECK(v.isString(), m, here, "['", name, "'] holds ", type_of(v), ", not only str.");
+          (name == "layers" ? layers : fallbacks).push_back(v.toStringRef());
         }
       } else {
         TORCH_CHECK(item.value().isTensor(), m, here, "['", name, "'] is ", type_of(item.value()), ", not a tensor.");
         tensors.emplace_back(name, item.value().toTensor());
       }
     }
-    restore.push_back(states[k]->restore_state(tensors, layers, std::string(m) + here));
+    restore.push_back(states[k]->restore_state(tensors, layers, fallbacks, std::string(m) + here));
   }
   return [restore] {
     for (const auto& r : restore) r();
@@ -115,7 +117,7 @@ std::function<void()> Fp8Feature::load_python_state(OptimizerBase& optimizer, co
 
 void Fp8Feature::join_ranks(torch::nn::Module& model, const std::shared_ptr<RankLink>& link) {
   const auto policy = precision_policy_of(model);
-  if (!policy || !policy->fp8() || policy->fp8()->options().scaling() != Fp8Options::Scaling::kDelayed) return;
+  if (!policy || !policy->fp8() || !policy->fp8()->reduces_over_ranks()) return;
   policy->fp8()->set_amax_reducer([weak = std::weak_ptr<RankLink>(link)](at::Tensor& amax) {
     if (const auto l = weak.lock()) l->max_over_ranks(amax);
   });
@@ -133,6 +135,14 @@ std::vector<Fp8LayerState> fp8_layers(const OptimizerBase& optimizer) {
   std::vector<Fp8LayerState> out;
   for (const auto& state : detail::feature_fp8_states(optimizer)) {
     for (auto& layer : state->report()) out.push_back(std::move(layer));
+  }
+  return out;
+}
+
+std::vector<std::string> fp8_fallbacks(const OptimizerBase& optimizer) {
+  std::vector<std::string> out;
+  for (const auto& state : detail::feature_fp8_states(optimizer)) {
+    for (auto& name : state->fallbacks()) out.push_back(std::move(name));
   }
   return out;
 }

@@ -115,7 +115,11 @@ Fp8Options::Format parse_fp8_format(const std::string& v) {
 Fp8Options::Scaling parse_fp8_scaling(const std::string& v) {
   if (v == "dynamic") return Fp8Options::Scaling::kDynamic;
   if (v == "delayed") return Fp8Options::Scaling::kDelayed;
-  throw std::invalid_argument("expected dynamic or delayed");
+  if (v == "rowwise") return Fp8Options::Scaling::kRowwise;
+  if (v == "rowwise_gw_hp") return Fp8Options::Scaling::kRowwiseGwHp;
+  if (v == "blockwise") return Fp8Options::Scaling::kBlockwise;
+  if (v == "mxfp8") return Fp8Options::Scaling::kMxfp8;
+  throw std::invalid_argument("expected dynamic, delayed, rowwise, rowwise_gw_hp, blockwise or mxfp8");
 }
 
 // A comma-separated list ("head, *.norm"): each item trimmed, none empty.
@@ -175,7 +179,8 @@ const std::vector<Key>& amp_keys() {
 #undef AMP_CONFIG_KEY
       {"fp8_format", "hybrid | e4m3: FP8 formats: e4m3 forward and e5m2 gradients (hybrid, default), or e4m3 for all",
        [](Options& o, const std::string& v) { o.fp8_format(parse_fp8_format(v)); }},
-      {"fp8_scaling", "dynamic | delayed: FP8 scales from this step's amax (default), or from the amax history",
+      {"fp8_scaling", "dynamic | delayed | rowwise | rowwise_gw_hp | blockwise | mxfp8: per-tensor scales from this "
+       "step's amax (default) or the amax history; torchao's rowwise recipes; DeepSeek-V3's 1x128/128x128 tiles; OCP MX",
        [](Options& o, const std::string& v) { o.fp8_scaling(parse_fp8_scaling(v)); }},
       {"fp8_amax_history_len", "steps of amax history delayed FP8 scaling keeps (default 1024)",
        [](Options& o, const std::string& v) { o.fp8_amax_history_len(parse_small_int(v)); }},
@@ -186,6 +191,14 @@ const std::vector<Key>& amp_keys() {
        }},
       {"fp8_margin", "FP8 scales are divided by 2^margin (default 0)",
        [](Options& o, const std::string& v) { o.fp8_margin(parse_small_int(v)); }},
+      {"fp8_power_of_2_scales", "true | false: FP8 scales rounded down to a power of two (default false; rowwise "
+       "recipes always)",
+       [](Options& o, const std::string& v) { o.fp8_power_of_2_scales(parse_bool(v)); }},
+      {"fp8_min_gemm_size", "Linear layers with in_features * out_features below this stay in bfloat16 (default 0)",
+       [](Options& o, const std::string& v) { o.fp8_min_gemm_size(parse_int(v)); }},
+      {"fp8_auto_fallback", "true | false: a layer whose FP8 GEMMs overflow on 8 steps in a row moves to bfloat16 "
+       "(default false)",
+       [](Options& o, const std::string& v) { o.fp8_auto_fallback(parse_bool(v)); }},
   };
   return keys;
 }

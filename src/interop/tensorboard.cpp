@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "amp/fp8.h"
 #include "amp/precision_policy.h"
 #include "amp/scale_loss.h"
 
@@ -498,6 +499,9 @@ void add_amp_scalars(SummaryWriter& writer, const OptimizerBase& optimizer, int6
     double moved = 0;
     for (const auto& line : fp32_modules(optimizer)) moved += line.size() > 11 && line.compare(line.size() - 11, 11, "(auto_fp32)") == 0;
     writer.add_scalar(prefix + "fp32_modules", moved, step);
+  }
+  if (optimizer.properties().fp8 && optimizer.properties().fp8->auto_fallback()) {  // layers it moved so far
+    writer.add_scalar(prefix + "fp8_fallbacks", static_cast<double>(fp8_fallbacks(optimizer).size()), step);
   }
 }
 

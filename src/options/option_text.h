@@ -33,7 +33,9 @@ inline std::string option_text(const std::vector<ModuleType>& types) {
 inline std::string option_text(const Fp8Options& o) {
   return std::string("Fp8Options(format=") + to_string(o.format()) + ", scaling=" + to_string(o.scaling()) +
          ", amax_history_len=" + std::to_string(o.amax_history_len()) + ", amax_compute_algo=" +
-         o.amax_compute_algo() + ", margin=" + std::to_string(o.margin()) + ")";
+         o.amax_compute_algo() + ", margin=" + std::to_string(o.margin()) + ", power_of_2_scales=" +
+         (o.power_of_2_scales() ? "True" : "False") + ", min_gemm_size=" + std::to_string(o.min_gemm_size()) +
+         ", auto_fallback=" + (o.auto_fallback() ? "True" : "False") + ")";
 }
 template <class T>
 std::string option_text(const std::optional<T>& value) {

@@ -218,6 +218,22 @@ void Options::check_rules(const Properties& p) const {
       fail("fp8 margin divides the scales by 2^margin, so it must be in [0, 64], got " + std::to_string(f.margin()) +
            ". The default is 0.");
     }
+    const bool per_tensor = f.scaling() == Fp8Options::Scaling::kDynamic || f.scaling() == Fp8Options::Scaling::kDelayed;
+    const std::string recipe = to_string(f.scaling());
+    if (!per_tensor && f.margin() != 0) {
+      fail("fp8 margin " + std::to_string(f.margin()) + " is set, but fp8_scaling " + recipe + " fixes its scales (" +
+           "torchao's and the OCP MX rules have no margin). Remove margin, or use fp8_scaling dynamic or delayed.");
+    }
+    if (!per_tensor && std::find(fp8_fields_.begin(), fp8_fields_.end(), "fp8_format") != fp8_fields_.end()) {
+      fail(std::string("fp8_format ") + to_string(f.format()) + " is set, but fp8_scaling " + recipe + " uses e4m3 for "
+           "activations, weights and gradients alike (its recipe fixes it). Remove fp8_format, or use fp8_scaling "
+           "dynamic or delayed.");
+    }
+    if (f.min_gemm_size() < 0) {
+      fail("fp8 min_gemm_size is the smallest in_features * out_features a Linear needs to run in FP8, so it must be "
+           "0 or more, got " + std::to_string(f.min_gemm_size()) + ". 0 (the default) puts every eligible Linear in "
+           "FP8; docs/fp8.md gives the measured threshold.");
+    }
     if (!p.enabled || !p.cast_model_type || !is_low_precision(*p.cast_model_type)) {
       fail("fp8 runs the Linear layers' GEMMs in FP8 on top of a model cast to bfloat16, so it needs opt_level O2 or "
            "O3; got opt_level " + level + (p.enabled ? "" : " with enabled false") + ". Use O2 (fp32 master weights) "
@@ -271,6 +287,15 @@ Options& Options::fp8_amax_compute_algo(std::string value) {
 }
 Options& Options::fp8_margin(int value) {
   return set_fp8_field("fp8_margin", [&](Fp8Options& f) { f.margin(value); });
+}
+Options& Options::fp8_power_of_2_scales(bool value) {
+  return set_fp8_field("fp8_power_of_2_scales", [&](Fp8Options& f) { f.power_of_2_scales(value); });
+}
+Options& Options::fp8_min_gemm_size(int64_t value) {
+  return set_fp8_field("fp8_min_gemm_size", [&](Fp8Options& f) { f.min_gemm_size(value); });
+}
+Options& Options::fp8_auto_fallback(bool value) {
+  return set_fp8_field("fp8_auto_fallback", [&](Fp8Options& f) { f.auto_fallback(value); });
 }
 
 std::string Options::describe_overrides() const {

@@ -66,8 +66,8 @@ def pad16(t, dim):
 class Recipe:
     """amp's Fp8State for the layers of one model: slots layer * 3 + (input, weight, grad)."""
 
-    def __init__(self, layers, fmt="hybrid", scaling="dynamic", history_len=1024, algo="max", margin=0):
-        self.fmt, self.scaling, self.algo, self.margin = fmt, scaling, algo, margin
+    def __init__(self, layers, fmt="hybrid", scaling="dynamic", history_len=1024, algo="max", margin=0, pow2=False):
+        self.fmt, self.scaling, self.algo, self.margin, self.pow2 = fmt, scaling, algo, margin, pow2
         s = layers * 3
         self.scales = torch.ones(s)
         self.used = torch.ones(s)
@@ -83,8 +83,12 @@ class Recipe:
     def max_of(self, kind):
         return MAXIMA[self.dtype_of(kind)]
 
+    def rounded(self, scale):
+        """power_of_2_scales: down to a power of two."""
+        return torch.exp2(torch.floor(torch.log2(scale))) if self.pow2 else scale
+
     def scale_from(self, amax, m):
-        return torch.full((), m).div(amax.clamp_min(1e-12)).div(2.0 ** self.margin)
+        return self.rounded(torch.full((), m).div(amax.clamp_min(1e-12)).div(2.0 ** self.margin))
 
     def forward_scale(self, slot, amax):
         scale = self.scale_from(amax, self.max_of(slot % 3))
@@ -108,7 +112,7 @@ class Recipe:
         self.history[:, self.position] = amax
         self.position = (self.position + 1) % self.history.size(1)
         h = self.history.amax(1) if self.algo == "max" else amax
-        nxt = self.maxima.div(h.clamp_min(1e-12)).div(2.0 ** self.margin)
+        nxt = self.rounded(self.maxima.div(h.clamp_min(1e-12)).div(2.0 ** self.margin))
         self.scales = torch.where(h > 0, nxt, self.scales)
         self.history_amax = h.clone()
 
@@ -212,25 +216,26 @@ TRAIN_CASES = {
     "delayed_max": dict(scaling="delayed", history_len=3),
     "delayed_recent_margin": dict(scaling="delayed", algo="most_recent", margin=1),
     "e4m3_delayed": dict(fmt="e4m3", scaling="delayed", history_len=4),
+    "dynamic_pow2": dict(pow2=True),
+    "delayed_pow2": dict(scaling="delayed", history_len=2, pow2=True),
 }
 
 
-def train(out, init, xs, ys, case, recipe_args):
-    model = Mlp()
-    model.load_state_dict(init)
+def train_o2(model, forward, xs, ys, steps, end_step):
+    """amp's O2 with bfloat16 as amp_test::train_step takes it: fp32 masters stepped by LibTorch's SGD, a dynamic
+    loss scale starting at SCALE; `end_step(taken)` after each step. Returns the losses and the masters."""
     params = list(model.named_parameters())
     masters = {n: p.detach().clone().requires_grad_(True) for n, p in params}
     for _, p in params:
         p.data = p.data.to(BF16)
     opt = CppSGD([masters[n] for n, _ in params], LR, MOMENTUM)
-    recipe = Recipe(2, **recipe_args)
-    losses, scales = [], []
+    losses = []
     scale = SCALE
-    for step in range(STEPS):
+    for step in range(steps):
         for n, p in params:
             p.grad = None
             masters[n].grad = None
-        logits = model(xs[step].to(BF16), recipe).float()
+        logits = forward(xs[step].to(BF16)).float()
         loss = F.cross_entropy(logits, ys[step])
         losses.append(loss.item())
         (loss * scale).backward()
@@ -241,19 +246,32 @@ def train(out, init, xs, ys, case, recipe_args):
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / scale))
         if found_inf.item() > 0:
             scale /= 2.0
-            recipe.end_step(False)
+            end_step(False)
         else:
             opt.step()
             with torch.no_grad():
                 for n, p in params:
                     p.copy_(masters[n])
-            recipe.end_step(True)
+            end_step(True)
+    return losses, {n: masters[n].detach().clone() for n, _ in params}
+
+
+def train(out, init, xs, ys, case, recipe_args):
+    model = Mlp()
+    model.load_state_dict(init)
+    recipe = Recipe(2, **recipe_args)
+    scales = []
+
+    def end_step(taken):
+        recipe.end_step(taken)
         scales.append(recipe.report())
+
+    losses, masters = train_o2(model, lambda x: model(x, recipe), xs, ys, STEPS, end_step)
     key = f"train/{case}"
     out[key + "/losses"] = torch.tensor(losses, dtype=torch.float64)
     out[key + "/scales"] = torch.stack(scales)
-    for n, _ in params:
-        out[f"{key}/master/{n}"] = masters[n].detach().clone()
+    for n, t in masters.items():
+        out[f"{key}/master/{n}"] = t
 
 
 def main(directory):
