@@ -993,12 +993,22 @@ void fp8_section() {
               "repetitions. Loss: held-out cross-entropy after 50 steps of a learnable task (bench/fp8_task.h). "
               "%s\n\n| config | ms/step | / O2 bf16 | held-out loss after 50 steps |\n|---|---|---|---|\n",
               "On a CPU, at::_scaled_mm is emulated: FP8 is slower here than bf16 (CPU figures, emulated FP8).");
-  const std::vector<std::pair<std::string, amp::Options>> configs = {
+  std::vector<std::pair<std::string, amp::Options>> configs = {
       {"O2 bf16", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)},
       {"O2 bf16 + fp8 dynamic", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8()},
       {"O2 bf16 + fp8 delayed", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
                                     .fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed))},
   };
+  // The slice, tile and block recipes (docs/fp8.md): rowwise through _scaled_mm's emulation, blockwise and MXFP8
+  // through dequantization and a bf16 GEMM.
+  for (const auto& [name, scaling] : std::vector<std::pair<std::string, amp::Fp8Options::Scaling>>{
+           {"rowwise", amp::Fp8Options::Scaling::kRowwise},
+           {"rowwise_gw_hp", amp::Fp8Options::Scaling::kRowwiseGwHp},
+           {"blockwise", amp::Fp8Options::Scaling::kBlockwise},
+           {"mxfp8", amp::Fp8Options::Scaling::kMxfp8}}) {
+    configs.push_back({"O2 bf16 + fp8 " + name,
+                       amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8(amp::Fp8Options().scaling(scaling))});
+  }
   std::vector<double> losses;
   for (const auto& [name, options] : configs) {
     torch::manual_seed(0);

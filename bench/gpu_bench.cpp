@@ -2,7 +2,7 @@
 // O1/O2 step against the same step written by hand in LibTorch. Run by scripts/gpu-check.sh, which adds the
 // Python torch.amp + GradScaler twin (bench/python_amp.py --device cuda) on the same torch.
 //   amp_gpu_bench [--device cuda] [--steps 20] [--reps 3] [--csv FILE] [--models gpu_cnn,gpu_transformer] [--batch N]
-//                 [--configs all|"O0 fp32,O1 bf16,..."] [--section levels|fp8|all] [--fp8-steps 100]
+//                 [--configs all|"O0 fp32,O1 bf16,..."] [--section levels|fp8|fp8_shapes|all] [--fp8-steps 100]
 // --device cpu (with tiny --steps, --batch and bf16 --configs) checks the program's logic without a GPU; its figures mean nothing.
 // Steps per second: the median of --reps timed runs of --steps steps each, synchronized at both ends, amp's
 // and the hand-written loop's runs taking turns. Peak
@@ -160,8 +160,8 @@ void bench_model(Settings& s, const std::string& name) {
   }
 }
 
-// FP8 Linear layers (Options::fp8) on GpuTransformer: O2 bf16 against O2 bf16 + fp8 (dynamic, delayed), step time
-// in turns, peak memory, and the held-out loss after `fp8_steps` steps of bench/fp8_task.h's task.
+// FP8 Linear layers (Options::fp8) on GpuTransformer: O2 bf16 against O2 bf16 + fp8 (each recipe), step time in
+// turns, peak memory, and the held-out loss after `fp8_steps` steps of bench/fp8_task.h's task.
 void bench_fp8(Settings& s, int fp8_steps) {
   const int64_t batch = s.batch > 0 ? s.batch : bench::batch_of("gpu_transformer");
   const int64_t seq = s.batch > 0 ? 16 : 256;  // a small --batch is a logic check: short sequences too
@@ -170,6 +170,12 @@ void bench_fp8(Settings& s, int fp8_steps) {
       {"O2 bf16", base},
       {"O2 bf16 + fp8 dynamic", amp::Options(base).fp8()},
       {"O2 bf16 + fp8 delayed", amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed))},
+      {"O2 bf16 + fp8 rowwise", amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kRowwise))},
+      {"O2 bf16 + fp8 rowwise_gw_hp",
+       amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kRowwiseGwHp))},
+      {"O2 bf16 + fp8 blockwise (emulated)",
+       amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kBlockwise))},
+      {"O2 bf16 + fp8 mxfp8 (emulated)", amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kMxfp8))},
   };
   std::printf("\n## FP8 Linear layers on %s\n\nGpuTransformer (4 blocks, d 512, ff 2048; batch %lld x %lld tokens; its "
               "Linear layers in FP8 but the 10-way head), SGD with momentum; held-out loss after %d steps of "
@@ -207,6 +213,51 @@ void bench_fp8(Settings& s, int fp8_steps) {
   std::fflush(stdout);
 }
 
+// One Linear layer's forward and backward at each square shape, bf16 against FP8 dynamic and rowwise: the table
+// Fp8Options::min_gemm_size is read from (docs/fp8.md).
+void bench_fp8_shapes(Settings& s) {
+  const bool tiny = s.batch > 0;  // a logic check
+  const int64_t tokens = tiny ? 64 : 8192;
+  const std::vector<int64_t> sizes = tiny ? std::vector<int64_t>{128, 256} : std::vector<int64_t>{512, 1024, 2048, 4096, 8192};
+  const auto base = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const std::vector<std::pair<std::string, amp::Options>> configs = {
+      {"bf16", base},
+      {"fp8 dynamic", amp::Options(base).fp8()},
+      {"fp8 rowwise", amp::Options(base).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kRowwise))},
+  };
+  std::printf("\n## FP8 per GEMM shape on %s\n\nOne Linear(n, n) on %lld tokens, forward and backward (3 GEMMs of "
+              "%lld x n x n), median of %d runs of %d.%s\n\n| n | in*out | bf16 ms | fp8 dynamic ms | / bf16 | fp8 "
+              "rowwise ms | / bf16 |\n|---|---|---|---|---|---|---|\n",
+              s.device.str().c_str(), static_cast<long long>(tokens), static_cast<long long>(tokens), s.reps, s.steps,
+              s.device.is_cpu() ? " On a CPU, at::_scaled_mm is emulated: these figures are emulated FP8." : "");
+  for (const int64_t n : sizes) {
+    std::vector<std::function<void()>> steps;
+    std::vector<std::shared_ptr<void>> keep;
+    torch::manual_seed(0);
+    const torch::Tensor x = torch::randn({tokens, n}, torch::TensorOptions().device(s.device));
+    for (const auto& [name, options] : configs) {
+      torch::manual_seed(0);
+      torch::nn::Linear layer(n, n);
+      layer->to(s.device);
+      auto model = std::make_shared<amp::Model<torch::nn::Linear>>(amp::initialize(layer, options));
+      const torch::Tensor input = x.clone().requires_grad_(true);
+      steps.push_back([model, input, layer]() mutable {
+        layer->zero_grad();
+        (*model)(input).sum().backward();
+      });
+      keep.push_back(model);
+    }
+    const auto t = seconds_per_step(s, steps);
+    std::printf("| %lld | %lld | %.3f | %.3f | %.2fx | %.3f | %.2fx |\n", static_cast<long long>(n),
+                static_cast<long long>(n * n), 1e3 * t[0], 1e3 * t[1], t[0] / t[1], 1e3 * t[2], t[0] / t[2]);
+    for (size_t i = 0; i < configs.size(); ++i) {
+      record(s, "linear_" + std::to_string(n), configs[i].first, "fp8_shape_ms", 1e3 * t[i]);
+    }
+  }
+  std::printf("\n(/ bf16: bf16's time over this one's; above 1.00x FP8 is faster.)\n");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -221,7 +272,8 @@ int main(int argc, char** argv) {
       .add("batch", &s.batch, "a smaller batch than the model's (logic checks on a CPU)")
       .add("configs", &s.configs, "all, or comma-separated: O0 fp32, O1 fp16, O2 fp16, O3 fp16, O1 bf16, O2 bf16, O3 bf16")
       .add("csv", &csv_path, "also write one CSV row per measurement to this file")
-      .add("section", &section, "levels (the opt levels' table), fp8 (FP8 Linear layers on gpu_transformer), or all")
+      .add("section", &section,
+           "levels (the opt levels' table), fp8 (FP8 recipes on gpu_transformer), fp8_shapes (FP8 per GEMM shape), or all")
       .add("fp8_steps", &fp8_steps, "training steps before the fp8 section's held-out loss");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -242,10 +294,14 @@ int main(int argc, char** argv) {
     at::globalContext().setAllowTF32CuDNN(false);
     at::globalContext().setBenchmarkCuDNN(true);
     TORCH_CHECK(fp8_steps >= 1, "amp_gpu_bench: --fp8-steps must be at least 1, got ", fp8_steps);
-    TORCH_CHECK(section == "levels" || section == "fp8" || section == "all",
-                "amp_gpu_bench: --section must be levels, fp8 or all, got '", section, "'");
+    TORCH_CHECK(section == "levels" || section == "fp8" || section == "fp8_shapes" || section == "all",
+                "amp_gpu_bench: --section must be levels, fp8, fp8_shapes or all, got '", section, "'");
     if (section == "fp8") {
       bench_fp8(s, fp8_steps);
+      return 0;
+    }
+    if (section == "fp8_shapes") {
+      bench_fp8_shapes(s);
       return 0;
     }
     std::printf("## amp on %s\n\n- LibTorch %s; %d CUDA device(s); TF32 off; cuDNN autotuning on\n- SGD with momentum; "
@@ -259,7 +315,10 @@ int main(int argc, char** argv) {
       else if (name == "gpu_transformer") bench_model<bench::GpuTransformer>(s, name);
       else TORCH_CHECK(false, "amp_gpu_bench: unknown model '", name, "' in --models; use gpu_cnn and/or gpu_transformer");
     }
-    if (section == "all") bench_fp8(s, fp8_steps);
+    if (section == "all") {
+      bench_fp8(s, fp8_steps);
+      bench_fp8_shapes(s);
+    }
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU check. On a machine with an NVIDIA GPU, nvcc, PyTorch built with CUDA, CMake and
 # ninja: builds amp, its tests, examples and benchmarks against that PyTorch's LibTorch, runs the whole suite
-# (the CUDA variants run instead of skipping), then the GPU benchmark (bench/gpu_bench.cpp), its FP8 section
-# (O2 bf16 against FP8 Linear layers) and its Python torch.amp twin, and prints a summary, all within 8 minutes: after the build, each stage gets a share of
+# (the CUDA variants run instead of skipping; Fp8RecipeCudaTest compares each FP8 recipe on the GPU with the CPU),
+# then the GPU benchmark (bench/gpu_bench.cpp), its FP8 sections (O2 bf16 against each FP8 recipe; the per-shape
+# table min_gemm_size is read from) and its Python torch.amp twin, and prints a summary, all within 8 minutes: after the build, each stage gets a share of
 # what is left before a 7.5-minute deadline (AMP_GPU_CHECK_SECONDS) and is cut off there.
 # GoogleTest, Boost and gloo's headers come from .gpu-bundle (scripts/gpu-bundle.sh, made on this project's
 # Debian machines). Everything goes to $OUT when set (the device tool), else build/gpu-check.
@@ -36,12 +37,14 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   tiny=(--device cpu --steps 1 --reps 1 --batch 2 --models gpu_cnn)  # fp16 convolutions crawl on a CPU
   bench_args=("${tiny[@]}" --configs "O0 fp32,O1 bf16,O2 bf16,O3 bf16")
   fp8_args=(--device cpu --steps 1 --reps 1 --batch 2 --fp8-steps 2)
+  shape_args=(--device cpu --steps 1 --reps 1 --batch 2)
   py_args=("${tiny[@]}" --configs "O0 fp32,O1 bf16")
 else
   nvidia-smi -L 2> /dev/null || true
   bench_args=(--device cuda --steps 20 --reps 3)
   py_args=(--device cuda --steps 20 --reps 3)
   fp8_args=(--device cuda --steps 20 --reps 3 --fp8-steps 100)
+  shape_args=(--device cuda --steps 10 --reps 3)
 fi
 
 torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
@@ -70,7 +73,7 @@ limit() {  # limit MAX RESERVE: seconds a stage may take (0: no time left)
   (( left > 0 )) && echo "$left" || echo 0
 }
 status=0
-t=$(limit 240 190)
+t=$(limit 200 230)
 if [ "$t" -gt 0 ]; then
   stage "running the suite (limit $t s)"
   (cd "$build" && OMP_NUM_THREADS=1 timeout "$t" ctest --output-on-failure -j "$(nproc)" --timeout "$t" -LE long \
@@ -83,7 +86,7 @@ else
   status=1; echo "gpu-check: no time left for the suite"
 fi
 
-t=$(limit 90 110)
+t=$(limit 80 150)
 if [ "$t" -gt 0 ]; then
   stage "GPU benchmark: amp (limit $t s)"
   timeout "$t" "$build/bench/amp_gpu_bench" "${bench_args[@]}" --csv "$out/gpu-bench-cpp.csv" > "$out/gpu-bench-cpp.md" ||
@@ -91,15 +94,32 @@ if [ "$t" -gt 0 ]; then
 else
   status=1; echo "gpu-check: no time left for amp_gpu_bench"
 fi
-t=$(limit 60 60)
+# Blockwise FP8 has a cuBLAS kernel from CUDA 12.9 on SM 9.0 (amp emulates it on every device for now); say what
+# this machine would offer, so the figures below read right.
+python3 -c 'import torch
+cuda = torch.version.cuda or "none"; cc = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+ok = cc is not None and cc >= (9, 0) and cuda != "none" and tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
+print("gpu-check: blockwise FP8: wheel CUDA", cuda, "compute capability", cc, "->",
+      "cuBLAS 1x128/128x128 kernels available (amp still emulates)" if ok else "no blockwise kernel (amp emulates)")' || true
+t=$(limit 60 90)
 if [ "$t" -gt 0 ]; then
-  # FP8 Linear layers (docs/fp8.md): O2 bf16 against O2 + fp8 dynamic and delayed, step time and held-out loss.
+  # FP8 Linear layers (docs/fp8.md): O2 bf16 against O2 + each FP8 recipe, step time and held-out loss.
   stage "GPU benchmark: FP8 (limit $t s)"
   timeout "$t" "$build/bench/amp_gpu_bench" --section fp8 "${fp8_args[@]}" --csv "$out/gpu-bench-fp8.csv" \
     > "$out/gpu-bench-fp8.md" || { status=1; echo "gpu-check: amp_gpu_bench --section fp8 failed or ran out of time"; }
   cat "$out/gpu-bench-fp8.md" || true
 else
   status=1; echo "gpu-check: no time left for the FP8 benchmark"
+fi
+t=$(limit 30 60)
+if [ "$t" -gt 0 ]; then
+  # The per-shape table min_gemm_size is read from: one Linear, bf16 against FP8 dynamic and rowwise.
+  stage "GPU benchmark: FP8 per GEMM shape (limit $t s)"
+  timeout "$t" "$build/bench/amp_gpu_bench" --section fp8_shapes "${shape_args[@]}" --csv "$out/gpu-bench-fp8-shapes.csv" \
+    > "$out/gpu-bench-fp8-shapes.md" || { status=1; echo "gpu-check: amp_gpu_bench --section fp8_shapes failed or ran out of time"; }
+  cat "$out/gpu-bench-fp8-shapes.md" || true
+else
+  status=1; echo "gpu-check: no time left for the FP8 shape table"
 fi
 t=$(limit 60 0)
 if [ "$t" -gt 0 ]; then

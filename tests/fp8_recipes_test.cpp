@@ -22,6 +22,8 @@
 #include "../bench/fp8_task.h"
 #include "casting/fp8.h"
 #include "casting/fp8_recipes.h"
+#include "casting/precision_policy.h"
+#include "optim/optimizer_access.h"
 #include "optim/fp32_values.h"
 #include "support/support.h"
 #include "support/training.h"
@@ -223,6 +225,54 @@ INSTANTIATE_TEST_SUITE_P(Cases, Fp8RecipeGemmTest,
                                            RcGemmCase{"blockwise_pow2", "3d"}, RcGemmCase{"mxfp8", "2d"},
                                            RcGemmCase{"mxfp8", "3d"}),
                          [](const auto& info) { return info.param.recipe + "_" + info.param.shape; });
+
+// On a GPU (scripts/gpu-check.sh): each recipe quantizes as on the CPU, bit for bit, and a Linear's output and
+// gradients (rowwise through the device's _scaled_mm kernel, blockwise and MXFP8 emulated there) agree with the
+// CPU's within the GEMMs' own rounding (another accumulation order: a few bfloat16 ulps).
+TEST(Fp8RecipeCudaTest, EachRecipeOnTheGpuAgreesWithTheCpu) {
+  RC_SKIP_WITHOUT_FP8();
+  SKIP_WITHOUT_DEVICE(torch::kCUDA);
+  using namespace amp::detail;
+  torch::manual_seed(9);
+  const torch::Tensor t = (torch::randn({256, 256}) * 3).to(torch::kBFloat16), tc = t.to(torch::kCUDA);
+  auto same = [](const Fp8Quantized& gpu, const Fp8Quantized& cpu) {
+    return amp_test::bitwise_equal(gpu.values.to(torch::kFloat).cpu(), cpu.values.to(torch::kFloat)) &&
+           amp_test::bitwise_equal(gpu.scales.cpu(), cpu.scales);
+  };
+  EXPECT_TRUE(same(quantize_rowwise(tc, -1, true), quantize_rowwise(t, -1, true)));
+  EXPECT_TRUE(same(quantize_rowwise(tc, 0, true), quantize_rowwise(t, 0, true)));
+  EXPECT_TRUE(same(quantize_tiles(tc, false), quantize_tiles(t, false)));
+  EXPECT_TRUE(same(quantize_blocks(tc, true), quantize_blocks(t, true)));
+  EXPECT_TRUE(same(quantize_mx(tc), quantize_mx(t)));
+  const torch::Tensor x = torch::randn({64, 256}) * 3, g = torch::randn({64, 128}) * 1e-3;
+  for (const char* recipe : {"rowwise", "rowwise_gw_hp", "blockwise", "mxfp8"}) {
+    torch::manual_seed(1);
+    torch::nn::Linear on_cpu(256, 128), on_gpu(256, 128);
+    {
+      torch::NoGradGuard no_grad;
+      on_gpu->weight.copy_(on_cpu->weight);
+      on_gpu->bias.copy_(on_cpu->bias);
+    }
+    on_gpu->to(torch::kCUDA);
+    auto cpu_model = amp::initialize(on_cpu, rc_options(rc_recipe(recipe)));
+    auto gpu_model = amp::initialize(on_gpu, rc_options(rc_recipe(recipe)));
+    const torch::Tensor xc = x.clone().requires_grad_(true), xg = x.to(torch::kCUDA).requires_grad_(true);
+    const torch::Tensor yc = cpu_model(xc), yg = gpu_model(xg);
+    yc.backward(g);
+    yg.backward(g.to(torch::kCUDA));
+    auto relative = [](const torch::Tensor& gpu, const torch::Tensor& cpu) {
+      const torch::Tensor c = cpu.to(torch::kFloat);
+      return (gpu.cpu().to(torch::kFloat) - c).abs().max().item<double>() / c.abs().max().item<double>();
+    };
+    const double dy = relative(yg, yc), dx = relative(xg.grad(), xc.grad());
+    const double dw = relative(on_gpu->weight.grad(), on_cpu->weight.grad());
+    std::cout << recipe << " on the GPU against the CPU: output " << dy << ", grad input " << dx << ", grad weight " << dw
+              << " (largest difference over the largest value)" << std::endl;
+    EXPECT_LE(dy, 1.0 / 64) << recipe;
+    EXPECT_LE(dx, 1.0 / 64) << recipe;
+    EXPECT_LE(dw, 1.0 / 64) << recipe;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Training against torchao, step by step
@@ -489,6 +539,19 @@ TEST(Fp8AutoFallbackTest, OffByDefaultAndTheDecisionSurvivesTorchSaveAndPythonCh
     torch::load(o, (dir / "moved.pt").string());
     EXPECT_EQ(amp::fp8_fallbacks(o), (std::vector<std::string>{"fc1", "fc2"}));
     EXPECT_TRUE(amp::fp8_layers(o).empty());
+  }
+  {  // a decision naming a layer the checkpoint's FP8 layers lack is damage, refused before anything changes
+    auto [m, o] = fresh();
+    const auto fp8 = amp::detail::precision_policy_of(*amp::detail::OptimizerAccess::models(o).at(0))->fp8();
+    try {
+      fp8->restore_state(fp8->state_tensors(), {"fc1", "fc2"}, {"fc9"}, "the checkpoint");
+      ADD_FAILURE() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(amp_test::message(e).find("the checkpoint says auto_fallback moved FP8 layer 'fc9', which is not among its "
+                                          "FP8 layers (fc1, fc2): the checkpoint is damaged."), std::string::npos)
+          << amp_test::message(e);
+    }
+    EXPECT_EQ(rc_layer_names(o).size(), 2u);
   }
   {  // so does the Python checkpoint's amp entry
     auto [m, o] = fresh();

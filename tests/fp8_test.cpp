@@ -647,8 +647,11 @@ TEST(Fp8Test, AModelWithoutAnFp8CapableLinearIsRefused) {
     amp::initialize(amp_test::Mlp(8, 16, 4), f8_options());
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(amp_test::message(e).find("fp8 is on, but the model has no Linear layer FP8 can run: the dimensions of fc1 [16 x 8], "
-                              "fc2 [4 x 16] are not multiples of 16"), std::string::npos) << amp_test::message(e);
+    EXPECT_NE(amp_test::message(e).find("fp8 is on, but the model has no Linear layer FP8 can run: each is left out: fc1 "
+                                        "[16 x 8] (not multiples of 16), fc2 [4 x 16] (not multiples of 16) (fp8_scaling "
+                                        "dynamic needs dimensions that are multiples of 16). Remove fp8, lower "
+                                        "min_gemm_size, or give the layers dimensions that are multiples of 16."),
+              std::string::npos) << amp_test::message(e);
   }
 }
 

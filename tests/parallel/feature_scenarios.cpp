@@ -10,6 +10,7 @@
 #include <torch/script.h>
 
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -208,6 +209,32 @@ void scenario_policy(const ProcessGroup& group) {
   }
 }
 
+// FP8 rowwise with auto_fallback under amp::parallel: only rank 1's inputs hold an inf, so only rank 1's FP8 layers
+// see a non-finite amax; the ranks' flags are reduced, so on the eighth such step both ranks move the same layers
+// to bf16, and the replicas stay bit-identical after.
+void scenario_fp8_fallback(const ProcessGroup& group) {
+  torch::manual_seed(3);
+  auto net = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
+                                   torch::nn::ReLU(), torch::nn::Linear(32, 5));
+  auto [model, optimizer] = amp::initialize(
+      net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
+          .fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kRowwise).auto_fallback(true)));
+  auto ddp = amp::parallel::make_distributed(model, group);
+  for (int step = 0; step < 10; ++step) {
+    torch::manual_seed(7100 + step);
+    torch::Tensor x = torch::randn({8, 16});
+    const torch::Tensor y = torch::randint(5, {8}, torch::kLong);
+    if (group.rank() == 1 && step < 8) x[2][3] = std::numeric_limits<float>::infinity();
+    amp_test::train_step(ddp, optimizer, x, y, kLossOf);
+    const auto moved = amp::fp8_fallbacks(optimizer);
+    report(moved.size() == (step < 7 ? 0u : 2u), "fp8 auto_fallback step " + std::to_string(step) + ": " +
+           std::to_string(moved.size()) + " layers moved on rank " + std::to_string(group.rank()));
+  }
+  report(amp::fp8_layers(optimizer).empty(), "fp8 auto_fallback: no layer left in FP8 on either rank");
+  report(same_on_all_ranks(group, net->parameters()), "fp8 auto_fallback: weights identical on both ranks");
+}
+
 // FP8 with delayed scaling under amp::parallel: each rank sees other rows, but every rank commits the max over the
 // ranks of each step's amaxes, so scales, histories and weights stay bit-identical; fc1's input history holds the
 // global batch's amax.
@@ -242,6 +269,7 @@ void scenario_fp8(const ProcessGroup& group) {
            "committed " + str(committed) + ", global " + str(global));
   }
   report(same_on_all_ranks(group, net->parameters()), "fp8: weights identical on both ranks");
+  scenario_fp8_fallback(group);
 }
 
 // TorchScript models under amp::parallel: a scripted MLP (defined in C++ with torch::jit::Module::define, so no
