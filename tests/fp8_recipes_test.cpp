@@ -42,14 +42,8 @@ const fs::path& rc_reference_path() {
     if (!amp::detail::fp8_supported_by_build() || !amp_test::python_has_torch()) return fs::path();
     const std::string probe = amp_test::python_interpreter() + " -c 'import torchao' > /dev/null 2>&1";
     if (std::system(probe.c_str()) != 0) return fs::path();
-    const fs::path d = fs::path(::testing::TempDir()) / ("amp_fp8_recipes_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    const std::string command = "timeout 300 " + amp_test::python_interpreter() + " '" + kRcPy + "' '" + d.string() +
-                                "' > '" + (d / "python.log").string() + "' 2>&1";
-    if (std::system(command.c_str()) != 0) {
-      ADD_FAILURE() << command << " failed; see " << (d / "python.log");
-      return fs::path();
-    }
+    const fs::path d = amp_test::run_python_reference(kRcPy, "fp8_recipes");
+    if (d.empty()) return fs::path();
     return d / "fp8_recipes.pt";
   }();
   return path;
@@ -288,22 +282,25 @@ struct RcMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(RcMlp);
 
-RcMlp rc_mlp() {
+// The MLP, seeded; with `reference`, tests/python/fp8_recipes.py's initial weights (tests without the reference
+// need no Python).
+RcMlp rc_mlp(bool reference = false) {
   torch::manual_seed(4);
   RcMlp net;
-  if (!rc_reference_path().empty()) {
+  if (reference) {
     torch::NoGradGuard no_grad;
     for (auto& item : net->named_parameters()) item.value().copy_(rc_ref("train/init/" + item.key()));
   }
   return net;
 }
-torch::Tensor rc_x(int step) {
-  if (!rc_reference_path().empty()) return rc_ref("train/x")[step];
+// Step `step`'s batch: the reference's, or seeded.
+torch::Tensor rc_x(int step, bool reference = false) {
+  if (reference) return rc_ref("train/x")[step];
   torch::manual_seed(100 + step);
   return torch::randn({64, 128}) * (1.0 + step);
 }
-torch::Tensor rc_y(int step) {
-  if (!rc_reference_path().empty()) return rc_ref("train/y")[step];
+torch::Tensor rc_y(int step, bool reference = false) {
+  if (reference) return rc_ref("train/y")[step];
   torch::manual_seed(200 + step);
   return torch::randint(0, 10, {64});
 }
@@ -311,8 +308,10 @@ torch::Tensor rc_y(int step) {
 using RcOptimizer = amp::Optimizer<torch::optim::SGD>;
 torch::optim::SGD rc_sgd(RcMlp& net) { return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)); }
 
-double rc_step(amp::Model<RcMlp>& model, RcOptimizer& optimizer, int step, double loss_factor = 1.0) {
-  return amp_test::train_step(model, optimizer, rc_x(step), rc_y(step), amp_test::StepOptions().loss_factor(loss_factor))
+double rc_step(amp::Model<RcMlp>& model, RcOptimizer& optimizer, int step, double loss_factor = 1.0,
+               bool reference = false) {
+  return amp_test::train_step(model, optimizer, rc_x(step, reference), rc_y(step, reference),
+                              amp_test::StepOptions().loss_factor(loss_factor))
       .item<double>();
 }
 
@@ -327,14 +326,14 @@ class Fp8RecipeTrainingTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(Fp8RecipeTrainingTest, LossesAndMastersMatchTorchaoBitwise) {
   RC_SKIP_WITHOUT_REFERENCE();
   const std::string recipe = GetParam();
-  RcMlp net = rc_mlp();
+  RcMlp net = rc_mlp(/*reference=*/true);
   auto [model, optimizer] = amp::initialize(net, rc_sgd(net), rc_options(rc_recipe(recipe)));
   EXPECT_EQ(rc_layer_names(optimizer), (std::vector<std::string>{"fc1", "fc2"}));
   const bool emulated = recipe.rfind("blockwise", 0) == 0 || recipe == "mxfp8";
   for (const auto& l : amp::fp8_layers(optimizer)) EXPECT_EQ(l.emulated, emulated) << l.name;
   const torch::Tensor losses = rc_ref("train/" + recipe + "/losses");
   for (int step = 0; step < kRcSteps; ++step) {
-    EXPECT_EQ(rc_step(model, optimizer, step), losses[step].item<double>()) << "step " << step;
+    EXPECT_EQ(rc_step(model, optimizer, step, 1.0, /*reference=*/true), losses[step].item<double>()) << "step " << step;
   }
   for (const auto& [name, value] : amp::detail::fp32_state(*net)) {
     EXPECT_TRUE(amp_test::bitwise_equal(value, rc_ref("train/" + recipe + "/master/" + name))) << name;
@@ -364,7 +363,7 @@ TEST(Fp8RecipeTorchScriptTest, ScriptedLinearsTrainAsTheEagerReference) {
   const torch::Tensor losses = rc_ref("train/rowwise/losses");
   for (int step = 0; step < kRcSteps; ++step) {
     optimizer.zero_grad();
-    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({rc_x(step)}).toTensor(), rc_y(step));
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(model({rc_x(step, true)}).toTensor(), rc_y(step, true));
     EXPECT_EQ(loss.item<double>(), losses[step].item<double>()) << "step " << step;
     {
       auto scaled = amp::scale_loss(loss, optimizer);

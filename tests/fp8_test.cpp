@@ -37,14 +37,8 @@ const fs::path& f8_reference_path() {
   static const fs::path path = [] {
     if (!amp::detail::fp8_supported_by_build()) return fs::path();
     if (!amp_test::python_has_torch()) return fs::path();
-    const fs::path d = fs::path(::testing::TempDir()) / ("amp_fp8_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    const std::string command = amp_test::python_interpreter() + " '" + kFp8Py + "' '" + d.string() + "' > '" +
-                                (d / "python.log").string() + "' 2>&1";
-    if (std::system(command.c_str()) != 0) {
-      ADD_FAILURE() << command << " failed; see " << (d / "python.log");
-      return fs::path();
-    }
+    const fs::path d = amp_test::run_python_reference(kFp8Py, "fp8");
+    if (d.empty()) return fs::path();
     return d / "fp8.pt";
   }();
   return path;

@@ -36,14 +36,8 @@ struct TsDirectory {
 const fs::path& ts_dir() {
   static const TsDirectory dir{[] {
     if (!amp_test::python_has_torch()) return fs::path();
-    const fs::path d = fs::path(::testing::TempDir()) / ("amp_torchscript_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    const std::string command = amp_test::python_interpreter() + " '" + kTorchScriptPy + "' '" + d.string() + "' > '" +
-                                (d / "python.log").string() + "' 2>&1";
-    if (std::system(command.c_str()) != 0) {
-      ADD_FAILURE() << command << " failed; see " << (d / "python.log");
-      return fs::path();
-    }
+    const fs::path d = amp_test::run_python_reference(kTorchScriptPy, "torchscript");
+    if (d.empty()) return fs::path();
     return d;
   }()};
   return dir.path;

@@ -209,17 +209,23 @@ void scenario_policy(const ProcessGroup& group) {
   }
 }
 
+// The FP8 scenarios' MLP (16 -> 32 -> 32 -> 5: two FP8 layers, "0" and "2"), seeded alike on every rank.
+torch::nn::Sequential fp8_scenario_mlp() {
+  torch::manual_seed(3);
+  return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
+                               torch::nn::ReLU(), torch::nn::Linear(32, 5));
+}
+torch::optim::SGD fp8_scenario_sgd(torch::nn::Sequential& net) {
+  return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
 // FP8 rowwise with auto_fallback under amp::parallel: only rank 1's inputs hold an inf, so only rank 1's FP8 layers
 // see a non-finite amax; the ranks' flags are reduced, so on the eighth such step both ranks move the same layers
 // to bf16, and the replicas stay bit-identical after.
 void scenario_fp8_fallback(const ProcessGroup& group) {
-  torch::manual_seed(3);
-  auto net = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
-                                   torch::nn::ReLU(), torch::nn::Linear(32, 5));
-  auto [model, optimizer] = amp::initialize(
-      net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
-      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
-          .fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kRowwise).auto_fallback(true)));
+  auto net = fp8_scenario_mlp();
+  auto [model, optimizer] = amp::initialize(net, fp8_scenario_sgd(net), amp::Options("O2").low_precision_dtype(torch::kBFloat16)
+                                                                           .verbosity(0).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kRowwise).auto_fallback(true)));
   auto ddp = amp::parallel::make_distributed(model, group);
   for (int step = 0; step < 10; ++step) {
     torch::manual_seed(7100 + step);
@@ -243,13 +249,9 @@ void scenario_fp8(const ProcessGroup& group) {
     report(true, "fp8: skipped, this LibTorch build has no FP8");
     return;
   }
-  torch::manual_seed(3);
-  auto net = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
-                                   torch::nn::ReLU(), torch::nn::Linear(32, 5));
-  auto [model, optimizer] = amp::initialize(
-      net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
-      amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0)
-          .fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)));
+  auto net = fp8_scenario_mlp();
+  auto [model, optimizer] = amp::initialize(net, fp8_scenario_sgd(net), amp::Options("O2").low_precision_dtype(torch::kBFloat16)
+                                                                           .verbosity(0).fp8(amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)));
   auto ddp = amp::parallel::make_distributed(model, group);
   const auto fp8 = amp::detail::precision_policy_of(*net)->fp8();
   for (int step = 0; step < 4; ++step) {

@@ -1,5 +1,7 @@
 #include "support.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 
 namespace amp_test {
@@ -17,6 +19,19 @@ std::string python_interpreter() {
 bool python_has_torch() {
   static const bool have = std::system((python_interpreter() + " -c 'import torch' > /dev/null 2>&1").c_str()) == 0;
   return have;
+}
+
+std::filesystem::path run_python_reference(const std::string& script, const std::string& name) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("amp_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string command = "timeout 300 " + python_interpreter() + " '" + script + "' '" + dir.string() + "' > '" +
+                              (dir / "python.log").string() + "' 2>&1";
+  if (std::system(command.c_str()) != 0) {
+    ADD_FAILURE() << command << " failed; see " << (dir / "python.log");
+    return {};
+  }
+  return dir;
 }
 
 bool cpu_computes(c10::ScalarType dtype) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <string>
 
 #include "amp/amp.h"
@@ -111,6 +112,10 @@ std::string message(const std::exception& e);
 std::string python_interpreter();
 /// Whether python_interpreter() imports torch (checked once per process).
 bool python_has_torch();
+/// Runs `script DIR` (a reference of tests/python/) with python_interpreter() in a fresh DIR under the test
+/// temporary directory named after `name` and this process, its output in DIR/python.log, under `timeout 300`.
+/// Returns DIR, or an empty path (and a test failure naming the log) when it fails.
+std::filesystem::path run_python_reference(const std::string& script, const std::string& name);
 
 /// Returns whether the two tensors have the same dtype, shape and bits.
 bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b);
