@@ -59,21 +59,24 @@ class CountCudaSyncsGuard {
 constexpr int kSteps = 5;
 
 struct SyncCounts {
-  int64_t cuda;  // what CUDA reported
-  int64_t amp;   // what amp counted itself (FoundInf::any)
+  int64_t cuda;       // what CUDA reported
+  int64_t amp;        // what amp counted itself (detail::count_host_sync)
+  int64_t optimizer;  // what amp::host_sync_count(optimizer) counted (0 without one)
 };
 
 // The synchronizations over kSteps calls of `step`, after two warm-up calls (which allocate optimizer state
 // and cuDNN workspaces).
 template <class Step>
-SyncCounts syncs_over(Step&& step) {
+SyncCounts syncs_over(Step&& step, const amp::OptimizerBase* optimizer = nullptr) {
   step();
   step();
   torch::cuda::synchronize();
   const int64_t amp_before = amp::detail::host_sync_count();
+  const int64_t optimizer_before = optimizer ? amp::host_sync_count(*optimizer) : 0;
   CountCudaSyncsGuard count;
   for (int i = 0; i < kSteps; ++i) step();
-  return {count.count(), amp::detail::host_sync_count() - amp_before};
+  return {count.count(), amp::detail::host_sync_count() - amp_before,
+          optimizer ? amp::host_sync_count(*optimizer) - optimizer_before : 0};
 }
 
 // A conv + BatchNorm net and a batch of its data, on the GPU.
@@ -117,9 +120,10 @@ TEST_P(CudaSyncTest, AtMostOneHostSyncPerStepAndOnlyAmpsOwn) {
   auto run = [&](auto optimizer_in) {
     auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
     auto step = [&, &model = model, &optimizer = optimizer] { return amp_test::train_step(model, optimizer, x, y); };
-    const SyncCounts syncs = syncs_over(step);
+    const SyncCounts syncs = syncs_over(step, &optimizer);
     EXPECT_LE(syncs.cuda, kSteps) << "CUDA reported " << syncs.cuda << " synchronizations in " << kSteps << " steps";
     EXPECT_EQ(syncs.cuda, syncs.amp) << "syncs that amp did not make itself (amp counted " << syncs.amp << ")";
+    EXPECT_EQ(syncs.cuda, syncs.optimizer) << "amp::host_sync_count(optimizer) counted " << syncs.optimizer;
     EXPECT_TRUE(std::isfinite(step().template item<double>()));
   };
   if (std::string(c.optimizer) == "SGD") {

@@ -22,6 +22,8 @@ class Feature;
 class ParamIndex;
 class Sharding;
 struct OptimizerAccess;
+/// Counts one read of a device value on the host (NOTE [Counting host syncs]).
+void count_host_sync();
 }  // namespace amp::detail
 
 namespace amp {
@@ -33,6 +35,19 @@ namespace detail {
 /// Gives `optimizer` its training features (NOTE [Training features], src/features/registry.cpp), once it has
 /// attached to `modules`.
 void attach_features(OptimizerBase& optimizer, const std::vector<torch::nn::Module*>& modules);
+
+/// While alive, the host syncs amp makes on this thread (detail::count_host_sync) count for `optimizers` too:
+/// their step, their backward (NOTE [Counting host syncs] in src/optim/optimizer.cpp).
+class HostSyncScope {
+ public:
+  explicit HostSyncScope(std::vector<const OptimizerBase*> optimizers);
+  ~HostSyncScope();
+  HostSyncScope(const HostSyncScope&) = delete;
+  HostSyncScope& operator=(const HostSyncScope&) = delete;
+
+ private:
+  std::vector<const OptimizerBase*> previous_;
+};
 }  // namespace detail
 
 /// What every amp::Optimizer<Opt> is, whatever Opt: the loss scalers, the fp32 master weights and
@@ -65,6 +80,9 @@ class OptimizerBase {
   /// that bumps a tensor's version counter; call it after writes that don't (through `.data()` or raw
   /// pointers).
   void refresh_master_params();
+  /// Returns how many times this optimizer's backwards and steps made the host wait for a device value
+  /// (amp::host_sync_count).
+  int64_t host_sync_count() const noexcept { return host_syncs_; }
 
  protected:
   OptimizerBase();
@@ -97,6 +115,7 @@ class OptimizerBase {
  private:
   friend class ScaledLoss;
   friend struct detail::OptimizerAccess;  // amp's checkpoint formats, gradient tools and training features
+  friend void detail::count_host_sync();
 
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.
@@ -129,6 +148,7 @@ class OptimizerBase {
   std::vector<std::shared_ptr<detail::Feature>> features_;  // NOTE [Training features]
   std::shared_ptr<detail::Sharding> sharding_;              // set by amp::parallel::shard_optimizer
   int64_t steps_ = 0;                                       // step() calls, taken or skipped
+  mutable int64_t host_syncs_ = 0;                          // NOTE [Counting host syncs]
   std::vector<at::Tensor> stash_;            // grads of direct parameters before the current backward
   bool backward_prepared_ = false;
   std::optional<int> scaled_grads_loss_id_;  // grads still scaled after delay_unscale
@@ -157,6 +177,7 @@ class Optimizer : public Opt, public OptimizerBase {
     TORCH_CHECK(closure == nullptr,
                 "amp::Optimizer::step: Currently, amp does not support closure use with optimizers. Compute the "
                 "loss, run amp::scale_loss(loss, optimizer).backward(), then call step() without a closure.");
+    const detail::HostSyncScope syncs({this});
     if (!begin_step()) return {};
     torch::Tensor loss;
     run_own(OwnCall::kStep, [&] { loss = Opt::step(nullptr); });
@@ -181,5 +202,16 @@ class Optimizer : public Opt, public OptimizerBase {
   torch::optim::Optimizer& torch_optimizer() override { return *this; }
   const torch::optim::Optimizer& torch_optimizer() const override { return *this; }
 };
+
+/// Returns how many times `optimizer` made the host wait for a device value since it was created: the overflow
+/// flag after each unscaled backward, the overflow report's checks on an overflowing one, the norms of ZeRO's LAMB
+/// and stage-2 clipping, FP8 auto_fallback's flags, auto_fp32's diagnosis. A CPU never waits, but amp counts the same
+/// reads there, so the count is what the step costs on a GPU (docs/cuda.md has the table).
+///
+/// Example:
+///   const int64_t before = amp::host_sync_count(optimizer);
+///   train_step();
+///   std::cout << amp::host_sync_count(optimizer) - before << " host syncs\n";
+int64_t host_sync_count(const OptimizerBase& optimizer);
 
 }  // namespace amp

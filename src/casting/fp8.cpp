@@ -38,6 +38,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "amp/optimizer.h"
 #include "casting/fp8_recipes.h"
 #include "options/exception_message.h"
 #include "interception/interception.h"
@@ -354,6 +355,7 @@ std::vector<std::string> Fp8State::count_overflows(const std::vector<at::Tensor>
   flags.push_back(ran);
   at::Tensor all = at::stack(flags);
   if (reducer_) reducer_(all);  // every replica counts the same flags
+  count_host_sync();
   const at::Tensor host = all.to(at::kCPU);
   const float* f = host.data_ptr<float>();
   // No FP8 GEMM on any rank since the last step (a second optimizer's step over the same model): not a step here.
@@ -412,7 +414,9 @@ std::vector<std::string> Fp8State::non_finite_layers() const {
   for (size_t i = 0; i < layers_.size(); ++i) {
     for (size_t k = 0; k < 3; ++k) {
       const at::Tensor& p = pending_[i * 3 + k];
-      if (p.defined() && !at::isfinite(p).item<bool>()) {
+      if (!p.defined()) continue;
+      count_host_sync();
+      if (!at::isfinite(p).item<bool>()) {
         out.push_back(layers_[i].name);
         break;
       }

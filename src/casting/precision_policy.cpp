@@ -38,6 +38,7 @@
 #include <mutex>
 
 #include "amp/batchnorm.h"
+#include "amp/optimizer.h"
 #include "options/format.h"
 #include "casting/fp8.h"
 #include "interception/interception.h"
@@ -324,6 +325,7 @@ std::optional<size_t> PrecisionPolicy::before_op(const c10::IValue* args, size_t
     }
     if (!t.is_floating_point() || island_.count(t.unsafeGetTensorImpl())) return;
     activations.push_back(t);
+    count_host_sync();
     inputs_finite = inputs_finite && at::isfinite(t).all().item<bool>();
   });
   if (!owner) return std::nullopt;
@@ -337,7 +339,9 @@ std::optional<size_t> PrecisionPolicy::before_op(const c10::IValue* args, size_t
     a.register_hook([weak, index](const at::TensorBase& grad) {
       const auto diagnosis = weak.lock();
       const at::Tensor g(grad);
-      if (!diagnosis || !g.defined() || at::isfinite(g).all().item<bool>()) return;
+      if (!diagnosis || !g.defined()) return;
+      count_host_sync();
+      if (at::isfinite(g).all().item<bool>()) return;
       std::lock_guard<std::mutex> lock(diagnosis->mutex);
       diagnosis->ops[index].grad_in_finite = false;
     });
@@ -351,6 +355,7 @@ void PrecisionPolicy::after_op(size_t index, const torch::jit::Stack& stack, siz
     if (!stack[i].isTensor()) continue;
     at::Tensor out = stack[i].toTensor();
     if (!out.defined() || !out.is_floating_point()) continue;
+    count_host_sync();
     const bool finite = at::isfinite(out).all().item<bool>();
     std::lock_guard<std::mutex> lock(d.mutex);
     if (!finite && !d.forward_culprit) d.forward_culprit = d.ops[index].module;
@@ -359,7 +364,9 @@ void PrecisionPolicy::after_op(size_t index, const torch::jit::Stack& stack, siz
     out.register_hook([weak, index](const at::TensorBase& grad) {
       const auto diagnosis = weak.lock();
       const at::Tensor g(grad);
-      if (!diagnosis || !g.defined() || at::isfinite(g).all().item<bool>()) return;
+      if (!diagnosis || !g.defined()) return;
+      count_host_sync();
+      if (at::isfinite(g).all().item<bool>()) return;
       std::lock_guard<std::mutex> lock(diagnosis->mutex);
       diagnosis->ops[index].grad_out_finite = false;
     });

@@ -20,6 +20,7 @@
 
 #include <iostream>
 
+#include "amp/optimizer.h"
 #include "casting/fp8.h"
 #include "casting/precision_policy.h"
 #include "interop/python_values.h"
@@ -83,6 +84,7 @@ AutoFp32Culprit agree_on_culprit(const AutoFp32Culprit& mine, const std::vector<
     rows[link.rank()][1] = index_of_module(*models[mine->first], mine->second) + 1;
   }
   link.max_over_ranks(rows);
+  count_host_sync();
   for (int64_t r = 0; r < rows.size(0); ++r) {
     const int64_t model = rows[r][0].item<int64_t>() - 1, module = rows[r][1].item<int64_t>() - 1;
     if (model >= 0 && module >= 0 && static_cast<size_t>(model) < models.size()) {

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "amp/optimizer.h"
 #include "optim/cpu_optimizer_kernels.h"
 #include "optim/fused_route.h"
 #include "optim/lean_masters.h"
@@ -723,7 +724,10 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
 // the one exchange of the per-tensor sums.
 void FusedLAMB::sharded_step(const std::vector<at::Tensor>& grads, amp::detail::StateFormat& format) {
   const ShardSums& sums = *shard_sums();
-  auto square_sum = [](const at::Tensor& t) { return t.to(at::kDouble).pow(2).sum().item<double>(); };
+  auto square_sum = [](const at::Tensor& t) {
+    amp::detail::count_host_sync();
+    return t.to(at::kDouble).pow(2).sum().item<double>();
+  };
   const double max_grad_norm = static_cast<const FusedLAMBOptions&>(defaults()).max_grad_norm();
   float clip = 1.0f;
   if (max_grad_norm > 0) {

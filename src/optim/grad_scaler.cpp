@@ -5,6 +5,7 @@
 
 #include "amp/clip_grad.h"
 #include "amp/fused_optimizers.h"
+#include "amp/optimizer.h"
 #include "options/format.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
@@ -126,6 +127,14 @@ torch::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, do
   return detail::clip_grads(grads, max_norm, norm_type, skip);
 }
 
+namespace {
+// The amp optimizer `optimizer` is, if it is one (its host syncs count for it: amp::host_sync_count).
+std::vector<const OptimizerBase*> amp_optimizers_of(const torch::optim::Optimizer& optimizer) {
+  if (const auto* amp_optimizer = dynamic_cast<const OptimizerBase*>(&optimizer)) return {amp_optimizer};
+  return {};
+}
+}  // namespace
+
 std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (!enabled_) return optimizer.step();
   OptimizerState& state = state_of(optimizer);
@@ -143,7 +152,10 @@ std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer
   }
   TORCH_CHECK(state.checked, "No inf checks were recorded for this optimizer. (None of its parameters has a "
               "gradient: run scaler.scale(loss).backward() through parameters this optimizer holds before step().)");
-  state.found_on_host = state.found_inf.any();  // the step's one host sync
+  {
+    const detail::HostSyncScope syncs(amp_optimizers_of(optimizer));
+    state.found_on_host = state.found_inf.any();  // the step's one host sync
+  }
   state.stage = Stage::kStepped;
   if (*state.found_on_host) return std::nullopt;
   if (!fused_unscale) return optimizer.step();
@@ -167,7 +179,10 @@ void GradScaler::update(std::optional<double> new_scale) {
     for (auto& [optimizer, state] : per_optimizer_) {
       if (!state->checked) continue;
       any_checked = true;
-      if (!state->found_on_host) state->found_on_host = state->found_inf.any();  // unscaled but not stepped
+      if (!state->found_on_host) {  // unscaled but not stepped
+        const detail::HostSyncScope syncs(amp_optimizers_of(*optimizer));
+        state->found_on_host = state->found_inf.any();
+      }
       found = found || *state->found_on_host;
     }
     TORCH_CHECK(any_checked, "No inf checks were recorded prior to update(). Call scaler.step(optimizer) (or "

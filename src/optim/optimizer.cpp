@@ -62,6 +62,32 @@ std::vector<std::pair<std::string, double>> scaler_settings(const Properties& p,
 OptimizerBase::OptimizerBase() : index_(std::make_shared<detail::ParamIndex>()) {}
 OptimizerBase::~OptimizerBase() = default;
 
+// NOTE [Counting host syncs]
+// A host sync is a read of a device value on the host: .item(), a copy to the CPU. amp makes them in a few known
+// places (the overflow flag after each unscaled backward, the overflow report, the norms of ZeRO's LAMB and stage-2
+// clipping, FP8 auto_fallback's flags, auto_fp32's diagnosis), and each calls detail::count_host_sync(), which counts for the
+// process (detail::host_sync_count, for the benchmarks) and for the optimizers of this thread's HostSyncScope:
+// amp::Optimizer::step opens one for itself, amp::scale_loss's backward for its optimizers, amp::GradScaler for an
+// amp optimizer it steps. The counting is the same on every device, so the CPU's count is the GPU's
+// (CudaSyncTest checks them against CUDA's own count).
+namespace detail {
+namespace {
+thread_local std::vector<const OptimizerBase*> sync_scope;
+}  // namespace
+
+HostSyncScope::HostSyncScope(std::vector<const OptimizerBase*> optimizers) : previous_(std::move(sync_scope)) {
+  sync_scope = std::move(optimizers);
+}
+HostSyncScope::~HostSyncScope() { sync_scope = std::move(previous_); }
+
+void count_host_sync() {
+  count_process_host_sync();
+  for (const OptimizerBase* o : sync_scope) ++o->host_syncs_;
+}
+}  // namespace detail
+
+int64_t host_sync_count(const OptimizerBase& optimizer) { return optimizer.host_sync_count(); }
+
 const LossScaler& OptimizerBase::loss_scaler(int loss_id) const {
   check_loss_id(loss_id);
   return (*scalers_)[static_cast<size_t>(loss_id)];
@@ -340,7 +366,9 @@ void OptimizerBase::record_overflow(int loss_id, double loss_scale) {
   }
   std::vector<std::pair<size_t, std::string>> bad;
   auto check = [&](const at::Tensor& model_param, const at::Tensor& grad, const std::string& name) {
-    if (!grad.defined() || at::isfinite(grad).all().item<bool>()) return;
+    if (!grad.defined()) return;
+    detail::count_host_sync();
+    if (at::isfinite(grad).all().item<bool>()) return;
     const auto it = model_order.find(model_param.unsafeGetTensorImpl());
     bad.emplace_back(it == model_order.end() ? model_order.size() : it->second, name);
   };

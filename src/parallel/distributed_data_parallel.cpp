@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "amp/optimizer.h"
 #include "casting/precision_policy.h"
 #include "collectives.h"
 #include "optim/feature.h"
@@ -377,6 +378,7 @@ void DistributedCore::Impl::check_unsynced() const {
       continue;
     }
     if (!g.defined() || (g.unsafeGetTensorImpl() == unsynced[i].impl && g._version() == unsynced[i].version)) continue;
+    amp::detail::count_host_sync();
     if (g.count_nonzero().item<int64_t>() > 0) unscaled.push_back(names[i]);  // changed, and not by zero_grad
   }
   TORCH_CHECK(unscaled.empty(), kWhere, ": the gradients accumulated under no_sync() were unscaled by amp::scale_loss "

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "amp/fused_optimizers.h"
+#include "amp/optimizer.h"
 #include "collectives.h"
 #include "group_state.h"
 #include "optim/master_weights.h"
@@ -575,6 +576,7 @@ at::Tensor Zero::global_norm(const std::vector<at::Tensor>& grads, double norm_t
   at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
   for (const auto& g : grads) {
     const at::Tensor a = g.detach().to(at::kDouble).abs();
+    amp::detail::count_host_sync();  // the .cpu() below
     if (inf) local = at::maximum(local, a.max().reshape({1}).cpu());
     else local.add_((norm_type == 1.0 ? a.sum() : a.mul(a).sum()).reshape({1}).cpu());
   }

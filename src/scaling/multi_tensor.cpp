@@ -17,6 +17,8 @@
 #include <mutex>
 #include <optional>
 
+#include "amp/optimizer.h"
+
 #include "scaling/cpu_kernels.h"
 
 namespace amp::detail {
@@ -76,10 +78,11 @@ std::atomic<int64_t> host_syncs{0};
 }  // namespace
 
 int64_t host_sync_count() { return host_syncs.load(); }
+void count_process_host_sync() { host_syncs.fetch_add(1, std::memory_order_relaxed); }
 
 bool FoundInf::any() const {
   if (flags_.empty()) return false;
-  host_syncs.fetch_add(1, std::memory_order_relaxed);
+  count_host_sync();
   at::Tensor total = flags_.front().second;
   for (size_t i = 1; i < flags_.size(); ++i) total = total.add(flags_[i].second.to(total.device()));
   return total.item<float>() > 0.0f;

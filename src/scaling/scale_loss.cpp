@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "amp/autocast_guard.h"
+#include "amp/optimizer.h"
 #include "options/format.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/scaled_grads.h"
@@ -69,6 +70,7 @@ void ScaledLoss::backward() {
   }
   done_ = true;
   if (!prepared_) return;
+  const detail::HostSyncScope syncs(std::vector<const OptimizerBase*>(optimizers_.begin(), optimizers_.end()));
   detail::record_scaled_grads(other_leaves_, scale_, options_.loss_id());
   other_leaves_.clear();
   const int loss_id = options_.loss_id();
