@@ -33,7 +33,9 @@ TEST_P(HostSyncTest, OnePerStepAndOnePerGradientOnAnOverflow) {
   torch::manual_seed(0);
   amp_test::Mlp net(8, 16, 4);
   const auto params = net->parameters();
-  const auto options = amp::Options(c.level).low_precision_dtype(c.dtype).verbosity(0);
+  // A dynamic loss scale at every level (O0's and O3's default is a static 1, whose backward reads nothing).
+  const auto options =
+      amp::Options(c.level).low_precision_dtype(c.dtype).loss_scale(amp::LossScale::dynamic()).verbosity(0);
   const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
   auto run = [&](auto optimizer_in) {
     auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
@@ -50,8 +52,8 @@ TEST_P(HostSyncTest, OnePerStepAndOnePerGradientOnAnOverflow) {
   const std::string o = c.optimizer;
   if (o == "SGD") run(torch::optim::SGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
   if (o == "FusedSGD") run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
-  if (o == "FusedAdam") run(amp::optim::FusedAdam(params, torch::optim::AdamOptions(1e-3)));
-  if (o == "FusedAdamW") run(amp::optim::FusedAdamW(params, torch::optim::AdamWOptions(1e-3)));
+  if (o == "FusedAdam") run(amp::optim::FusedAdam(params, torch::optim::AdamOptions(1e-3).eps(1e-4)));  // fp16 states at O3
+  if (o == "FusedAdamW") run(amp::optim::FusedAdamW(params, torch::optim::AdamWOptions(1e-3).eps(1e-4)));
   if (o == "FusedLAMB") run(amp::optim::FusedLAMB(params, amp::optim::FusedLAMBOptions(1e-3)));
 }
 

@@ -81,8 +81,10 @@ int64_t host_sync_count() { return host_syncs.load(); }
 void count_process_host_sync() { host_syncs.fetch_add(1, std::memory_order_relaxed); }
 
 bool FoundInf::any() const {
-  if (flags_.empty()) return false;
+  // Counted whether or not a flag exists: amp's CPU loops create one only when they find a non-finite value, a
+  // device always has one, and the count must be the device's (NOTE [Counting host syncs]).
   count_host_sync();
+  if (flags_.empty()) return false;
   at::Tensor total = flags_.front().second;
   for (size_t i = 1; i < flags_.size(); ++i) total = total.add(flags_[i].second.to(total.device()));
   return total.item<float>() > 0.0f;

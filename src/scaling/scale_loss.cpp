@@ -64,13 +64,14 @@ ScaledLoss::~ScaledLoss() {
 void ScaledLoss::backward() {
   TORCH_CHECK(!done_, "amp::ScaledLoss::backward: backward() was already called on this scaled loss. Call "
               "amp::scale_loss again for another backward pass.");
+  // Its reads of device values (the overflow flag, the report, auto_fp32's diagnosis) count for its optimizers.
+  const detail::HostSyncScope syncs(std::vector<const OptimizerBase*>(optimizers_.begin(), optimizers_.end()));
   {
     DisableCastsGuard no_casts;  // backward never runs under per-op casts
     scaled_.backward();          // on an exception, the destructor puts the gradients back
   }
   done_ = true;
   if (!prepared_) return;
-  const detail::HostSyncScope syncs(std::vector<const OptimizerBase*>(optimizers_.begin(), optimizers_.end()));
   detail::record_scaled_grads(other_leaves_, scale_, options_.loss_id());
   other_leaves_.clear();
   const int loss_id = options_.loss_id();
