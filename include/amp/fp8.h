@@ -43,8 +43,8 @@ struct Fp8Options {
   ///   448 / amax (torchao's blockwise_fp8_training);
   /// kMxfp8: OCP MX v1.0: blocks of 32 along the reduction dimension, E8M0 scales 2^(floor(log2(amax)) - 8)
   ///   (torchao's to_mx, FLOOR mode).
-  /// Blockwise and MXFP8 run the device's kernel where it has one and emulate it elsewhere (the same FP8 values,
-  /// dequantized, through a bfloat16 GEMM); Fp8LayerState::emulated says which.
+  /// Blockwise and MXFP8 are emulated for now, on every device (the same FP8 values, dequantized, through a
+  /// bfloat16 GEMM: the numerics, not the speed, of SM90's and SM100's kernels); Fp8LayerState::emulated says so.
   enum class Scaling { kDynamic, kDelayed, kRowwise, kRowwiseGwHp, kBlockwise, kMxfp8 };
 
   TORCH_ARG(Format, format) = Format::kHybrid;
