@@ -36,6 +36,9 @@ from fp8 import BF16, train_o2
 
 import torchao
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8.config import ScalingGranularity
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import LinearMMConfig
 from torchao.float8.float8_utils import EPS
 from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -171,9 +174,6 @@ def quant_cases(out):
     t = (torch.randn(256, 256) * torch.logspace(-3, 3, 256).unsqueeze(1)).to(BF16)
     out["quant/t"] = t
     cfg = Float8LinearConfig.from_recipe_name("rowwise")
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_training_tensor import LinearMMConfig
     for dim in (0, -1):
         f8 = hp_tensor_to_float8_dynamic(t, E4M3, LinearMMConfig(), scaling_granularity=ScalingGranularity.AXISWISE,
                                          axiswise_dim=dim, round_scales_to_power_of_2=cfg.round_scales_to_power_of_2)
