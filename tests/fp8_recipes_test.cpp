@@ -13,8 +13,6 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
-#include <map>
-#include <sstream>
 #include <string>
 #include <unistd.h>
 #include <vector>

@@ -45,8 +45,6 @@
 #include "casting/jit_mirror.h"
 #include "casting/precision_policy.h"
 
-#define AMP_HAS_FP8 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
-
 namespace amp {
 
 namespace detail {

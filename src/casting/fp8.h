@@ -7,6 +7,7 @@
 #include <ATen/core/stack.h>
 #include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
+#include <torch/version.h>
 
 #include <functional>
 #include <ostream>
@@ -18,6 +19,9 @@
 
 #include "amp/fp8.h"
 #include "amp/properties.h"
+
+/// Whether this LibTorch build has FP8 dtypes and at::_scaled_mm (2.1 and newer), for the preprocessor.
+#define AMP_HAS_FP8 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
 
 namespace amp::detail {
 

@@ -28,8 +28,6 @@
 
 #include "casting/fp8.h"
 
-#define AMP_RECIPES_HAVE_FP8 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
-
 namespace amp::detail {
 
 bool is_per_tensor(Fp8Options::Scaling scaling) {
@@ -49,7 +47,7 @@ bool fp8_recipe_emulated(Fp8Options::Scaling scaling, const c10::Device& device)
   return scaling == Fp8Options::Scaling::kBlockwise || scaling == Fp8Options::Scaling::kMxfp8;
 }
 
-#if AMP_RECIPES_HAVE_FP8
+#if AMP_HAS_FP8
 
 namespace {
 
