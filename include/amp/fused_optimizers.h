@@ -22,7 +22,9 @@
 #include <torch/optim/serialize.h>
 #include <torch/optim/sgd.h>
 
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -76,6 +78,39 @@ class FusedOptimizer {
   };
   void set_shard_sums(const ShardSums* sums) noexcept { shard_sums_ = sums; }
 
+  /// Set by amp::Optimizer around a step whose overflow flag the host has not read (NOTE [A step that never waits]
+  /// in src/scaling/device_scale.h), undefined otherwise: a 0-dim fp32 tensor, non-zero when the step must change
+  /// nothing. The step skips inside, as torch's fused optimizers do: ATen's kernels take the flag on a device (step
+  /// counts on the device with it), amp's CPU loops read it (a CPU tensor: nothing to wait for). Where a device step
+  /// keeps host-side counts that the flag decides (FusedLAMB, the bf16 and 8-bit state formats, lean masters, a first
+  /// momentum buffer, the per-op route), it is read on the host, waiting (counted: amp::host_sync_count).
+  /// `step_id` names the step in settle_step.
+  void set_found_inf(at::Tensor found_inf, uint64_t step_id) {
+    found_inf_ = std::move(found_inf);
+    step_id_ = step_id;
+  }
+  /// Called by amp::Optimizer once the host knows whether step `step_id` (run with a flag) was skipped: the host
+  /// step counts it advanced while only the device knew are put back.
+  void settle_step(uint64_t step_id, bool skipped);
+
+  // The fused steps' side of set_found_inf.
+  /// How a step treats set_found_inf's flag.
+  enum class Skip {
+    kNo,        // no flag, or read on the host and clear: run as usual
+    kYes,       // read on the host and set: change nothing
+    kOnDevice,  // pass it to ATen's kernels (`device_ok`: every update of this step can)
+  };
+  /// Decides at the start of step() (see set_found_inf).
+  Skip found_inf_decision(bool device_ok) const;
+  const at::Tensor& found_inf() const noexcept { return found_inf_; }
+  /// A step run with the flag on the device advanced a host count; `undo` puts it back if the step was skipped.
+  void on_skip_undo(std::function<void()> undo) { undo_[step_id_].push_back(std::move(undo)); }
+  /// The fp32 step count ATen's kernels read for `key`, kept on the device across steps: advanced by one for this
+  /// step (`host_step` is the host's count after it), the flag subtracted after the kernel.
+  at::Tensor device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device);
+  /// Puts back device_step's host count of `key` (its step was skipped on the device).
+  void undo_device_step(const c10::TensorImpl* key);
+
  protected:
   FusedOptimizer() = default;
   FusedOptimizer(FusedOptimizer&&) = default;
@@ -98,6 +133,14 @@ class FusedOptimizer {
   std::shared_ptr<amp::detail::LeanMasters> lean_;
   std::shared_ptr<amp::detail::StateFormat> state_format_;
   const ShardSums* shard_sums_ = nullptr;
+  at::Tensor found_inf_;
+  uint64_t step_id_ = 0;
+  std::map<uint64_t, std::vector<std::function<void()>>> undo_;  // by step id, until settled
+  struct DeviceStep {
+    at::Tensor count;
+    int64_t host = 0;  // the host count it equals unless the device skipped
+  };
+  std::unordered_map<const c10::TensorImpl*, DeviceStep> device_steps_;
 };
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) with a fused step.

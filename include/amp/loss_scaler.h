@@ -2,12 +2,19 @@
 // Apex's LossScaler: the dynamic loss-scale state machine, made safe at its bounds.
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 
 #include "amp/loss_scale.h"
 #include "amp/properties.h"
 
 namespace amp {
+class OptimizerBase;
+class ScaledLoss;
+namespace detail {
+class DeviceScale;
+struct OptimizerAccess;
+}  // namespace detail
 
 /// One loss scaler (Apex's `LossScaler`). Dynamic scaling starts at init_scale (2^16) clamped into
 /// [min_loss_scale, max_loss_scale]; an overflow multiplies the scale by backoff_factor (0.5; never
@@ -41,6 +48,10 @@ class LossScaler {
   int hysteresis_left() const noexcept { return hysteresis_left_; }
   /// Returns the floor of the dynamic scale (min_loss_scale, at least 2^-126).
   double min_loss_scale() const noexcept { return min_scale_; }
+  /// Returns the ceiling of the dynamic scale (max_loss_scale).
+  double max_loss_scale() const noexcept { return max_scale_; }
+  /// Returns the overflows the scale tolerates after each growth before backing off (1: backs off at once).
+  int hysteresis() const noexcept { return hysteresis_; }
   /// Returns the clean backward passes in a row after which the scale grows.
   int growth_interval() const noexcept { return growth_interval_; }
   /// Returns the factor the scale grows by after growth_interval clean passes.
@@ -62,6 +73,11 @@ class LossScaler {
   void load(double loss_scale, int64_t unskipped, std::optional<int64_t> hysteresis_left = std::nullopt);
 
  private:
+  friend class OptimizerBase;
+  friend class ScaledLoss;
+  friend struct detail::OptimizerAccess;
+  friend class detail::DeviceScale;
+
   bool dynamic_;
   double scale_;
   int64_t unskipped_ = 0;
@@ -72,6 +88,10 @@ class LossScaler {
   int growth_interval_ = 2000;
   int hysteresis_ = 1;
   int hysteresis_left_ = 1;
+  // This scaler's state on the loss's device, once a backward that never waits ran (NOTE [A step that never waits]
+  // in src/scaling/device_scale.h); the values above are then the host's view, current up to host_update_.
+  std::shared_ptr<detail::DeviceScale> device_;
+  uint64_t host_update_ = 0;
 };
 
 }  // namespace amp

@@ -5,6 +5,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -18,6 +20,8 @@
 
 namespace amp::detail {
 class FoundInf;
+class InvScale;
+struct BackwardOutcomeView;
 class Feature;
 class ParamIndex;
 class Sharding;
@@ -65,17 +69,19 @@ class OptimizerBase {
 
   /// Returns the resolved properties this optimizer was initialized with.
   const Properties& properties() const noexcept { return properties_; }
-  /// Returns the scaler of loss `loss_id`; throws if loss_id is outside [0, num_losses).
+  /// Returns the scaler of loss `loss_id`; throws if loss_id is outside [0, num_losses). After a backward that never
+  /// waited (NOTE [A step that never waits]) the host's copy of it catches up first, waiting for the device if it must.
   const LossScaler& loss_scaler(int loss_id = 0) const;
   /// Returns the parameters the optimizer updates: fp32 masters where the model is low precision.
   std::vector<at::Tensor> master_params();
-  /// Returns whether the next step() will be skipped because a backward overflowed.
-  bool step_will_be_skipped() const noexcept { return skip_next_step_; }
+  /// Returns whether the next step() will be skipped because a backward overflowed. These three wait for the
+  /// outcome of backwards the host has not seen yet (a step that never waits learns them later; counted).
+  bool step_will_be_skipped() const;
   /// Returns how many steps were skipped after overflows.
-  int64_t skipped_steps() const noexcept { return skipped_steps_; }
+  int64_t skipped_steps() const;
   /// Returns the last backward that overflowed, with the parameters whose gradients were non-finite
   /// (nullopt before any overflow). amp::last_overflow(optimizer) is the same.
-  const std::optional<OverflowReport>& last_overflow() const noexcept { return last_overflow_; }
+  const std::optional<OverflowReport>& last_overflow() const;
   /// Copies the model's current weights into the fp32 masters. amp does this by itself after any write
   /// that bumps a tensor's version counter; call it after writes that don't (through `.data()` or raw
   /// pointers).
@@ -120,13 +126,32 @@ class OptimizerBase {
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.
   void prepare_backward(int loss_id);
-  void unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf);
+  void unscale_grads(int loss_id, bool delay_unscale, const detail::InvScale& inv_scale, detail::FoundInf& found_inf);
   void finish_backward(int loss_id, bool skip);
   // On an overflowing backward only: records which of this optimizer's gradients are non-finite.
   void record_overflow(int loss_id, double loss_scale);
   // After each unscaled backward: the training features' turn (auto_fp32 counts overflows at the scale's floor).
   void after_backward(bool overflow, double loss_scale, double floor);
   void abort_backward() noexcept;
+  // NOTE [A step that never waits] (src/scaling/device_scale.h): whether this optimizer's steps can skip on the
+  // device (amp's fused optimizers, no feature that must see each overflow on the host, not sharded).
+  bool skips_on_device() const;
+  // A backward that never waited: `overflow` (0-dim fp32 on the loss's device) joins the next step's flag, and
+  // its outcome is applied when the host sees it.
+  void defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow);
+  // Applies the outcomes the host can see now, in order; with `wait`, all of them (waiting: counted).
+  void settle(bool wait) const;
+  struct OverflowReportView;
+  void apply_outcome(detail::BackwardOutcomeView& outcome, uint64_t grads_generation);
+  void apply_device_step(uint64_t grads_generation, uint64_t step_id);
+  // An overflowing backward of a step that never waits: the report's checks start on the device.
+  std::shared_ptr<OverflowReportView> start_overflow_report(int loss_id, double loss_scale);
+  void finish_overflow_report(OverflowReportView& view);
+  void clear_grads(bool set_to_none);
+  // Brings the host copy of every loss scaler up to its device state (with `wait`, waiting for it).
+  void settle_scalers(bool wait) const;
+  void announce_skip() const;
+  void warn_overflow_at_minimum(int loss_id, double loss_scale);
   bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
   void check_loss_id(int loss_id) const;
   bool owns_model_tensor(const c10::TensorImpl* t) const;
@@ -157,6 +182,17 @@ class OptimizerBase {
   int64_t skipped_steps_ = 0;
   std::optional<OverflowReport> last_overflow_;
   std::vector<bool> warned_at_min_scale_;  // per loss_id: the "still overflowing at the minimum" notice, once
+  // NOTE [A step that never waits]: what happened on the device that the host has not seen yet, in order.
+  struct Pending {
+    enum class Kind { kBackward, kReport, kStep, kZeroGrad } kind;
+    std::shared_ptr<detail::BackwardOutcomeView> outcome;  // kBackward
+    uint64_t grads_generation = 0;                         // the gradients when it happened
+    uint64_t step_id = 0;                                  // kStep
+    std::shared_ptr<OverflowReportView> report;            // kReport
+  };
+  mutable std::deque<Pending> pending_;
+  at::Tensor step_found_inf_;     // the next step's overflow flag on the device (the backwards' since the last step)
+  uint64_t grads_generation_ = 0;  // a new one after every backward and zero_grad
 };
 
 /// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with

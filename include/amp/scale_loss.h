@@ -5,6 +5,7 @@
 #include <torch/arg.h>
 
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "amp/optimizer.h"
@@ -27,7 +28,9 @@ struct ScaleLossOptions {
 /// absl::Cleanup): scale_loss prepares the optimizer's gradients, backward() runs backward on
 /// loss * scale (never under per-op casts), unscales the new gradients into fp32 (master) gradients,
 /// checks them for inf/NaN in one fused pass and updates the loss scale; after an overflow the next
-/// optimizer.step() is skipped. If backward() is never reached (an exception, an early return) the
+/// optimizer.step() is skipped. With amp's fused optimizers none of this waits for the device: the scale lives
+/// there and the step skips there (NOTE [A step that never waits] in src/scaling/device_scale.h). If backward() is
+/// never reached (an exception, an early return) the
 /// destructor puts the gradients back as they were. Not copyable, not movable.
 class [[nodiscard]] ScaledLoss {
  public:
@@ -41,14 +44,13 @@ class [[nodiscard]] ScaledLoss {
   const at::Tensor& tensor() const noexcept { return scaled_; }
   /// Runs backward and the unscale / overflow check / scale update; call it once.
   void backward();
-  /// Returns whether this backward overflowed; valid after backward().
+  /// Returns whether this backward overflowed; valid after backward(). Waits for the device if the backward did not.
   bool overflow() const;
 
  private:
   friend ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options);
   friend ScaledLoss scale_loss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options);
   ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optimizers, ScaleLossOptions options);
-  void warn_overflow_at_minimum() const;
 
   std::vector<OptimizerBase*> optimizers_;
   ScaleLossOptions options_;
@@ -58,6 +60,8 @@ class [[nodiscard]] ScaledLoss {
   bool prepared_ = false;
   bool done_ = false;
   bool overflow_ = false;
+  at::Tensor inverse_;  // a backward that never waits: 1/scale on the loss's device
+  std::shared_ptr<detail::BackwardOutcomeView> outcome_;  // and what the host learns of it
 };
 
 /// Scales `loss` for backward with the optimizer's loss scaler `options.loss_id()`.

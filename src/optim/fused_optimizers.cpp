@@ -299,14 +299,31 @@ void adam_stored(const at::Tensor& key, Work& work, State& state, const Options&
   work.finish();
 }
 
-template <class Options, class State, class CopyOf>
-void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTable& lean,
+// Whether every parameter with a gradient takes ATen's kernels (a step whose flag can stay on the device).
+template <class CopyOf>
+bool all_on_aten(const torch::optim::Optimizer& opt, CopyOf copy_of) {
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined() && route_for(p, p.grad(), {}, copy_of(p)) != FusedRoute::kAten) return false;
+    }
+  }
+  return true;
+}
+
+template <class Options, class State, class CopyOf, class Fused>
+void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of, const LeanTable& lean,
                       const std::optional<double>& grad_scale, bool decoupled, const char* name,
                       StateFormat& format) {
   check_all(opt, name, [name](const torch::optim::OptimizerOptions& o, size_t g) {
     check_adam_options(static_cast<const Options&>(o), name, g);
   });
   c10::NoGradGuard no_grad;
+  // NOTE [A step that never waits]: the flag stays on the device where every update is ATen's kernel with fp32
+  // states (the step counts then live there too).
+  const auto skip = fused.found_inf_decision(!lean && format.format() == amp::OptimizerStateFormat::kFp32 &&
+                                             all_on_aten(opt, copy_of));
+  if (skip == Fused::Skip::kYes) return;
+  const bool on_device = skip == Fused::Skip::kOnDevice;
   format.begin_step(opt);
   auto& states = opt.state();
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
@@ -368,7 +385,19 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTa
           batch.buffers_a.push_back(state.exp_avg());
           batch.buffers_b.push_back(state.exp_avg_sq());
           if (o.amsgrad()) batch.buffers_c.push_back(vmax);
-          batch.steps.push_back(at::full({}, static_cast<double>(state.step()), p.options().dtype(at::kFloat)));
+          if (on_device) {
+            batch.steps.push_back(fused.device_step(key, state.step(), p.device()));
+            fused.on_skip_undo([&opt, &fused, impl = key.unsafeGetTensorImpl(), at = state_key(states, key)] {
+              const auto it = opt.state().find(at);
+              if (it != opt.state().end() && it->second) {
+                auto& counted = static_cast<State&>(*it->second);
+                counted.step(counted.step() - 1);
+              }
+              fused.undo_device_step(impl);
+            });
+          } else {
+            batch.steps.push_back(at::full({}, static_cast<double>(state.step()), p.options().dtype(at::kFloat)));
+          }
           batch.copy_after(p, copy);
           if (work.lean) after_batches.push_back(std::move(work));
           break;
@@ -384,12 +413,18 @@ void adam_family_step(torch::optim::Optimizer& opt, CopyOf copy_of, const LeanTa
     for (auto& [key, batch] : batches) {
       const bool amsgrad = std::get<2>(key);
       const auto scale = aten_grad_scale(grad_scale, batch.params.front());
+      const std::optional<at::Tensor> found_inf = on_device ? std::optional<at::Tensor>(fused.found_inf()) : std::nullopt;
       if (decoupled) {
         at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
-                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale);
+                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
+                          found_inf);
       } else {
         at::_fused_adam_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
-                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale);
+                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
+                         found_inf);
+      }
+      if (on_device) {
+        for (auto& count : batch.steps) count.sub_(fused.found_inf());  // torch's fused Adam: the skip uncounted
       }
       finish_batch(batch);
     }
@@ -563,6 +598,38 @@ torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
 
 }  // namespace
 
+void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) {
+  const auto it = undo_.find(step_id);
+  if (it == undo_.end()) return;
+  if (skipped) {
+    for (const auto& undo : it->second) undo();
+  }
+  undo_.erase(it);
+}
+
+FusedOptimizer::Skip FusedOptimizer::found_inf_decision(bool device_ok) const {
+  if (!found_inf_.defined()) return Skip::kNo;
+  if (device_ok && !found_inf_.device().is_cpu()) return Skip::kOnDevice;
+  if (!found_inf_.device().is_cpu()) amp::detail::count_host_sync();
+  return found_inf_.item<float>() != 0.0f ? Skip::kYes : Skip::kNo;
+}
+
+at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device) {
+  DeviceStep& entry = device_steps_[key.unsafeGetTensorImpl()];
+  if (entry.count.defined() && entry.count.device() == device && entry.host == host_step - 1) {
+    entry.count.add_(1);
+  } else {  // first use, or the host count changed under it (a loaded checkpoint): the host's count
+    entry.count = at::full({}, static_cast<double>(host_step), at::TensorOptions().dtype(at::kFloat).device(device));
+  }
+  entry.host = host_step;
+  return entry.count;
+}
+
+void FusedOptimizer::undo_device_step(const c10::TensorImpl* key) {
+  const auto it = device_steps_.find(key);
+  if (it != device_steps_.end()) --it->second.host;
+}
+
 const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
   if (model_copies_.empty()) return nullptr;
   const auto it = model_copies_.find(p.unsafeGetTensorImpl());
@@ -572,7 +639,7 @@ const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
 torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-      *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/false,
+      *this, *static_cast<FusedOptimizer*>(this), [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/false,
       "amp::optim::FusedAdam", *format_for(state_format()));
   return loss;
 }
@@ -580,7 +647,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-      *this, [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/true,
+      *this, *static_cast<FusedOptimizer*>(this), [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/true,
       "amp::optim::FusedAdamW", *format_for(state_format()));
   return loss;
 }
@@ -655,6 +722,8 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   check_all(*this, "amp::optim::FusedLAMB", [](const torch::optim::OptimizerOptions& o, size_t g) {
     check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
   });
+  // Its step counts are the groups' options, on the host: the flag is read there (no wait on the CPU).
+  if (found_inf_decision(/*device_ok=*/false) == Skip::kYes) return loss;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
@@ -812,6 +881,22 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   });
   c10::NoGradGuard no_grad;
   auto& states = state_;
+  // A first momentum buffer is created on the host and would be counted as initialized after a skip the host can't
+  // see: the flag stays on the device only where every buffer exists and every update is ATen's.
+  bool device_ok = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
+  for (const auto& group : param_groups_) {
+    if (static_cast<const torch::optim::SGDOptions&>(group.options()).momentum() == 0) continue;
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      const auto it = states.find(state_key(states, p));
+      device_ok = device_ok && it != states.end() && it->second &&
+                  static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
+    }
+  }
+  const Skip skip = found_inf_decision(device_ok);
+  if (skip == Skip::kYes) return loss;
+  const std::optional<at::Tensor> device_found_inf =
+      skip == Skip::kOnDevice ? std::optional<at::Tensor>(found_inf()) : std::nullopt;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
@@ -870,7 +955,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     for (auto& [key, batch] : batches) {
       at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
                       o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
-                      aten_grad_scale(grad_scale(), batch.params.front()));
+                      aten_grad_scale(grad_scale(), batch.params.front()), device_found_inf);
       finish_batch(batch);
     }
 #else

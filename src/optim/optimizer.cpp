@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "amp/fused_optimizers.h"
 #include "amp/opt_level.h"
 #include "optim/feature.h"
 #include "optim/master_weights.h"
@@ -20,6 +21,7 @@
 #include "optim/param_index.h"
 #include "optim/sharding.h"
 #include "options/format.h"
+#include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
 #include "scaling/scaled_grads.h"
@@ -90,7 +92,182 @@ int64_t host_sync_count(const OptimizerBase& optimizer) { return optimizer.host_
 
 const LossScaler& OptimizerBase::loss_scaler(int loss_id) const {
   check_loss_id(loss_id);
+  const detail::HostSyncScope syncs({this});
+  settle(/*wait=*/true);
+  settle_scalers(/*wait=*/true);
   return (*scalers_)[static_cast<size_t>(loss_id)];
+}
+
+bool OptimizerBase::step_will_be_skipped() const {
+  const detail::HostSyncScope syncs({this});
+  settle(/*wait=*/true);
+  return skip_next_step_;
+}
+
+int64_t OptimizerBase::skipped_steps() const {
+  const detail::HostSyncScope syncs({this});
+  settle(/*wait=*/true);
+  return skipped_steps_;
+}
+
+const std::optional<OverflowReport>& OptimizerBase::last_overflow() const {
+  const detail::HostSyncScope syncs({this});
+  settle(/*wait=*/true);
+  return last_overflow_;
+}
+
+// ---- A step that never waits (NOTE [A step that never waits] in src/scaling/device_scale.h) ----------------
+
+struct OptimizerBase::OverflowReportView {
+  detail::HostView finite;  // per gradient checked: 1 if finite
+  std::vector<std::pair<size_t, std::string>> checked;  // (model order, name) of each
+  int loss_id;
+  double loss_scale;
+};
+
+bool OptimizerBase::skips_on_device() const {
+  if (!properties_.enabled || sharding_) return false;
+  if (dynamic_cast<const optim::FusedOptimizer*>(&torch_optimizer()) == nullptr) return false;
+  return std::none_of(features_.begin(), features_.end(),
+                      [](const std::shared_ptr<detail::Feature>& f) { return f->needs_overflow_on_host(); });
+}
+
+void OptimizerBase::defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow) {
+  step_found_inf_ = step_found_inf_.defined() ? at::maximum(step_found_inf_, overflow) : overflow;
+  pending_.push_back({Pending::Kind::kBackward, std::move(outcome), grads_generation_});
+}
+
+void OptimizerBase::settle(bool wait) const {
+  auto& self = const_cast<OptimizerBase&>(*this);
+  while (!pending_.empty()) {
+    Pending& front = pending_.front();
+    if (front.kind == Pending::Kind::kBackward || front.kind == Pending::Kind::kReport) {
+      const bool ready = front.kind == Pending::Kind::kBackward ? front.outcome->values.ready() : front.report->finite.ready();
+      if (!wait && !ready) return;
+    }
+    Pending entry = std::move(front);
+    pending_.pop_front();
+    switch (entry.kind) {
+      case Pending::Kind::kBackward: self.apply_outcome(*entry.outcome, entry.grads_generation); break;
+      case Pending::Kind::kReport: self.finish_overflow_report(*entry.report); break;
+      case Pending::Kind::kStep: self.apply_device_step(entry.grads_generation, entry.step_id); break;
+      case Pending::Kind::kZeroGrad: self.skip_next_step_ = false; break;
+    }
+  }
+}
+
+void OptimizerBase::apply_outcome(detail::BackwardOutcomeView& outcome, uint64_t grads_generation) {
+  const bool overflow = outcome.overflow();
+  LossScaler& host = (*scalers_)[static_cast<size_t>(outcome.loss_id)];
+  if (host.device_.get() == outcome.source && outcome.update > host.host_update_) {  // once per shared scaler
+    host.scale_ = outcome.values.value(2);
+    host.unskipped_ = static_cast<int64_t>(outcome.values.value(3));
+    host.hysteresis_left_ = static_cast<int>(outcome.values.value(4));
+    host.host_update_ = outcome.update;
+  }
+  if (!overflow) return;
+  const double scale = outcome.values.value(1);
+  if (grads_generation == grads_generation_) {
+    pending_.push_front({Pending::Kind::kReport, nullptr, 0, 0, start_overflow_report(outcome.loss_id, scale)});
+  } else {  // its gradients are gone: the report can't name them
+    OverflowReport report;
+    report.loss_id = outcome.loss_id;
+    report.loss_scale = scale;
+    last_overflow_ = std::move(report);
+  }
+  finish_backward(outcome.loss_id, /*skip=*/true);
+  if (host.dynamic() && scale <= host.min_loss_scale()) warn_overflow_at_minimum(outcome.loss_id, scale);
+}
+
+void OptimizerBase::apply_device_step(uint64_t grads_generation, uint64_t step_id) {
+  const bool skipped = skip_next_step_;
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer())) fused->settle_step(step_id, skipped);
+  if (!skipped) return;
+  skip_next_step_ = false;
+  announce_skip();
+  ++skipped_steps_;
+  // The overflowed gradients go, as after a skip the host decided (unless the script has moved on from them).
+  if (grads_generation == grads_generation_) clear_grads(/*set_to_none=*/true);
+}
+
+void OptimizerBase::settle_scalers(bool wait) const {
+  for (LossScaler& scaler : *scalers_) {
+    if (!scaler.device_ || scaler.host_update_ >= scaler.device_->updates() || !wait) continue;
+    scaler.device_->read_into(scaler);
+  }
+}
+
+std::shared_ptr<OptimizerBase::OverflowReportView> OptimizerBase::start_overflow_report(int loss_id, double loss_scale) {
+  std::unordered_map<const c10::TensorImpl*, size_t> model_order;
+  for (const auto& weak : modules_) {
+    if (const auto module = weak.lock()) {
+      for (const auto& p : module->parameters()) model_order.emplace(p.unsafeGetTensorImpl(), model_order.size());
+    }
+  }
+  std::vector<std::pair<size_t, std::string>> checked;
+  std::vector<at::Tensor> finite;
+  auto check = [&](const at::Tensor& model_param, const at::Tensor& grad, const std::string& name) {
+    if (!grad.defined()) return;
+    const auto it = model_order.find(model_param.unsafeGetTensorImpl());
+    checked.emplace_back(it == model_order.end() ? model_order.size() : it->second, name);
+    finite.push_back(at::isfinite(grad).all().to(finite.empty() ? grad.device() : finite.front().device()));
+  };
+  const detail::MasterWeights& masters = index_->masters();
+  for (size_t i = 0; i < masters.size(); ++i) check(masters.model()[i], masters.master()[i].grad(), masters.name(i));
+  const auto& direct = index_->direct();
+  for (size_t i = 0; i < direct.size(); ++i) check(direct[i], direct[i].grad(), index_->direct_names()[i]);
+  const at::Tensor values = finite.empty() ? at::zeros({0}, at::TensorOptions().dtype(at::kDouble))
+                                           : at::stack(finite).to(at::kDouble);
+  return std::make_shared<OverflowReportView>(OverflowReportView{detail::HostView(values), std::move(checked), loss_id,
+                                                                 loss_scale});
+}
+
+void OptimizerBase::finish_overflow_report(OverflowReportView& view) {
+  std::vector<std::pair<size_t, std::string>> bad;
+  for (size_t i = 0; i < view.checked.size(); ++i) {
+    if (view.finite.value(static_cast<int64_t>(i)) == 0) bad.push_back(view.checked[i]);
+  }
+  std::sort(bad.begin(), bad.end());
+  OverflowReport report;
+  report.loss_id = view.loss_id;
+  report.loss_scale = view.loss_scale;
+  for (auto& [order, name] : bad) report.parameters.push_back(std::move(name));
+  for (const auto& feature : features_) feature->describe_overflow(*this, report);
+  last_overflow_ = std::move(report);
+}
+
+void OptimizerBase::announce_skip() const {
+  if (properties_.verbosity < 1) return;
+  const double scale = (*scalers_)[static_cast<size_t>(skip_loss_id_)].loss_scale();
+  std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
+            << detail::format_float(scale);
+  if (last_overflow_ && !last_overflow_->parameters.empty()) {
+    std::cout << " (non-finite gradients: " << describe_parameters(last_overflow_->parameters) << ")";
+  }
+  if (last_overflow_ && !last_overflow_->fp8_layers.empty()) {
+    std::cout << " (FP8 layers with a non-finite amax: " << describe_parameters(last_overflow_->fp8_layers) << ")";
+  }
+  std::cout << std::endl;
+}
+
+// The scale can't fall any further and the gradients still overflow: the inf/NaN does not come from
+// scaling. Said once per optimizer and loss, at verbosity >= 1.
+void OptimizerBase::warn_overflow_at_minimum(int loss_id, double loss_scale) {
+  const auto id = static_cast<size_t>(loss_id);
+  if (properties_.verbosity < 1) return;
+  if (warned_at_min_scale_.size() <= id) warned_at_min_scale_.resize(id + 1, false);
+  if (warned_at_min_scale_[id]) return;
+  warned_at_min_scale_[id] = true;
+  std::string names;
+  if (last_overflow_ && last_overflow_->loss_id == loss_id) {
+    for (const auto& n : last_overflow_->parameters) names += (names.empty() ? "" : ", ") + n;
+  }
+  std::cout << "amp: loss scaler " << loss_id << " is at its minimum (" << detail::format_float(loss_scale)
+            << ") and the gradients still hold inf/NaN" << (names.empty() ? "" : " (in " + names + ")")
+            << ". Lowering the scale can't fix this: look for a NaN or inf produced in the forward or the loss "
+               "(bad inputs, log of 0, division by 0), a diverging learning rate, or an op that overflows in low "
+               "precision (amp::register_float_function). Steps stay skipped until the gradients are finite."
+            << std::endl;
 }
 
 void OptimizerBase::check_loss_id(int loss_id) const {
@@ -101,6 +278,7 @@ void OptimizerBase::check_loss_id(int loss_id) const {
 }
 
 void detail::OptimizerAccess::restore_loss_scalers(OptimizerBase& o, std::vector<LossScaler> scalers) {
+  o.settle(/*wait=*/true);
   TORCH_CHECK(scalers.size() == o.scalers_->size(), "amp: restoring ", scalers.size(), " loss scaler(s) into an "
               "optimizer with ", o.scalers_->size(), " (num_losses).");
   // The schedule lives in the properties too (banner, torch::save archives): both follow the restored scalers.
@@ -210,14 +388,22 @@ bool OptimizerBase::begin_step() {
               "scale_loss used delay_unscale(true). Run the last micro-batch's scale_loss without delay_unscale "
               "before step().");
   check_no_scaled_model_grads("step");
-  if (skip_next_step_) {
-    if (properties_.verbosity >= 1) {
-      std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
-              << detail::format_float(loss_scaler(skip_loss_id_).loss_scale());
-    if (last_overflow_ && !last_overflow_->parameters.empty()) std::cout << " (non-finite gradients: " << describe_parameters(last_overflow_->parameters) << ")";
-    if (last_overflow_ && !last_overflow_->fp8_layers.empty()) std::cout << " (FP8 layers with a non-finite amax: " << describe_parameters(last_overflow_->fp8_layers) << ")";
-    std::cout << std::endl;
-    }
+  settle(/*wait=*/false);
+  auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer());
+  if (fused) fused->set_found_inf({}, 0);
+  const bool unseen = std::any_of(pending_.begin(), pending_.end(),
+                                  [](const Pending& p) { return p.kind == Pending::Kind::kBackward; });
+  if (unseen) {
+    // The host has not seen every backward since the last step: the device decides the skip (NOTE [A step that
+    // never waits]), and the host learns it with those backwards.
+    // (No flag: a zero_grad came after those backwards, so none of them can skip this step.)
+    TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
+    fused->set_found_inf(step_found_inf_, static_cast<uint64_t>(steps_));
+    pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, static_cast<uint64_t>(steps_)});
+  }
+  step_found_inf_ = at::Tensor();
+  if (!unseen && skip_next_step_) {
+    announce_skip();
     for (const auto& feature : features_) feature->after_step(*this, /*taken=*/false);
     // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
     zero_all_grads(/*set_to_none=*/true);
@@ -246,16 +432,23 @@ void OptimizerBase::end_step() {
 
 void OptimizerBase::zero_all_grads(bool set_to_none) {
   if (properties_.enabled) sync_param_groups();
+  clear_grads(set_to_none);
+  stash_.clear();
+  backward_prepared_ = false;
+  scaled_grads_loss_id_.reset();
+  skip_next_step_ = false;
+  step_found_inf_ = at::Tensor();
+  ++grads_generation_;
+  if (!pending_.empty()) pending_.push_back({Pending::Kind::kZeroGrad});  // a skip learned later is dropped too
+}
+
+void OptimizerBase::clear_grads(bool set_to_none) {
   detail::MasterWeights& masters = index_->masters();
   for (auto& p : masters.model()) clear_grad(p, set_to_none);
   for (auto& p : masters.master()) clear_grad(p, set_to_none);
   for (auto& p : index_->direct()) clear_grad(p, set_to_none);
   masters.clear_pending_grads();
   if (sharding_) sharding_->zero_grad(set_to_none);
-  stash_.clear();
-  backward_prepared_ = false;
-  scaled_grads_loss_id_.reset();
-  skip_next_step_ = false;
 }
 
 void OptimizerBase::prepare_backward(int loss_id) {
@@ -266,6 +459,8 @@ void OptimizerBase::prepare_backward(int loss_id) {
               "after the other.");
   sync_param_groups();
   check_no_scaled_model_grads("backward");
+  settle(/*wait=*/false);
+  ++grads_generation_;
   if (scaled_grads_loss_id_) {
     TORCH_CHECK(*scaled_grads_loss_id_ == loss_id, "amp::scale_loss: the gradients hold values scaled by loss "
                 "scaler ", *scaled_grads_loss_id_, " (delay_unscale), so the next scale_loss must use the same "
@@ -283,7 +478,8 @@ void OptimizerBase::prepare_backward(int loss_id) {
   backward_prepared_ = true;
 }
 
-void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, double inv_scale, detail::FoundInf& found_inf) {
+void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, const detail::InvScale& inv_scale,
+                                  detail::FoundInf& found_inf) {
   TORCH_INTERNAL_ASSERT(backward_prepared_);
   backward_prepared_ = false;
   if (sharding_ && sharding_->owns_unscale()) {
@@ -405,6 +601,8 @@ void OptimizerBase::abort_backward() noexcept {
 }
 
 void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) const {
+  settle(/*wait=*/true);  // a checkpoint holds what the device did
+  settle_scalers(/*wait=*/true);
   if (properties_.enabled) {
     // Saving is logically const, but the index and the masters must first catch up with the model:
     // a checkpoint taken after loading weights must hold those weights.
@@ -440,6 +638,7 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
 
 void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   const char* where = "amp::Optimizer::load";
+  settle(/*wait=*/true);
   torch::serialize::InputArchive amp_archive;
   TORCH_CHECK(archive.try_read("amp", amp_archive), where, ": the checkpoint has no amp state: it was saved from a "
               "plain torch::optim optimizer, not an amp::Optimizer. Save the optimizer returned by amp::initialize.");

@@ -32,7 +32,11 @@ struct OptimizerAccess {
   /// The models the optimizer trains (those still alive), in initialize's order.
   static std::vector<std::shared_ptr<torch::nn::Module>> models(const OptimizerBase& o) { return o.models(); }
   /// Every loss scaler, by loss_id (shared by the optimizers initialized together).
-  static const std::vector<LossScaler>& loss_scalers(const OptimizerBase& o) { return *o.scalers_; }
+  static const std::vector<LossScaler>& loss_scalers(const OptimizerBase& o) {
+    o.settle(/*wait=*/true);
+    o.settle_scalers(/*wait=*/true);
+    return *o.scalers_;
+  }
   /// Replaces every loss scaler (a checkpoint's state, growth schedule included) for all optimizers sharing them.
   static void restore_loss_scalers(OptimizerBase& o, std::vector<LossScaler> scalers);
   /// The defined gradients the next step() will use (the fp32 masters' at O2), after checking that none is still

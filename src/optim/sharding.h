@@ -24,6 +24,7 @@ class OptimizerBase;
 namespace amp::detail {
 
 class FoundInf;
+class InvScale;
 
 class Sharding {
  public:
@@ -44,7 +45,7 @@ class Sharding {
   virtual bool owns_unscale() const = 0;
   /// Stage 2: unscales the reduce-scattered slices into the pieces' gradients (delay_unscale: leaves them scaled)
   /// and agrees on found_inf over the ranks.
-  virtual void unscale(bool delay_unscale, double inv_scale, FoundInf& found_inf) = 0;
+  virtual void unscale(bool delay_unscale, const InvScale& inv_scale, FoundInf& found_inf) = 0;
   virtual void zero_grad(bool set_to_none) = 0;
   /// The gradients the next step uses, as this rank holds them (stage 1: the full ones; stage 2: its slices).
   virtual std::vector<at::Tensor> grads() = 0;

@@ -170,7 +170,7 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   void refresh_all() override { refresh(/*all=*/true); }
   void after_step() override;
   bool owns_unscale() const override { return stage_ == 2; }
-  void unscale(bool delay_unscale, double inv_scale, amp::detail::FoundInf& found_inf) override;
+  void unscale(bool delay_unscale, const amp::detail::InvScale& inv_scale, amp::detail::FoundInf& found_inf) override;
   void zero_grad(bool set_to_none) override;
   std::vector<at::Tensor> grads() override;
   at::Tensor global_norm(const std::vector<at::Tensor>& grads, double norm_type) override;
@@ -196,7 +196,7 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   std::vector<int64_t> layout() const;
   std::vector<ShardSpan> slice_spans(size_t g, int64_t r) const;
   void record_versions();
-  void settle(double inv_scale, amp::detail::FoundInf* found_inf);
+  void settle(const amp::detail::InvScale& inv_scale, amp::detail::FoundInf* found_inf);
   void gather_into_model();
   void adopt_full_state(torch::optim::Optimizer& opt);
   double sum_over_ranks(double value);
@@ -495,7 +495,7 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
 }
 
 // Moves the reduced slices into the pieces' gradients, unscaled (found_inf: checked), adding to what they hold.
-void Zero::settle(double inv_scale, amp::detail::FoundInf* found_inf) {
+void Zero::settle(const amp::detail::InvScale& inv_scale, amp::detail::FoundInf* found_inf) {
   std::vector<at::Tensor> fresh_in, fresh_out, acc_in, acc_out;
   for (const auto& lane : lanes_) {
     if (!lane.incoming.defined()) continue;
@@ -521,7 +521,7 @@ void Zero::settle(double inv_scale, amp::detail::FoundInf* found_inf) {
   for (auto& flags : used_) std::fill(flags.begin(), flags.end(), 0);
 }
 
-void Zero::unscale(bool delay_unscale, double inv_scale, amp::detail::FoundInf& found_inf) {
+void Zero::unscale(bool delay_unscale, const amp::detail::InvScale& inv_scale, amp::detail::FoundInf& found_inf) {
   if (delay_unscale) return;  // the slices stay scaled in the lanes; the next reduce adds to them
   settle(inv_scale, &found_inf);
   // Each rank checked its own slices: the overflow decision is every rank's together.

@@ -71,6 +71,7 @@ void LossScaler::load(double loss_scale, int64_t unskipped, std::optional<int64_
   scale_ = loss_scale;
   unskipped_ = unskipped;
   hysteresis_left_ = static_cast<int>(left);
+  device_.reset();  // the next backward that never waits starts its device state from this one
 }
 
 }  // namespace amp

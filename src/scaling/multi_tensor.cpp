@@ -132,9 +132,9 @@ bool aten_unscale_takes(const c10::Device& device, c10::ScalarType dtype) {
 
 namespace {
 // The product in fp32, rounded once into the gradient's dtype (uncounted: unscale_through_fp32_ counts).
-void unscale_fp32_copies_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf) {
+void unscale_fp32_copies_(const std::vector<at::Tensor>& group, const InvScale& inv_scale, at::Tensor& found_inf) {
   c10::NoGradGuard no_grad;
-  const at::Tensor inv = at::full({1}, static_cast<float>(inv_scale), found_inf.options());
+  const at::Tensor inv = inv_scale.on(found_inf.options());
   const bool aten = has_aten_unscale_kernel(found_inf.device().type());
   std::vector<at::Tensor> chunk, wide;
   int64_t elements = 0;
@@ -161,7 +161,7 @@ void unscale_fp32_copies_(const std::vector<at::Tensor>& group, double inv_scale
 }
 }  // namespace
 
-void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf) {
+void unscale_through_fp32_(const std::vector<at::Tensor>& group, const InvScale& inv_scale, at::Tensor& found_inf) {
   fp32_routed.fetch_add(1, std::memory_order_relaxed);
   unscale_fp32_copies_(group, inv_scale, found_inf);
 }
@@ -174,18 +174,28 @@ bool has_aten_unscale_kernel(c10::DeviceType device) {
                                                                          : c10::DispatchKey::CPU);
 }
 
-void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf& found_inf) {
+float InvScale::host() const {
+  if (!tensor_.defined()) return host_;
+  if (!tensor_.device().is_cpu()) count_host_sync();
+  return tensor_.item<float>();
+}
+
+at::Tensor InvScale::on(const at::TensorOptions& options) const {
+  if (!tensor_.defined()) return at::full({1}, host_, options.dtype(at::kFloat));
+  return tensor_.to(options.device()).reshape({1});
+}
+
+void unscale_(const std::vector<at::Tensor>& tensors, const InvScale& inv_scale, FoundInf& found_inf) {
   std::map<GroupKey, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) {
     check_dense(t);
     groups[{t.device().str(), t.scalar_type()}].push_back(t);
   }
-  const float inv = static_cast<float>(inv_scale);
   for (auto& [key, group] : groups) {
     const c10::Device device = group.front().device();
     at::Tensor& flag = found_inf.on(device);
     if (aten_unscale_takes(device, key.second)) {
-      at::_amp_foreach_non_finite_check_and_unscale_(group, flag, at::full({1}, inv, flag.options()));
+      at::_amp_foreach_non_finite_check_and_unscale_(group, flag, inv_scale.on(flag.options()));
       continue;
     }
     if (key.second == at::kBFloat16 && (force_fp32_route || !device.is_cpu())) {
@@ -194,6 +204,7 @@ void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf
     }
     bool bad = false;
     std::vector<at::Tensor> strided_reduced;
+    const float inv = inv_scale.host();
     for (const auto& t : group) {
       if (cpu_fast_path(t)) {
         bad |= scale_cpu(t, t, inv, /*accumulate=*/false);
@@ -230,16 +241,17 @@ void check_finite(const std::vector<at::Tensor>& tensors, FoundInf& found_inf) {
 }
 
 void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out, bool accumulate,
-                  double inv_scale, FoundInf& found_inf) {
+                  const InvScale& inv_scale, FoundInf& found_inf) {
   TORCH_INTERNAL_ASSERT(in.size() == out.size());
-  const float inv = static_cast<float>(inv_scale);
+  std::optional<float> inv;  // read only where amp's CPU loop runs
   std::vector<at::Tensor> slow_in, slow_out;
   for (size_t i = 0; i < in.size(); ++i) {
     const at::Tensor& src = in[i];
     const at::Tensor& dst = out[i];
     check_dense(src);
     if (cpu_fast_path(src) && cpu_fast_path(dst) && dst.scalar_type() == at::kFloat) {
-      if (scale_cpu(src, dst, inv, accumulate)) mark(found_inf.on(src.device()));
+      if (!inv) inv = inv_scale.host();
+      if (scale_cpu(src, dst, *inv, accumulate)) mark(found_inf.on(src.device()));
     } else {
       slow_in.push_back(src);
       slow_out.push_back(dst);

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
 #include <vector>
 
 namespace amp::detail {
@@ -27,8 +28,25 @@ class FoundInf {
   std::vector<std::pair<c10::Device, at::Tensor>> flags_;
 };
 
+/// The factor gradients are unscaled by, 1/scale rounded to float: a host number, or a [1] fp32 tensor on the
+/// loss's device for a backward that never waits (NOTE [A step that never waits] in src/scaling/device_scale.h).
+class InvScale {
+ public:
+  InvScale(double inv_scale) : host_(static_cast<float>(inv_scale)) {}  // NOLINT(runtime/explicit): the host path
+  explicit InvScale(at::Tensor factor) : tensor_(std::move(factor)) {}
+  /// The factor as a float for amp's CPU loops: a CPU tensor's value is read (no device to wait for); a device
+  /// tensor's is waited for and counted.
+  float host() const;
+  /// The factor as a [1] fp32 tensor on `options`' device.
+  at::Tensor on(const at::TensorOptions& options) const;
+
+ private:
+  float host_ = 1.0f;
+  at::Tensor tensor_;
+};
+
 /// Multiplies every tensor by inv_scale in place and records non-finite values in found_inf.
-void unscale_(const std::vector<at::Tensor>& tensors, double inv_scale, FoundInf& found_inf);
+void unscale_(const std::vector<at::Tensor>& tensors, const InvScale& inv_scale, FoundInf& found_inf);
 
 /// Records non-finite values of the tensors in found_inf without changing them (one read pass; on devices
 /// without amp's loop, ATen's unscale kernel with a scale of 1, as torch's GradScaler does for fused optimizers).
@@ -37,7 +55,7 @@ void check_finite(const std::vector<at::Tensor>& tensors, FoundInf& found_inf);
 /// Writes out[i] = in[i] * inv_scale, or adds it to out[i] when accumulate, converting dtypes
 /// (fp16/bf16 model grads into fp32 master grads); records non-finite inputs in found_inf.
 void unscale_into(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out, bool accumulate,
-                  double inv_scale, FoundInf& found_inf);
+                  const InvScale& inv_scale, FoundInf& found_inf);
 
 /// Copies src[i] into dst[i] (fp32 masters into fp16/bf16 model parameters) without autograd.
 void copy_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src);
@@ -67,7 +85,7 @@ bool aten_unscale_takes(const c10::Device& device, c10::ScalarType dtype);
 
 /// Unscales and checks a group that ATen's kernel cannot take in its own dtype: chunk by chunk through
 /// fp32 copies (the kernel's own arithmetic: the product in fp32, rounded once into the gradient's dtype).
-void unscale_through_fp32_(const std::vector<at::Tensor>& group, double inv_scale, at::Tensor& found_inf);
+void unscale_through_fp32_(const std::vector<at::Tensor>& group, const InvScale& inv_scale, at::Tensor& found_inf);
 
 /// Sends every bfloat16 group through unscale_through_fp32_ while alive (this thread), so that the route
 /// CUDA's bf16 gradients take can be tested on the CPU.

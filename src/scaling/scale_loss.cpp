@@ -6,6 +6,7 @@
 #include "amp/autocast_guard.h"
 #include "amp/optimizer.h"
 #include "options/format.h"
+#include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/scaled_grads.h"
 
@@ -51,7 +52,28 @@ ScaledLoss::ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optim
                                   [impl](const OptimizerBase* o) { return o->owns_model_tensor(impl); });
     if (!ours) other_leaves_.push_back(std::move(leaf));
   }
-  scale_ = first.loss_scaler(options.loss_id()).loss_scale();
+  LossScaler& scaler = (*first.scaler_bank())[static_cast<size_t>(options.loss_id())];
+  const bool on_device = std::all_of(optimizers_.begin(), optimizers_.end(),
+                                     [](const OptimizerBase* o) { return o->skips_on_device(); });
+  if (on_device) {
+    // NOTE [A step that never waits]: the scale is the device's; the host's copy only names it in messages.
+    if (!scaler.device_ || scaler.device_->device() != loss.device()) {
+      for (auto* o : optimizers_) o->settle(/*wait=*/true);
+      first.settle_scalers(/*wait=*/true);
+      scaler.device_ = std::make_shared<detail::DeviceScale>(scaler, loss.device());
+      scaler.host_update_ = 0;
+    }
+    scale_ = scaler.scale_;
+    inverse_ = scaler.device_->inverse();
+    scaled_ = loss.to(at::kFloat) * scaler.device_->multiplier();
+    return;
+  }
+  if (scaler.device_) {  // the host decides this backward: its copy of the scaler catches up, then leads
+    for (auto* o : optimizers_) o->settle(/*wait=*/true);
+    first.settle_scalers(/*wait=*/true);
+    scaler.device_.reset();
+  }
+  scale_ = scaler.loss_scale();
   scaled_ = loss.to(at::kFloat) * scale_;
 }
 
@@ -77,14 +99,25 @@ void ScaledLoss::backward() {
   const int loss_id = options_.loss_id();
   const bool delay = options_.delay_unscale();
   detail::FoundInf found_inf;
-  for (auto* o : optimizers_) o->unscale_grads(loss_id, delay, 1.0 / scale_, found_inf);
+  const detail::InvScale inverse = inverse_.defined() ? detail::InvScale(inverse_) : detail::InvScale(1.0 / scale_);
+  for (auto* o : optimizers_) o->unscale_grads(loss_id, delay, inverse, found_inf);
   if (delay) return;
+  LossScaler& scaler = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)];
+  if (inverse_.defined()) {  // NOTE [A step that never waits]
+    detail::DeviceScale& device = *scaler.device_;
+    const at::Tensor overflow = found_inf.any_on(device.device());
+    outcome_ = std::make_shared<detail::BackwardOutcomeView>(device.update(overflow), loss_id, device.updates(),
+                                                             scaler.device_.get());
+    const at::Tensor flag = overflow.to(at::kFloat);
+    for (auto* o : optimizers_) o->defer_outcome(outcome_, flag);
+    for (auto* o : optimizers_) o->settle(/*wait=*/false);  // on the CPU the outcome is there already
+    return;
+  }
   overflow_ = found_inf.any();  // the backward's one host sync
   if (overflow_) {
     for (auto* o : optimizers_) o->record_overflow(loss_id, scale_);
   }
   // One scale update per backward, whatever the number of optimizers (they share the scaler).
-  LossScaler& scaler = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)];
   // auto_fp32 must see a module overflow more than once to move it, so with a static scale (which Apex steps
   // through overflows with) it skips the overflowing steps, as torch.amp's GradScaler always does.
   const bool skip = scaler.update_scale(overflow_) || (overflow_ && optimizers_[0]->properties().auto_fp32 > 0);
@@ -93,33 +126,14 @@ void ScaledLoss::backward() {
   // is its own floor.
   const double floor = scaler.dynamic() ? std::max(scaler.min_loss_scale(), 1.0) : scale_;
   for (auto* o : optimizers_) o->after_backward(overflow_, scale_, floor);
-  if (overflow_ && scaler.dynamic() && scale_ <= scaler.min_loss_scale()) warn_overflow_at_minimum();
-}
-
-// The scale can't fall any further and the gradients still overflow: the inf/NaN does not come from
-// scaling. Said once per optimizer and loss, at verbosity >= 1.
-void ScaledLoss::warn_overflow_at_minimum() const {
-  OptimizerBase& first = *optimizers_[0];
-  const auto loss_id = static_cast<size_t>(options_.loss_id());
-  if (first.properties().verbosity < 1) return;
-  auto& warned = first.warned_at_min_scale_;
-  if (warned.size() <= loss_id) warned.resize(loss_id + 1, false);
-  if (warned[loss_id]) return;
-  warned[loss_id] = true;
-  std::string names;
-  if (first.last_overflow() && !first.last_overflow()->parameters.empty()) {
-    for (const auto& n : first.last_overflow()->parameters) names += (names.empty() ? "" : ", ") + n;
+  if (overflow_ && scaler.dynamic() && scale_ <= scaler.min_loss_scale()) {
+    optimizers_[0]->warn_overflow_at_minimum(loss_id, scale_);
   }
-  std::cout << "amp: loss scaler " << loss_id << " is at its minimum (" << detail::format_float(scale_)
-            << ") and the gradients still hold inf/NaN" << (names.empty() ? "" : " (in " + names + ")")
-            << ". Lowering the scale can't fix this: look for a NaN or inf produced in the forward or the loss "
-               "(bad inputs, log of 0, division by 0), a diverging learning rate, or an op that overflows in low "
-               "precision (amp::register_float_function). Steps stay skipped until the gradients are finite."
-            << std::endl;
 }
 
 bool ScaledLoss::overflow() const {
   TORCH_CHECK(done_, "amp::ScaledLoss::overflow: call backward() first; overflow is known only after it.");
+  if (outcome_) return outcome_->overflow();
   return overflow_;
 }
 

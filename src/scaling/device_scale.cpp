@@ -1,0 +1,109 @@
+#include "scaling/device_scale.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/Event.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "amp/loss_scaler.h"
+#include "amp/optimizer.h"
+
+namespace amp::detail {
+namespace {
+thread_local bool defer_host_reads = false;
+}  // namespace
+
+DeferredHostReadsGuard::DeferredHostReadsGuard() : previous_(defer_host_reads) { defer_host_reads = true; }
+DeferredHostReadsGuard::~DeferredHostReadsGuard() { defer_host_reads = previous_; }
+
+HostView::HostView(const at::Tensor& values) : device_(values) {
+  if (values.device().is_cpu()) {
+    host_ = values;
+    return;
+  }
+  host_ = at::empty(values.sizes(), values.options().device(at::kCPU).pinned_memory(true));
+  host_.copy_(values, /*non_blocking=*/true);
+  const c10::impl::VirtualGuardImpl guard(values.device().type());
+  auto event = std::make_shared<c10::Event>(values.device().type());
+  event->record(guard.getStream(values.device()));
+  event_ = std::move(event);
+}
+
+bool HostView::ready() const {
+  if (waited_) return true;
+  if (defer_host_reads) return false;
+  return !event_ || static_cast<const c10::Event*>(event_.get())->query();
+}
+
+double HostView::value(int64_t i) {
+  if (!ready()) {
+    count_host_sync();
+    // Blocking: a synchronous copy waits for the stream (LibTorch 1.13's c10::Event cannot wait by itself).
+    if (event_) host_ = device_.to(at::kCPU);
+    waited_ = true;
+  }
+  return host_.data_ptr<double>()[i];
+}
+
+DeviceScale::DeviceScale(const LossScaler& host, const c10::Device& device)
+    : device_(device),
+      dynamic_(host.dynamic()),
+      min_scale_(host.min_loss_scale()),
+      max_scale_(host.max_loss_scale()),
+      growth_factor_(host.growth_factor()),
+      backoff_factor_(host.backoff_factor()),
+      growth_interval_(host.growth_interval()),
+      hysteresis_(host.hysteresis()) {
+  const auto on = at::TensorOptions().device(device);
+  scale_ = at::full({}, host.loss_scale(), on.dtype(at::kDouble));
+  unskipped_ = at::full({}, host.unskipped(), on.dtype(at::kLong));
+  hysteresis_left_ = at::full({}, static_cast<int64_t>(host.hysteresis_left()), on.dtype(at::kLong));
+  refresh_factors();
+}
+
+// In place: a captured CUDA graph reads the tensors it was captured with on every replay.
+void DeviceScale::refresh_factors() {
+  if (!multiplier_.defined()) {
+    multiplier_ = at::empty({}, scale_.options().dtype(at::kFloat));
+    inverse_ = at::empty({1}, scale_.options().dtype(at::kFloat));
+  }
+  multiplier_.copy_(scale_);
+  inverse_.copy_(scale_.reciprocal().reshape({1}));  // 1.0 / scale in double, then to float: the host's factor
+}
+
+// LossScaler::update_scale, branch for branch, as selects over both outcomes.
+HostView DeviceScale::update(const at::Tensor& overflow) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor before = scale_.clone();
+  const at::Tensor clean_passes = unskipped_.add(1);
+  if (dynamic_) {
+    const at::Tensor delay = hysteresis_left_.gt(1);
+    const at::Tensor backed_off = at::where(delay, scale_, scale_.mul(backoff_factor_).clamp_min(min_scale_));
+    const at::Tensor grow = clean_passes.ge(growth_interval_);
+    const at::Tensor grown = at::where(grow, scale_.mul(growth_factor_).clamp_max(max_scale_), scale_);
+    const at::Tensor left_after_overflow = at::where(delay, hysteresis_left_.sub(1), hysteresis_left_);
+    const at::Tensor left_after_clean = at::where(grow, at::full_like(hysteresis_left_, hysteresis_), hysteresis_left_);
+    scale_.copy_(at::where(overflow, backed_off, grown));
+    hysteresis_left_.copy_(at::where(overflow, left_after_overflow, left_after_clean));
+    unskipped_.copy_(at::where(overflow.logical_or(grow), at::zeros_like(unskipped_), clean_passes));
+    refresh_factors();
+  } else {
+    unskipped_.copy_(at::where(overflow, at::zeros_like(unskipped_), clean_passes));
+  }
+  ++updates_;
+  return HostView(at::stack({overflow.to(at::kDouble), before, scale_, unskipped_.to(at::kDouble),
+                             hysteresis_left_.to(at::kDouble)}));
+}
+
+void DeviceScale::read_into(LossScaler& host) const {
+  count_host_sync();
+  const at::Tensor values =
+      at::stack({scale_, unskipped_.to(at::kDouble), hysteresis_left_.to(at::kDouble)}).to(at::kCPU);
+  const double* v = values.data_ptr<double>();
+  host.scale_ = v[0];
+  host.unskipped_ = static_cast<int64_t>(v[1]);
+  host.hysteresis_left_ = static_cast<int>(v[2]);
+  host.host_update_ = updates_;
+}
+
+}  // namespace amp::detail
