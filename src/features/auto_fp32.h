@@ -26,7 +26,7 @@ class AutoFp32 : public Feature {
  public:
   explicit AutoFp32(int patience) : patience_(patience) {}
   const char* key() const override { return "auto_fp32"; }
-  bool needs_overflow_on_host() const override { return true; }
+  bool needs_overflow_on_host(const OptimizerBase&) const override { return patience_ > 0; }
 
   void after_backward(OptimizerBase& optimizer, const BackwardOutcome& outcome) override;
   void save(const OptimizerBase& optimizer, torch::serialize::OutputArchive& archive) const override;

@@ -28,6 +28,11 @@ std::vector<std::shared_ptr<Fp8State>> feature_fp8_states(const OptimizerBase& o
 
 }  // namespace
 
+// Its scales commit only after a taken step, so the host must know each skip when it happens.
+bool Fp8Feature::needs_overflow_on_host(const OptimizerBase& optimizer) const {
+  return optimizer.properties().fp8.has_value();
+}
+
 void Fp8Feature::describe_overflow(const OptimizerBase& optimizer, OverflowReport& report) const {
   for (const auto& fp8 : feature_fp8_states(optimizer)) {
     for (auto& name : fp8->non_finite_layers()) report.fp8_layers.push_back(std::move(name));

@@ -8,7 +8,7 @@ namespace amp::detail {
 class Fp8Feature : public Feature {
  public:
   const char* key() const override { return "fp8"; }
-  bool needs_overflow_on_host() const override { return true; }
+  bool needs_overflow_on_host(const OptimizerBase& optimizer) const override;
   void describe_overflow(const OptimizerBase& optimizer, OverflowReport& report) const override;
   void after_step(OptimizerBase& optimizer, bool taken) override;
   void save(const OptimizerBase& optimizer, torch::serialize::OutputArchive& archive) const override;

@@ -65,7 +65,7 @@ class Feature {
   virtual void after_step(OptimizerBase& optimizer, bool taken) {}
   /// Whether the hooks above must see each backward's overflow as it happens: the host then reads the overflow
   /// flag every backward (NOTE [A step that never waits] in src/scaling/device_scale.h).
-  virtual bool needs_overflow_on_host() const { return false; }
+  virtual bool needs_overflow_on_host(const OptimizerBase& optimizer) const { return false; }
 
   /// torch::save(optimizer): writes its state into the optimizer's amp archive.
   virtual void save(const OptimizerBase& optimizer, torch::serialize::OutputArchive& archive) const {}

@@ -129,7 +129,7 @@ bool OptimizerBase::skips_on_device() const {
   if (!properties_.enabled || sharding_) return false;
   if (dynamic_cast<const optim::FusedOptimizer*>(&torch_optimizer()) == nullptr) return false;
   return std::none_of(features_.begin(), features_.end(),
-                      [](const std::shared_ptr<detail::Feature>& f) { return f->needs_overflow_on_host(); });
+                      [this](const std::shared_ptr<detail::Feature>& f) { return f->needs_overflow_on_host(*this); });
 }
 
 void OptimizerBase::defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow) {
@@ -139,6 +139,18 @@ void OptimizerBase::defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> o
 
 void OptimizerBase::settle(bool wait) const {
   auto& self = const_cast<OptimizerBase&>(*this);
+  if (wait) {  // one wait, for the newest: the device's queue is done up to it
+    for (auto it = pending_.rbegin(); it != pending_.rend(); ++it) {
+      if (it->kind == Pending::Kind::kBackward) {
+        it->outcome->values.value(0);
+        break;
+      }
+      if (it->kind == Pending::Kind::kReport) {
+        if (!it->report->checked.empty()) it->report->finite.value(0);
+        break;
+      }
+    }
+  }
   while (!pending_.empty()) {
     Pending& front = pending_.front();
     if (front.kind == Pending::Kind::kBackward || front.kind == Pending::Kind::kReport) {

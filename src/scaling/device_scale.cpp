@@ -5,18 +5,24 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
+
 #include "amp/loss_scaler.h"
 #include "amp/optimizer.h"
 
 namespace amp::detail {
 namespace {
 thread_local bool defer_host_reads = false;
+// Waiting for one value waits for the device's queue up to it: views made before it are ready too.
+thread_local uint64_t views_made = 0;
+thread_local uint64_t waited_up_to = 0;
 }  // namespace
 
 DeferredHostReadsGuard::DeferredHostReadsGuard() : previous_(defer_host_reads) { defer_host_reads = true; }
 DeferredHostReadsGuard::~DeferredHostReadsGuard() { defer_host_reads = previous_; }
+bool host_reads_deferred() { return defer_host_reads; }
 
-HostView::HostView(const at::Tensor& values) : device_(values) {
+HostView::HostView(const at::Tensor& values) : device_(values), sequence_(++views_made) {
   if (values.device().is_cpu()) {
     host_ = values;
     return;
@@ -30,7 +36,7 @@ HostView::HostView(const at::Tensor& values) : device_(values) {
 }
 
 bool HostView::ready() const {
-  if (waited_) return true;
+  if (waited_ || sequence_ <= waited_up_to) return true;
   if (defer_host_reads) return false;
   return !event_ || static_cast<const c10::Event*>(event_.get())->query();
 }
@@ -40,8 +46,9 @@ double HostView::value(int64_t i) {
     count_host_sync();
     // Blocking: a synchronous copy waits for the stream (LibTorch 1.13's c10::Event cannot wait by itself).
     if (event_) host_ = device_.to(at::kCPU);
-    waited_ = true;
+    waited_up_to = std::max(waited_up_to, sequence_);
   }
+  waited_ = true;
   return host_.data_ptr<double>()[i];
 }
 

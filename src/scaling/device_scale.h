@@ -47,6 +47,7 @@ class HostView {
   at::Tensor device_;
   at::Tensor host_;              // pinned on a device, the values themselves on the CPU
   std::shared_ptr<void> event_;  // the device's event after the copy (a c10::Event), none on the CPU
+  uint64_t sequence_;
   bool waited_ = false;
 };
 
@@ -62,6 +63,9 @@ class DeferredHostReadsGuard {
  private:
   bool previous_;
 };
+
+/// Whether a DeferredHostReadsGuard is alive on this thread (the fused steps then treat a CPU flag as a device's).
+bool host_reads_deferred();
 
 /// What the host learns of one unscaled backward of a step that never waits: whether it overflowed, the scale it
 /// ran with, and the scaler's state after its update (`source`'s update number `update`).

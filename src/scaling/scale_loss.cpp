@@ -106,7 +106,8 @@ void ScaledLoss::backward() {
   if (inverse_.defined()) {  // NOTE [A step that never waits]
     detail::DeviceScale& device = *scaler.device_;
     const at::Tensor overflow = found_inf.any_on(device.device());
-    outcome_ = std::make_shared<detail::BackwardOutcomeView>(device.update(overflow), loss_id, device.updates(),
+    detail::HostView outcome = device.update(overflow);
+    outcome_ = std::make_shared<detail::BackwardOutcomeView>(std::move(outcome), loss_id, device.updates(),
                                                              scaler.device_.get());
     const at::Tensor flag = overflow.to(at::kFloat);
     for (auto* o : optimizers_) o->defer_outcome(outcome_, flag);
@@ -133,8 +134,9 @@ void ScaledLoss::backward() {
 
 bool ScaledLoss::overflow() const {
   TORCH_CHECK(done_, "amp::ScaledLoss::overflow: call backward() first; overflow is known only after it.");
-  if (outcome_) return outcome_->overflow();
-  return overflow_;
+  if (!outcome_) return overflow_;
+  const detail::HostSyncScope syncs(std::vector<const OptimizerBase*>(optimizers_.begin(), optimizers_.end()));
+  return outcome_->overflow();
 }
 
 ScaledLoss scale_loss(const at::Tensor& loss, OptimizerBase& optimizer, ScaleLossOptions options) {

@@ -1,0 +1,384 @@
+// A step that never waits for the device (NOTE [A step that never waits] in src/scaling/device_scale.h): the loss
+// scaler's state machine on the device, bit for bit the host's; amp's fused optimizers skipping inside their step;
+// the host learning each outcome later. On the CPU every value is there at once, so DeferredHostReadsGuard makes it a
+// device that is never done before the host asks: these tests run the device's path here and compare it with the
+// host's, bit for bit.
+
+#include <torch/torch.h>
+
+#include <iostream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "optim/fused_route.h"
+#include "scaling/device_scale.h"
+#include "support/models.h"
+#include "support/support.h"
+#include "support/training.h"
+
+namespace {
+
+using amp::detail::DeferredHostReadsGuard;
+using amp::detail::DeviceScale;
+
+constexpr double kNwInf = std::numeric_limits<double>::infinity();
+
+// ---- The scaler's state machine on the device ------------------------------------------------------------------
+
+struct ScaleCase {
+  const char* name;
+  amp::Options options;
+};
+
+class DeviceScaleTest : public ::testing::TestWithParam<ScaleCase> {};
+
+// Random overflows (and runs of clean passes long enough to grow): after each update the device's scale, clean
+// passes, hysteresis, loss multiplier and unscale factor are the host LossScaler's, and so is what the host reads.
+TEST_P(DeviceScaleTest, FollowsTheHostScalerBitForBit) {
+  amp::LossScaler host(GetParam().options.resolve());
+  DeviceScale device(host, torch::kCPU);
+  std::mt19937 rng(7);
+  std::bernoulli_distribution overflow_draw(0.3);
+  int growths = 0, backoffs = 0;
+  for (int i = 0; i < 400; ++i) {
+    const bool overflow = i % 50 < 12 ? false : overflow_draw(rng);  // some runs of 12 clean passes
+    const double before = host.loss_scale();
+    host.update_scale(overflow);
+    growths += host.loss_scale() > before;
+    backoffs += host.loss_scale() < before;
+    amp::detail::HostView view = device.update(torch::tensor(overflow));
+    ASSERT_EQ(device.scale().item<double>(), host.loss_scale()) << "update " << i;
+    ASSERT_EQ(device.unskipped().item<int64_t>(), host.unskipped()) << "update " << i;
+    ASSERT_EQ(device.hysteresis_left().item<int64_t>(), host.hysteresis_left()) << "update " << i;
+    ASSERT_EQ(device.multiplier().item<float>(), static_cast<float>(host.loss_scale()));
+    ASSERT_EQ(device.inverse().item<float>(), static_cast<float>(1.0 / host.loss_scale()));
+    ASSERT_EQ(view.value(0), overflow ? 1.0 : 0.0);
+    ASSERT_EQ(view.value(1), before);
+    ASSERT_EQ(view.value(2), host.loss_scale());
+  }
+  EXPECT_EQ(device.updates(), 400u);
+  if (host.dynamic()) {
+    EXPECT_GT(growths, 0) << "the sequence must exercise growth";
+    EXPECT_GT(backoffs, 0) << "and backoff";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DeviceScaleTest,
+    ::testing::Values(
+        ScaleCase{"apex_defaults_short_interval", amp::Options("O2").growth_interval(5)},
+        ScaleCase{"hysteresis_3", amp::Options("O2").hysteresis(3).growth_interval(4)},
+        ScaleCase{"odd_factors_and_bounds", amp::Options("O2")
+                                                .growth_factor(1.5)
+                                                .backoff_factor(0.3)
+                                                .growth_interval(3)
+                                                .min_loss_scale(7.0)
+                                                .max_loss_scale(1e5)},
+        ScaleCase{"at_the_ceiling", amp::Options("O2").init_scale(1024.0).max_loss_scale(1024.0).growth_interval(2)},
+        ScaleCase{"fixed_scale", amp::Options("O2").loss_scale(amp::LossScale::fixed(128.0))}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// ---- Steps the host has not seen --------------------------------------------------------------------------------
+
+struct NwCase {
+  const char* level;
+  c10::ScalarType dtype;
+  const char* optimizer;  // "FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB"
+};
+
+std::string nw_name(const NwCase& c) {
+  return std::string(c.level) + "_" + amp_test::dtype_label(c.dtype) + "_" + c.optimizer;
+}
+
+template <class Run>
+void with_optimizer(const std::string& name, const std::vector<torch::Tensor>& params, Run run) {
+  if (name == "FusedSGD") run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
+  if (name == "FusedAdam") run(amp::optim::FusedAdam(params, torch::optim::AdamOptions(1e-3).eps(1e-4)));
+  if (name == "FusedAdamW") {
+    run(amp::optim::FusedAdamW(params, torch::optim::AdamWOptions(1e-3).eps(1e-4).weight_decay(0.01)));
+  }
+  if (name == "FusedLAMB") run(amp::optim::FusedLAMB(params, amp::optim::FusedLAMBOptions(1e-3)));
+}
+
+// What a run ends with: every model parameter and master, the loss scale, the skips.
+struct NwOutcome {
+  std::vector<torch::Tensor> params, masters;
+  double loss_scale = 0;
+  int64_t skipped = 0;
+  int64_t syncs_while_training = 0;
+};
+
+// The loss factors of a run: overflows in a row, alone, first of an accumulation, right before the end.
+const std::vector<std::vector<double>> kNwSchedule = {{1}, {1}, {kNwInf}, {1}, {kNwInf}, {kNwInf}, {1},
+                                                     {kNwInf, 1}, {1, 1}, {1}, {1}, {kNwInf}, {1}, {1}};
+
+NwOutcome nw_train(const NwCase& c, bool deferred, bool aten_kernels = false) {
+  std::optional<amp::optim::detail::FusedRouteGuard> route;
+  if (aten_kernels) route.emplace(amp::optim::detail::FusedRoute::kAten);
+  torch::manual_seed(0);
+  amp_test::Mlp net(8, 16, 4);
+  const auto options = amp::Options(c.level)
+                           .low_precision_dtype(c.dtype)
+                           .loss_scale(amp::LossScale::dynamic())
+                           .growth_interval(3)
+                           .verbosity(0);
+  const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  NwOutcome out;
+  with_optimizer(c.optimizer, net->parameters(), [&](auto optimizer_in) {
+    auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
+    {
+      std::optional<DeferredHostReadsGuard> guard;
+      if (deferred) guard.emplace();
+      for (const auto& factors : kNwSchedule) {
+        optimizer.zero_grad();
+        for (const double factor : factors) {  // several: gradient accumulation
+          const torch::Tensor loss = torch::nn::functional::cross_entropy(model(x), y);
+          amp::scale_loss(factor == 1.0 ? loss : loss * factor, optimizer).backward();
+        }
+        optimizer.step();
+      }
+      out.syncs_while_training = amp::host_sync_count(optimizer);
+    }
+    for (const auto& p : model->parameters()) out.params.push_back(p.detach().clone());
+    for (const auto& p : amp::master_params(optimizer)) out.masters.push_back(p.detach().clone());
+    out.loss_scale = amp::loss_scale(optimizer);
+    out.skipped = optimizer.skipped_steps();
+  });
+  return out;
+}
+
+class SyncFreeStepTest : public ::testing::TestWithParam<NwCase> {};
+
+// The device's path (the flag passed into the step, the scale updated there, the host learning it all at the end)
+// trains exactly as the host's path, skips and growths included, without one wait while training.
+TEST_P(SyncFreeStepTest, DeviceSkipsGiveTheHostPathsBits) {
+  const NwCase c = GetParam();
+  SKIP_WITHOUT_CPU_KERNELS(c.dtype);
+  const NwOutcome host = nw_train(c, /*deferred=*/false);
+  const NwOutcome device = nw_train(c, /*deferred=*/true);
+  EXPECT_EQ(host.syncs_while_training, 0) << "on the CPU the host sees each outcome at once";
+  EXPECT_EQ(device.syncs_while_training, 0) << "nothing waits for the device";
+  EXPECT_EQ(host.skipped, 5);
+  EXPECT_EQ(device.skipped, host.skipped);
+  EXPECT_EQ(device.loss_scale, host.loss_scale);
+  ASSERT_EQ(device.params.size(), host.params.size());
+  for (size_t i = 0; i < host.params.size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(device.params[i], host.params[i])) << "model parameter " << i;
+  }
+  ASSERT_EQ(device.masters.size(), host.masters.size());
+  for (size_t i = 0; i < host.masters.size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(device.masters[i], host.masters[i])) << "master " << i;
+  }
+}
+
+std::vector<NwCase> nw_cases() {
+  std::vector<NwCase> out;
+  for (const char* level : {"O0", "O1", "O2", "O3"}) {
+    for (const auto dtype : amp_test::low_precision_dtypes()) {
+      if (std::string(level) == "O0" && dtype == torch::kHalf) continue;  // O0 computes in fp32 whatever the dtype
+      for (const char* optimizer : {"FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB"}) {
+        out.push_back({level, dtype, optimizer});
+      }
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, SyncFreeStepTest, ::testing::ValuesIn(nw_cases()),
+                         [](const auto& info) { return nw_name(info.param); });
+
+class SyncFreeAtenStepTest : public ::testing::TestWithParam<NwCase> {};
+
+// ATen's fused kernels, the route of CUDA parameters, forced on the CPU: the flag goes into _fused_sgd_ /
+// _fused_adam_ / _fused_adamw_, the Adam step counts live in tensors with the flag subtracted after each kernel, and
+// the host puts its counts back when it learns of a skip. Same bits as the host's path on the same kernels.
+TEST_P(SyncFreeAtenStepTest, DeviceStepCountsGiveTheHostPathsBits) {
+  const NwCase c = GetParam();
+  SKIP_WITHOUT_CPU_KERNELS(c.dtype);
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  const NwOutcome host = nw_train(c, /*deferred=*/false, /*aten_kernels=*/true);
+  const NwOutcome device = nw_train(c, /*deferred=*/true, /*aten_kernels=*/true);
+  EXPECT_EQ(device.syncs_while_training, 0);
+  EXPECT_EQ(device.skipped, host.skipped);
+  EXPECT_EQ(device.loss_scale, host.loss_scale);
+  for (size_t i = 0; i < host.params.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(device.params[i], host.params[i]));
+  for (size_t i = 0; i < host.masters.size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(device.masters[i], host.masters[i])) << "master " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, SyncFreeAtenStepTest,
+                         ::testing::Values(NwCase{"O1", torch::kBFloat16, "FusedAdam"},
+                                           NwCase{"O2", torch::kBFloat16, "FusedAdamW"},
+                                           NwCase{"O2", torch::kHalf, "FusedAdam"},
+                                           NwCase{"O2", torch::kBFloat16, "FusedSGD"},
+                                           NwCase{"O3", torch::kBFloat16, "FusedAdamW"}),
+                         [](const auto& info) { return nw_name(info.param); });
+
+// The pieces of one O2 bf16 FusedAdam run that the tests below drive by hand.
+struct NwRig {
+  NwRig() : net(8, 16, 4), x(torch::randn({32, 8})), y(torch::randint(0, 4, {32})) {}
+  amp_test::Mlp net;
+  torch::Tensor x, y;
+  amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).growth_interval(3).verbosity(0);
+};
+
+// What the host asks waits once for the newest outcome (counted), then knows all of them; ScaledLoss::overflow() of a
+// backward the host has not seen waits too.
+TEST(SyncFreeReadsTest, AskingWaitsOnceAndCounts) {
+  torch::manual_seed(0);
+  NwRig rig;
+  auto [model, optimizer] = amp::initialize(
+      rig.net, amp::optim::FusedAdam(rig.net->parameters(), torch::optim::AdamOptions(1e-3)), rig.options);
+  DeferredHostReadsGuard deferred;
+  for (int i = 0; i < 3; ++i) amp_test::train_step(model, optimizer, rig.x, rig.y);
+  optimizer.zero_grad();
+  auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(rig.x), rig.y) * kNwInf, optimizer);
+  scaled.backward();
+  EXPECT_EQ(amp::host_sync_count(optimizer), 0);
+  EXPECT_TRUE(scaled.overflow());
+  const int64_t after_overflow_read = amp::host_sync_count(optimizer);
+  EXPECT_EQ(after_overflow_read, 1) << "overflow() waited for its backward";
+  optimizer.step();
+  EXPECT_EQ(optimizer.skipped_steps(), 1);
+  EXPECT_EQ(amp::loss_scale(optimizer), 65536.0) << "grown to 2^17 after 3 clean steps, then halved";
+  EXPECT_GE(amp::host_sync_count(optimizer), after_overflow_read) << "the skip was learned with the outcome";
+  EXPECT_FALSE(optimizer.step_will_be_skipped());
+}
+
+// The notice of a skip and the overflow report come when the host learns of the overflow, not before; the report
+// still names the gradients if they are those of the overflowing backward.
+TEST(SyncFreeReadsTest, NoticeAndReportWhenTheHostLearns) {
+  torch::manual_seed(0);
+  NwRig rig;
+  auto [model, optimizer] = amp::initialize(
+      rig.net, amp::optim::FusedSGD(rig.net->parameters(), torch::optim::SGDOptions(0.1)), rig.options.verbosity(1));
+  DeferredHostReadsGuard deferred;
+  testing::internal::CaptureStdout();
+  amp_test::train_step(model, optimizer, rig.x, rig.y, amp_test::StepOptions().loss_factor(kNwInf));
+  const std::string during = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(during.find("Gradient overflow"), std::string::npos) << during;
+  testing::internal::CaptureStdout();
+  const auto report = optimizer.last_overflow();
+  const std::string after = testing::internal::GetCapturedStdout();
+  EXPECT_NE(after.find("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"),
+            std::string::npos) << after;
+  ASSERT_TRUE(report.has_value());
+  EXPECT_EQ(report->loss_scale, 65536.0);
+  EXPECT_EQ(report->parameters, (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}));
+  // A skip the device made drops the overflowed gradients once the host learns of it, as the host's skip does.
+  for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
+// zero_grad between an overflowing backward and the step drops that overflow's skip, on both paths alike.
+TEST(SyncFreeReadsTest, ZeroGradBeforeTheStepCancelsAnUnseenSkip) {
+  for (const bool deferred : {false, true}) {
+    torch::manual_seed(0);
+    NwRig rig;
+    auto [model, optimizer] = amp::initialize(
+        rig.net, amp::optim::FusedAdamW(rig.net->parameters(), torch::optim::AdamWOptions(1e-3)), rig.options);
+    std::optional<DeferredHostReadsGuard> guard;
+    if (deferred) guard.emplace();
+    optimizer.zero_grad();
+    amp::scale_loss(torch::nn::functional::cross_entropy(model(rig.x), rig.y) * kNwInf, optimizer).backward();
+    optimizer.zero_grad();
+    amp::scale_loss(torch::nn::functional::cross_entropy(model(rig.x), rig.y), optimizer).backward();
+    const torch::Tensor before = model->fc1->weight.detach().clone();
+    optimizer.step();
+    guard.reset();
+    EXPECT_EQ(optimizer.skipped_steps(), 0) << "deferred " << deferred;
+    EXPECT_FALSE(amp_test::bitwise_equal(model->fc1->weight, before)) << "the step was taken, deferred " << deferred;
+    EXPECT_EQ(amp::loss_scale(optimizer), 32768.0) << "the overflow still halved the scale";
+  }
+}
+
+// A checkpoint written while the host has not seen the last steps holds what the device did: resuming it on the
+// host's path continues bit for bit as the uninterrupted host run.
+TEST(SyncFreeReadsTest, CheckpointOfUnseenStepsResumesExactly) {
+  auto run = [](bool deferred, bool resume) {
+    torch::manual_seed(0);
+    NwRig rig;
+    auto [model, optimizer] = amp::initialize(
+        rig.net, amp::optim::FusedAdam(rig.net->parameters(), torch::optim::AdamOptions(1e-3)), rig.options);
+    std::stringstream model_bytes, optimizer_bytes;
+    {
+      std::optional<DeferredHostReadsGuard> guard;
+      if (deferred) guard.emplace();
+      for (const double factor : {1.0, kNwInf, 1.0, 1.0, kNwInf}) {
+        amp_test::train_step(model, optimizer, rig.x, rig.y, amp_test::StepOptions().loss_factor(factor));
+      }
+      if (resume) {
+        torch::save(rig.net, model_bytes);
+        torch::save(optimizer, optimizer_bytes);
+      }
+    }
+    if (resume) {
+      torch::manual_seed(1);
+      amp_test::Mlp fresh(8, 16, 4);
+      auto [fresh_model, fresh_optimizer] = amp::initialize(
+          fresh, amp::optim::FusedAdam(fresh->parameters(), torch::optim::AdamOptions(1e-3)), rig.options);
+      torch::load(fresh, model_bytes);
+      torch::load(fresh_optimizer, optimizer_bytes);
+      for (int i = 0; i < 4; ++i) amp_test::train_step(fresh_model, fresh_optimizer, rig.x, rig.y);
+      return std::make_pair(fresh_model->fc1->weight.detach().clone(), amp::loss_scale(fresh_optimizer));
+    }
+    for (int i = 0; i < 4; ++i) amp_test::train_step(model, optimizer, rig.x, rig.y);
+    return std::make_pair(model->fc1->weight.detach().clone(), amp::loss_scale(optimizer));
+  };
+  const auto uninterrupted = run(/*deferred=*/false, /*resume=*/false);
+  const auto resumed = run(/*deferred=*/true, /*resume=*/true);
+  EXPECT_TRUE(amp_test::bitwise_equal(resumed.first, uninterrupted.first));
+  EXPECT_EQ(resumed.second, uninterrupted.second);
+}
+
+// Two fused optimizers under one loss share its outcome; a LibTorch optimizer among them puts the decision back
+// on the host (its step can't skip on the device): one wait per backward.
+TEST(SyncFreeReadsTest, SharedLossesAndALibTorchOptimizer) {
+  auto run = [](bool deferred, bool libtorch_second) {
+    torch::manual_seed(0);
+    NwRig rig;
+    amp::optim::FusedAdam first(rig.net->fc1->parameters(), torch::optim::AdamOptions(1e-3));
+    std::vector<torch::Tensor> weights;
+    auto train = [&](auto second_in) {
+      auto [models, optimizers] = amp::initialize(std::make_tuple(rig.net),
+                                                  std::make_tuple(std::move(first), std::move(second_in)), rig.options);
+      auto& [model] = models;
+      auto& [opt1, opt2] = optimizers;
+      std::optional<DeferredHostReadsGuard> guard;
+      if (deferred) guard.emplace();
+      for (const double factor : {1.0, kNwInf, 1.0, kNwInf, kNwInf, 1.0}) {
+        opt1.zero_grad();
+        opt2.zero_grad();
+        const torch::Tensor loss = torch::nn::functional::cross_entropy(model(rig.x), rig.y) * factor;
+        amp::scale_loss(loss, std::vector<amp::OptimizerBase*>{&opt1, &opt2}).backward();
+        opt1.step();
+        opt2.step();
+      }
+      const int64_t syncs = amp::host_sync_count(opt1);
+      guard.reset();
+      EXPECT_EQ(opt1.skipped_steps(), 3);
+      EXPECT_EQ(opt2.skipped_steps(), 3);
+      for (const auto& p : model->parameters()) weights.push_back(p.detach().clone());
+      return syncs;
+    };
+    const int64_t syncs =
+        libtorch_second
+            ? train(torch::optim::SGD(rig.net->fc2->parameters(), torch::optim::SGDOptions(0.1)))
+            : train(amp::optim::FusedSGD(rig.net->fc2->parameters(), torch::optim::SGDOptions(0.1)));
+    return std::make_pair(syncs, weights);
+  };
+  const auto host = run(false, false);
+  const auto device = run(true, false);
+  EXPECT_EQ(host.first, 0);
+  EXPECT_EQ(device.first, 0);
+  for (size_t i = 0; i < host.second.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(device.second[i], host.second[i]));
+  const auto mixed = run(true, true);
+  // With LibTorch's SGD among the optimizers the host decides: one wait per backward, and on each of the 3 overflows
+  // the report's check of the 4 gradients (both optimizers count every read of their shared backward).
+  EXPECT_EQ(mixed.first, 6 + 3 * 4);
+}
+
+}  // namespace
