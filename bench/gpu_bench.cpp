@@ -2,7 +2,7 @@
 // O1/O2 step against the same step written by hand in LibTorch. Run by scripts/gpu-check.sh, which adds the
 // Python torch.amp + GradScaler twin (bench/python_amp.py --device cuda) on the same torch.
 //   amp_gpu_bench [--device cuda] [--steps 20] [--reps 3] [--csv FILE] [--models gpu_cnn,gpu_transformer] [--batch N]
-//                 [--configs all|"O0 fp32,O1 bf16,..."] [--section levels|fp8|fp8_shapes|all] [--fp8-steps 100]
+//                 [--configs all|"O0 fp32,O1 bf16,..."] [--section levels|fp8|fp8_shapes|graph|all] [--fp8-steps 100]
 // --device cpu (with tiny --steps, --batch and bf16 --configs) checks the program's logic without a GPU; its figures mean nothing.
 // Steps per second: the median of --reps timed runs of --steps steps each, synchronized at both ends, amp's
 // and the hand-written loop's runs taking turns. Peak
@@ -14,7 +14,10 @@
 #include <torch/version.h>
 
 #ifdef AMP_BENCH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <algorithm>
@@ -258,22 +261,103 @@ void bench_fp8_shapes(Settings& s) {
   std::fflush(stdout);
 }
 
+// amp's whole step eager against the same step captured once in a CUDA graph and replayed (docs/cuda.md's recipe:
+// amp::GraphCaptureGuard, FusedSGD with momentum), in turns, on the small models (where launches dominate) and the
+// GPU-sized ones. Both start from the same weights; after the timed runs the two agree on the loss scale.
+template <class Net>
+void bench_graph_model(Settings& s, const std::string& name) {
+  torch::manual_seed(0);
+  auto x = bench::input_for(name);
+  x = x.narrow(0, 0, s.batch > 0 ? std::min(s.batch, x.size(0)) : x.size(0)).to(s.device);
+  const auto y = torch::randint(10, {x.size(0)}, torch::kLong).to(s.device);
+  for (const auto& config : kConfigs) {
+    if (std::string(config.level) != "O1" && std::string(config.level) != "O2") continue;
+    if (s.configs != "all" && ("," + s.configs + ",").find("," + config.name + ",") == std::string::npos) continue;
+    const auto options = amp::Options(config.level).verbosity(0).low_precision_dtype(config.dtype);
+    auto make = [&](Net& net) {
+      torch::manual_seed(0);
+      net = Net();
+      net->to(s.device);
+      return amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)),
+                             options);
+    };
+    Net eager_net{nullptr}, graph_net{nullptr};
+    auto eager = make(eager_net);
+    auto graphed = make(graph_net);
+    auto eager_step = [&] { bench::amp_step(eager.model, eager.optimizer, x, y); };
+    std::function<void()> graph_step;
+    std::string note;
+#ifdef AMP_BENCH_CUDA
+    std::optional<at::cuda::CUDAGraph> graph;
+    if (s.device.is_cuda()) {
+      auto step = [&] { bench::amp_step(graphed.model, graphed.optimizer, x, y); };
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+      torch::cuda::synchronize();
+      {
+        c10::cuda::CUDAStreamGuard on_side(side);
+        for (int i = 0; i < 3; ++i) step();
+      }
+      torch::cuda::synchronize();
+      graph.emplace();
+      {
+        c10::cuda::CUDAStreamGuard on_side(side);
+        amp::GraphCaptureGuard capture(graphed.optimizer);
+        graph->capture_begin();
+        step();
+        graph->capture_end();
+      }
+      torch::cuda::synchronize();
+      graph_step = [&] { graph->replay(); };
+    }
+#endif
+    if (!graph_step) {  // no GPU: the eager step twice, to check the program (CUDA graphs need CUDA)
+      graph_step = [&] { bench::amp_step(graphed.model, graphed.optimizer, x, y); };
+      note = " (no graph: not CUDA)";
+    }
+    const auto t = seconds_per_step(s, {eager_step, graph_step});
+    std::printf("| %s | %s | %.3f | %.3f%s | %.2fx | %g / %g |\n", name.c_str(), config.name.c_str(), 1e3 * t[0],
+                1e3 * t[1], note.c_str(), t[0] / t[1], amp::loss_scale(eager.optimizer),
+                amp::loss_scale(graphed.optimizer));
+    std::fflush(stdout);
+    record(s, name, config.name, "eager_ms_per_step", 1e3 * t[0]);
+    record(s, name, config.name, "graphed_ms_per_step", 1e3 * t[1]);
+    record(s, name, config.name, "graphed_speedup", t[0] / t[1]);
+  }
+}
+
+void bench_graph(Settings& s, const std::string& models) {
+  std::printf("\n## The whole step in one CUDA graph on %s\n\namp's step (zero_grad, forward, scale_loss backward, "
+              "FusedSGD with momentum) eager against captured once and replayed; median of %d runs of %d steps, in "
+              "turns. Goal: the graphed step at least 1.5x the eager one on the small models.\n\n| model | config | "
+              "eager ms | graphed ms | speedup | loss scale eager / graphed |\n|---|---|---|---|---|---|\n",
+              s.device.str().c_str(), s.reps, s.steps);
+  std::stringstream list(models);
+  for (std::string name; std::getline(list, name, ',');) {
+    if (name == "mlp") bench_graph_model<bench::Mlp>(s, name);
+    else if (name == "cnn") bench_graph_model<bench::Cnn>(s, name);
+    else if (name == "gpu_cnn") bench_graph_model<bench::GpuCnn>(s, name);
+    else if (name == "gpu_transformer") bench_graph_model<bench::GpuTransformer>(s, name);
+    else TORCH_CHECK(false, "amp_gpu_bench: unknown model '", name, "' for --section graph; use mlp, cnn, gpu_cnn, gpu_transformer");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Settings s;
-  std::string device = "cuda", csv_path, models = "gpu_cnn,gpu_transformer", section = "levels";
+  std::string device = "cuda", csv_path, models, section = "levels";
   int fp8_steps = 100;
   amp::ProgramFlags flags("amp_gpu_bench: amp's levels and overhead on a GPU, as a markdown table");
   flags.add("device", &device, "cuda, or cpu to check the program's logic without a GPU")
       .add("steps", &s.steps, "steps per timed run")
       .add("reps", &s.reps, "timed runs per measurement (the median is reported)")
-      .add("models", &models, "comma-separated: gpu_cnn, gpu_transformer")
+      .add("models", &models, "comma-separated: gpu_cnn, gpu_transformer (--section graph: also mlp, cnn)")
       .add("batch", &s.batch, "a smaller batch than the model's (logic checks on a CPU)")
       .add("configs", &s.configs, "all, or comma-separated: O0 fp32, O1 fp16, O2 fp16, O3 fp16, O1 bf16, O2 bf16, O3 bf16")
       .add("csv", &csv_path, "also write one CSV row per measurement to this file")
       .add("section", &section,
-           "levels (the opt levels' table), fp8 (FP8 recipes on gpu_transformer), fp8_shapes (FP8 per GEMM shape), or all")
+           "levels (the opt levels' table), fp8 (FP8 recipes on gpu_transformer), fp8_shapes (FP8 per GEMM shape), graph "
+           "(eager against CUDA-graphed steps), or all")
       .add("fp8_steps", &fp8_steps, "training steps before the fp8 section's held-out loss");
   try {
     if (!amp::parse_command_line(argc, argv, flags)) return 0;
@@ -294,8 +378,14 @@ int main(int argc, char** argv) {
     at::globalContext().setAllowTF32CuDNN(false);
     at::globalContext().setBenchmarkCuDNN(true);
     TORCH_CHECK(fp8_steps >= 1, "amp_gpu_bench: --fp8-steps must be at least 1, got ", fp8_steps);
-    TORCH_CHECK(section == "levels" || section == "fp8" || section == "fp8_shapes" || section == "all",
-                "amp_gpu_bench: --section must be levels, fp8, fp8_shapes or all, got '", section, "'");
+    TORCH_CHECK(section == "levels" || section == "fp8" || section == "fp8_shapes" || section == "graph" ||
+                    section == "all",
+                "amp_gpu_bench: --section must be levels, fp8, fp8_shapes, graph or all, got '", section, "'");
+    if (section == "graph") {
+      bench_graph(s, models.empty() ? "mlp,cnn,gpu_cnn,gpu_transformer" : models);
+      return 0;
+    }
+    if (models.empty()) models = "gpu_cnn,gpu_transformer";
     if (section == "fp8") {
       bench_fp8(s, fp8_steps);
       return 0;
@@ -318,6 +408,7 @@ int main(int argc, char** argv) {
     if (section == "all") {
       bench_fp8(s, fp8_steps);
       bench_fp8_shapes(s);
+      bench_graph(s, "mlp,cnn,gpu_cnn,gpu_transformer");
     }
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";

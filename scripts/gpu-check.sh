@@ -3,7 +3,7 @@
 # ninja: builds amp, its tests, examples and benchmarks against that PyTorch's LibTorch, runs the whole suite
 # (the CUDA variants run instead of skipping; Fp8RecipeCudaTest compares each FP8 recipe on the GPU with the CPU),
 # then the GPU benchmark (bench/gpu_bench.cpp), its FP8 sections (O2 bf16 against each FP8 recipe; the per-shape
-# table min_gemm_size is read from) and its Python torch.amp twin, and prints a summary, all within 8 minutes: after the build, each stage gets a share of
+# table min_gemm_size is read from), eager against CUDA-graphed steps and its Python torch.amp twin, and prints a summary, all within 8 minutes: after the build, each stage gets a share of
 # what is left before a 7.5-minute deadline (AMP_GPU_CHECK_SECONDS) and is cut off there.
 # GoogleTest, Boost and gloo's headers come from .gpu-bundle (scripts/gpu-bundle.sh, made on this project's
 # Debian machines). Everything goes to $OUT when set (the device tool), else build/gpu-check.
@@ -38,6 +38,7 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   bench_args=("${tiny[@]}" --configs "O0 fp32,O1 bf16,O2 bf16,O3 bf16")
   fp8_args=(--device cpu --steps 1 --reps 1 --batch 2 --fp8-steps 2)
   shape_args=(--device cpu --steps 1 --reps 1 --batch 2)
+  graph_args=(--device cpu --steps 1 --reps 1 --batch 2 --models mlp --configs "O1 bf16,O2 bf16")
   py_args=("${tiny[@]}" --configs "O0 fp32,O1 bf16")
 else
   nvidia-smi -L 2> /dev/null || true
@@ -45,6 +46,7 @@ else
   py_args=(--device cuda --steps 20 --reps 3)
   fp8_args=(--device cuda --steps 20 --reps 3 --fp8-steps 100)
   shape_args=(--device cuda --steps 10 --reps 3)
+  graph_args=(--device cuda --steps 20 --reps 3)
 fi
 
 torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
@@ -73,7 +75,7 @@ limit() {  # limit MAX RESERVE: seconds a stage may take (0: no time left)
   (( left > 0 )) && echo "$left" || echo 0
 }
 status=0
-t=$(limit 200 230)
+t=$(limit 170 260)
 if [ "$t" -gt 0 ]; then
   stage "running the suite (limit $t s)"
   (cd "$build" && OMP_NUM_THREADS=1 timeout "$t" ctest --output-on-failure -j "$(nproc)" --timeout "$t" -LE long \
@@ -86,7 +88,7 @@ else
   status=1; echo "gpu-check: no time left for the suite"
 fi
 
-t=$(limit 80 150)
+t=$(limit 80 180)
 if [ "$t" -gt 0 ]; then
   stage "GPU benchmark: amp (limit $t s)"
   timeout "$t" "$build/bench/amp_gpu_bench" "${bench_args[@]}" --csv "$out/gpu-bench-cpp.csv" > "$out/gpu-bench-cpp.md" ||
@@ -101,7 +103,7 @@ cuda = torch.version.cuda or "none"; cc = torch.cuda.get_device_capability(0) if
 ok = cc is not None and cc >= (9, 0) and cuda != "none" and tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
 print("gpu-check: blockwise FP8: wheel CUDA", cuda, "compute capability", cc, "->",
       "cuBLAS 1x128/128x128 kernels available (amp still emulates)" if ok else "no blockwise kernel (amp emulates)")' || true
-t=$(limit 60 90)
+t=$(limit 60 120)
 if [ "$t" -gt 0 ]; then
   # FP8 Linear layers (docs/fp8.md): O2 bf16 against O2 + each FP8 recipe, step time and held-out loss.
   stage "GPU benchmark: FP8 (limit $t s)"
@@ -111,7 +113,7 @@ if [ "$t" -gt 0 ]; then
 else
   status=1; echo "gpu-check: no time left for the FP8 benchmark"
 fi
-t=$(limit 30 60)
+t=$(limit 30 100)
 if [ "$t" -gt 0 ]; then
   # The per-shape table min_gemm_size is read from: one Linear, bf16 against FP8 dynamic and rowwise.
   stage "GPU benchmark: FP8 per GEMM shape (limit $t s)"
@@ -120,6 +122,16 @@ if [ "$t" -gt 0 ]; then
   cat "$out/gpu-bench-fp8-shapes.md" || true
 else
   status=1; echo "gpu-check: no time left for the FP8 shape table"
+fi
+t=$(limit 40 60)
+if [ "$t" -gt 0 ]; then
+  # The whole step in one CUDA graph (docs/cuda.md): eager against graphed, O1/O2 in fp16 and bf16.
+  stage "GPU benchmark: eager against CUDA-graphed steps (limit $t s)"
+  timeout "$t" "$build/bench/amp_gpu_bench" --section graph "${graph_args[@]}" --csv "$out/gpu-bench-graph.csv" \
+    > "$out/gpu-bench-graph.md" || { status=1; echo "gpu-check: amp_gpu_bench --section graph failed or ran out of time"; }
+  cat "$out/gpu-bench-graph.md" || true
+else
+  status=1; echo "gpu-check: no time left for the CUDA graph benchmark"
 fi
 t=$(limit 60 0)
 if [ "$t" -gt 0 ]; then

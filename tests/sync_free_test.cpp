@@ -382,3 +382,120 @@ TEST(SyncFreeReadsTest, SharedLossesAndALibTorchOptimizer) {
 }
 
 }  // namespace
+
+// ---- amp::GraphCaptureGuard ----------------------------------------------------------------------------------------
+
+namespace {
+
+// What a run under the guard ends with, and three more steps after a torch::save / torch::load round trip.
+struct GcOutcome {
+  std::vector<torch::Tensor> params, resumed;
+  double loss_scale = 0;
+  int64_t skipped = 0;
+  int64_t syncs_under_guard = -1;
+};
+
+GcOutcome gc_train(bool guarded, bool aten_kernels) {
+  std::optional<amp::optim::detail::FusedRouteGuard> route;
+  if (aten_kernels) route.emplace(amp::optim::detail::FusedRoute::kAten);
+  torch::manual_seed(0);
+  NwRig rig;
+  auto make = [](amp_test::Mlp& net) {
+    return amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  };
+  auto [model, optimizer] = amp::initialize(rig.net, make(rig.net), rig.options);
+  GcOutcome out;
+  amp_test::train_step(model, optimizer, rig.x, rig.y);  // the warm-up
+  {
+    std::optional<amp::GraphCaptureGuard> capture;
+    if (guarded) capture.emplace(optimizer);
+    const int64_t before = amp::host_sync_count(optimizer);
+    for (const double factor : {1.0, kNwInf, 1.0, 1.0, 1.0, kNwInf, kNwInf, 1.0}) {
+      amp_test::train_step(model, optimizer, rig.x, rig.y, amp_test::StepOptions().loss_factor(factor));
+    }
+    out.syncs_under_guard = amp::host_sync_count(optimizer) - before;
+  }
+  for (const auto& p : model->parameters()) out.params.push_back(p.detach().clone());
+  out.loss_scale = amp::loss_scale(optimizer);
+  out.skipped = optimizer.skipped_steps();
+  std::stringstream model_bytes, optimizer_bytes;
+  torch::save(rig.net, model_bytes);
+  torch::save(optimizer, optimizer_bytes);
+  torch::manual_seed(1);
+  amp_test::Mlp fresh(8, 16, 4);
+  auto [fresh_model, fresh_optimizer] = amp::initialize(fresh, make(fresh), rig.options);
+  torch::load(fresh, model_bytes);
+  torch::load(fresh_optimizer, optimizer_bytes);
+  for (int i = 0; i < 3; ++i) amp_test::train_step(fresh_model, fresh_optimizer, rig.x, rig.y);
+  for (const auto& p : fresh_model->parameters()) out.resumed.push_back(p.detach().clone());
+  return out;
+}
+
+}  // namespace
+
+// Under the guard (here without a capture: the same host code a capture records runs each step) the host records
+// nothing, the device keeps the scale, the skips and the step counts, and what the host reads afterwards (loss scale,
+// skipped steps, a checkpoint) is what the host's own path holds: resuming from it continues bit for bit.
+TEST(GraphCaptureGuardTest, StepsUnderTheGuardGiveTheHostPathsBits) {
+  for (const bool aten : {false, true}) {
+    if (aten && !amp::optim::detail::has_aten_fused_optimizers()) continue;
+    const GcOutcome host = gc_train(/*guarded=*/false, aten);
+    const GcOutcome graph = gc_train(/*guarded=*/true, aten);
+    EXPECT_EQ(graph.syncs_under_guard, 0) << "aten " << aten;
+    EXPECT_EQ(host.skipped, 3);
+    EXPECT_EQ(graph.skipped, host.skipped) << "aten " << aten;
+    EXPECT_EQ(graph.loss_scale, host.loss_scale) << "aten " << aten;
+    for (size_t i = 0; i < host.params.size(); ++i) {
+      EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << "parameter " << i << ", aten " << aten;
+      EXPECT_TRUE(amp_test::bitwise_equal(graph.resumed[i], host.resumed[i]))
+          << "parameter " << i << " after resuming (the Adam step counts came from the device), aten " << aten;
+    }
+  }
+}
+
+// What a replayed graph can't do is refused when the guard is made, naming the fix; overflow() under it too.
+TEST(GraphCaptureGuardTest, RefusesWhatAReplayCantDo) {
+  torch::manual_seed(0);
+  NwRig rig;
+  {
+    auto [model, optimizer] = amp::initialize(rig.net, torch::optim::SGD(rig.net->parameters(), 0.1), rig.options);
+    amp_test::train_step(model, optimizer, rig.x, rig.y);
+    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "optimizer 0 is a LibTorch optimizer, whose step can't skip");
+  }
+  {
+    amp_test::Mlp net(8, 16, 4);
+    auto [model, optimizer] =
+        amp::initialize(net, amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(1e-3)), rig.options);
+    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "is amp::optim::FusedLAMB, whose step counts");
+  }
+  {
+    amp_test::Mlp net(8, 16, 4);
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)),
+        amp::Options(rig.options).optimizer_state_format(amp::OptimizerStateFormat::kBf16));
+    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "keeps its state as bf16 (optimizer_state_format)");
+  }
+  {
+    amp_test::Mlp net(8, 16, 4);
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)),
+        amp::Options(rig.options).master_weights_format(amp::MasterWeights::kSplit));
+    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "has master_weights_format = split");
+  }
+  {
+    amp_test::Mlp net(8, 16, 4);
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)), amp::Options(rig.options).auto_fp32(2));
+    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "must see each overflow on the host");
+  }
+  amp_test::Mlp net(8, 16, 4);
+  auto [model, optimizer] =
+      amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.1)), rig.options);
+  ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "has not taken a step with amp::scale_loss yet");
+  amp_test::train_step(model, optimizer, rig.x, rig.y);
+  amp::GraphCaptureGuard capture(optimizer);
+  ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "optimizer 0 is already under a GraphCaptureGuard");
+  auto scaled = amp::scale_loss(torch::nn::functional::cross_entropy(model(rig.x), rig.y), optimizer);
+  scaled.backward();
+  ASSERT_THROWS_WITH(scaled.overflow(), "under amp::GraphCaptureGuard the overflow stays on the device");
+}

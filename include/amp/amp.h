@@ -26,6 +26,7 @@
 #include "amp/fp8.h"
 #include "amp/fused_optimizers.h"
 #include "amp/grad_scaler.h"
+#include "amp/graph_capture.h"
 #include "amp/initialize.h"
 #include "amp/load_weights.h"
 #include "amp/loss_scale.h"

@@ -84,7 +84,8 @@ class FusedOptimizer {
   /// counts on the device with it), amp's CPU loops read it (a CPU tensor: nothing to wait for). Where a device step
   /// keeps host-side counts that the flag decides (FusedLAMB, the bf16 and 8-bit state formats, lean masters, a first
   /// momentum buffer, the per-op route), it is read on the host, waiting (counted: amp::host_sync_count).
-  /// `step_id` names the step in settle_step.
+  /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard), whose flag stays on the
+  /// device wherever the step's kernels can take it and whose skips the host never settles.
   void set_found_inf(at::Tensor found_inf, uint64_t step_id) {
     found_inf_ = std::move(found_inf);
     step_id_ = step_id;
@@ -92,6 +93,9 @@ class FusedOptimizer {
   /// Called by amp::Optimizer once the host knows whether step `step_id` (run with a flag) was skipped: the host
   /// step counts it advanced while only the device knew are put back.
   void settle_step(uint64_t step_id, bool skipped);
+  /// Sets the host step counts from the device's (waits, counted): after CUDA graph replays, which advance them
+  /// without the host.
+  void pull_device_steps();
 
   // The fused steps' side of set_found_inf.
   /// How a step treats set_found_inf's flag.
@@ -104,10 +108,14 @@ class FusedOptimizer {
   Skip found_inf_decision(bool device_ok) const;
   const at::Tensor& found_inf() const noexcept { return found_inf_; }
   /// A step run with the flag on the device advanced a host count; `undo` puts it back if the step was skipped.
-  void on_skip_undo(std::function<void()> undo) { undo_[step_id_].push_back(std::move(undo)); }
+  void on_skip_undo(std::function<void()> undo) {
+    if (step_id_ != 0) undo_[step_id_].push_back(std::move(undo));
+  }
   /// The fp32 step count ATen's kernels read for `key`, kept on the device across steps: advanced by one for this
-  /// step (`host_step` is the host's count after it), the flag subtracted after the kernel.
-  at::Tensor device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device);
+  /// step (`host_step` is the host's count after it), the flag subtracted after the kernel. `set_host` writes a count
+  /// into the host's state (pull_device_steps).
+  at::Tensor device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device,
+                         std::function<void(int64_t)> set_host);
   /// Puts back device_step's host count of `key` (its step was skipped on the device).
   void undo_device_step(const c10::TensorImpl* key);
 
@@ -139,6 +147,7 @@ class FusedOptimizer {
   struct DeviceStep {
     at::Tensor count;
     int64_t host = 0;  // the host count it equals unless the device skipped
+    std::function<void(int64_t)> set_host;
   };
   std::unordered_map<const c10::TensorImpl*, DeviceStep> device_steps_;
 };

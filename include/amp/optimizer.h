@@ -34,6 +34,7 @@ namespace amp {
 
 class ScaledLoss;
 class OptimizerBase;
+class GraphCaptureGuard;
 
 namespace detail {
 /// Gives `optimizer` its training features (NOTE [Training features], src/features/registry.cpp), once it has
@@ -120,6 +121,7 @@ class OptimizerBase {
 
  private:
   friend class ScaledLoss;
+  friend class GraphCaptureGuard;
   friend struct detail::OptimizerAccess;  // amp's checkpoint formats, gradient tools and training features
   friend void detail::count_host_sync();
 
@@ -193,6 +195,11 @@ class OptimizerBase {
   mutable std::deque<Pending> pending_;
   at::Tensor step_found_inf_;     // the next step's overflow flag on the device (the backwards' since the last step)
   uint64_t grads_generation_ = 0;  // a new one after every backward and zero_grad
+  // amp::GraphCaptureGuard: while it lives nothing is recorded for the host; once one lived, the device holds the
+  // truth (loss scale, skips, step counts) and the host reads it there.
+  bool graph_mode_ = false;
+  bool device_truth_ = false;
+  at::Tensor device_skips_;  // steps skipped on the device since the first guard (fp32, on the loss's device)
 };
 
 /// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with

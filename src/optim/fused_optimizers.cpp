@@ -386,18 +386,22 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
           batch.buffers_a.push_back(state.exp_avg());
           batch.buffers_b.push_back(state.exp_avg_sq());
           if (o.amsgrad()) batch.buffers_c.push_back(vmax);
+          // The count lives on the device across steps (a captured step replays its own update of it).
+          const auto slot_key = state_key(states, key);
+          auto set_host = [&opt, slot_key](int64_t count) {
+            const auto it = opt.state().find(slot_key);
+            if (it != opt.state().end() && it->second) static_cast<State&>(*it->second).step(count);
+          };
+          batch.steps.push_back(fused.device_step(key, state.step(), p.device(), set_host));
           if (on_device) {
-            batch.steps.push_back(fused.device_step(key, state.step(), p.device()));
-            fused.on_skip_undo([&opt, &fused, impl = key.unsafeGetTensorImpl(), at = state_key(states, key)] {
-              const auto it = opt.state().find(at);
+            fused.on_skip_undo([&opt, &fused, impl = key.unsafeGetTensorImpl(), slot_key] {
+              const auto it = opt.state().find(slot_key);
               if (it != opt.state().end() && it->second) {
                 auto& counted = static_cast<State&>(*it->second);
                 counted.step(counted.step() - 1);
               }
               fused.undo_device_step(impl);
             });
-          } else {
-            batch.steps.push_back(at::full({}, static_cast<double>(state.step()), p.options().dtype(at::kFloat)));
           }
           batch.copy_after(p, copy);
           if (work.lean) after_batches.push_back(std::move(work));
@@ -611,13 +615,17 @@ void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) {
 FusedOptimizer::Skip FusedOptimizer::found_inf_decision(bool device_ok) const {
   if (!found_inf_.defined()) return Skip::kNo;
   // (Tests run the device's path on the CPU: DeferredHostReadsGuard.)
-  if (device_ok && (!found_inf_.device().is_cpu() || amp::detail::host_reads_deferred())) return Skip::kOnDevice;
+  if (device_ok && (!found_inf_.device().is_cpu() || amp::detail::host_reads_deferred() || step_id_ == 0)) {
+    return Skip::kOnDevice;
+  }
   if (!found_inf_.device().is_cpu()) amp::detail::count_host_sync();
   return found_inf_.item<float>() != 0.0f ? Skip::kYes : Skip::kNo;
 }
 
-at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device) {
+at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device,
+                                       std::function<void(int64_t)> set_host) {
   DeviceStep& entry = device_steps_[key.unsafeGetTensorImpl()];
+  entry.set_host = std::move(set_host);
   if (entry.count.defined() && entry.count.device() == device && entry.host == host_step - 1) {
     entry.count.add_(1);
   } else {  // first use, or the host count changed under it (a loaded checkpoint): the host's count
@@ -625,6 +633,15 @@ at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step,
   }
   entry.host = host_step;
   return entry.count;
+}
+
+void FusedOptimizer::pull_device_steps() {
+  for (auto& [key, entry] : device_steps_) {
+    if (!entry.count.defined() || !entry.set_host) continue;
+    if (!entry.count.device().is_cpu()) amp::detail::count_host_sync();
+    entry.host = static_cast<int64_t>(entry.count.item<float>());
+    entry.set_host(entry.host);
+  }
 }
 
 void FusedOptimizer::undo_device_step(const c10::TensorImpl* key) {

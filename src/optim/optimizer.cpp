@@ -107,7 +107,9 @@ bool OptimizerBase::step_will_be_skipped() const {
 int64_t OptimizerBase::skipped_steps() const {
   const detail::HostSyncScope syncs({this});
   settle(/*wait=*/true);
-  return skipped_steps_;
+  if (!device_skips_.defined()) return skipped_steps_;
+  if (!device_skips_.device().is_cpu()) detail::count_host_sync();
+  return skipped_steps_ + static_cast<int64_t>(device_skips_.item<float>());
 }
 
 const std::optional<OverflowReport>& OptimizerBase::last_overflow() const {
@@ -134,7 +136,7 @@ bool OptimizerBase::skips_on_device() const {
 
 void OptimizerBase::defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow) {
   step_found_inf_ = step_found_inf_.defined() ? at::maximum(step_found_inf_, overflow) : overflow;
-  pending_.push_back({Pending::Kind::kBackward, std::move(outcome), grads_generation_});
+  if (outcome) pending_.push_back({Pending::Kind::kBackward, std::move(outcome), grads_generation_});
 }
 
 void OptimizerBase::settle(bool wait) const {
@@ -204,7 +206,9 @@ void OptimizerBase::apply_device_step(uint64_t grads_generation, uint64_t step_i
 
 void OptimizerBase::settle_scalers(bool wait) const {
   for (LossScaler& scaler : *scalers_) {
-    if (!scaler.device_ || scaler.host_update_ >= scaler.device_->updates() || !wait) continue;
+    if (!scaler.device_ || !wait) continue;
+    // After a CUDA graph capture, replays update the device without telling the host: always read it.
+    if (scaler.host_update_ >= scaler.device_->updates() && !device_truth_) continue;
     scaler.device_->read_into(scaler);
   }
 }
@@ -400,8 +404,14 @@ bool OptimizerBase::begin_step() {
               "scale_loss used delay_unscale(true). Run the last micro-batch's scale_loss without delay_unscale "
               "before step().");
   check_no_scaled_model_grads("step");
-  settle(/*wait=*/false);
   auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer());
+  if (graph_mode_) {  // amp::GraphCaptureGuard: the device decides and counts, the host records nothing
+    if (step_found_inf_.defined()) device_skips_.add_(step_found_inf_.to(device_skips_.device()));
+    fused->set_found_inf(std::exchange(step_found_inf_, at::Tensor()), /*step_id=*/0);
+    index_->refresh_changed();
+    return true;
+  }
+  settle(/*wait=*/false);
   if (fused) fused->set_found_inf({}, 0);
   const bool unseen = std::any_of(pending_.begin(), pending_.end(),
                                   [](const Pending& p) { return p.kind == Pending::Kind::kBackward; });
@@ -629,7 +639,7 @@ void OptimizerBase::save_amp_state(torch::serialize::OutputArchive& archive) con
   amp_archive.write("master_weights", c10::IValue(static_cast<int64_t>(masters.size())));
   const std::vector<LossScaler>& scalers = *scalers_;
   amp_archive.write("num_losses", c10::IValue(static_cast<int64_t>(scalers.size())));
-  amp_archive.write("skipped_steps", c10::IValue(skipped_steps_));
+  amp_archive.write("skipped_steps", c10::IValue(skipped_steps()));
   for (size_t i = 0; i < scalers.size(); ++i) {
     const std::string prefix = "loss_scaler" + std::to_string(i) + "/";
     amp_archive.write(prefix + "loss_scale", c10::IValue(scalers[i].loss_scale()));
@@ -711,6 +721,8 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   for (const auto& apply : restore) apply();
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
   skipped_steps_ = skipped_steps;
+  device_skips_ = at::Tensor();  // the host holds the truth again, until the next amp::GraphCaptureGuard
+  device_truth_ = false;
   if (!sharding_) {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < mine.size(); ++i) mine.master()[i].copy_(masters[i]);
@@ -729,6 +741,9 @@ void OptimizerBase::run_own(OwnCall call, const std::function<void()>& fn, torch
     sharding_->check_shard_archive(*loading, "amp::Optimizer::load");
     sharding_->on_shard(opt, detail::Sharding::Use::kLoad, fn);
     return;
+  }
+  if (call == OwnCall::kSave && device_truth_) {  // the step counts a CUDA graph advanced on the device
+    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&opt)) fused->pull_device_steps();
   }
   if (!sharding_ || call == OwnCall::kLoad) {
     fn();  // an unsharded archive loads into the full tensors; load_amp_state hands it to the sharding after

@@ -78,10 +78,16 @@ void DeviceScale::refresh_factors() {
   inverse_.copy_(scale_.reciprocal().reshape({1}));  // 1.0 / scale in double, then to float: the host's factor
 }
 
-// LossScaler::update_scale, branch for branch, as selects over both outcomes.
 HostView DeviceScale::update(const at::Tensor& overflow) {
-  c10::NoGradGuard no_grad;
   const at::Tensor before = scale_.clone();
+  update_on_device(overflow);
+  return HostView(at::stack({overflow.to(at::kDouble), before, scale_, unskipped_.to(at::kDouble),
+                             hysteresis_left_.to(at::kDouble)}));
+}
+
+// LossScaler::update_scale, branch for branch, as selects over both outcomes.
+void DeviceScale::update_on_device(const at::Tensor& overflow) {
+  c10::NoGradGuard no_grad;
   const at::Tensor clean_passes = unskipped_.add(1);
   if (dynamic_) {
     const at::Tensor delay = hysteresis_left_.gt(1);
@@ -98,8 +104,6 @@ HostView DeviceScale::update(const at::Tensor& overflow) {
     unskipped_.copy_(at::where(overflow, at::zeros_like(unskipped_), clean_passes));
   }
   ++updates_;
-  return HostView(at::stack({overflow.to(at::kDouble), before, scale_, unskipped_.to(at::kDouble),
-                             hysteresis_left_.to(at::kDouble)}));
 }
 
 void DeviceScale::read_into(LossScaler& host) const {

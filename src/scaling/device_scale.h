@@ -99,6 +99,8 @@ class DeviceScale {
   /// LossScaler::update_scale(overflow) on the device; `overflow` is a 0-dim bool tensor on device(). Returns the
   /// host's view of the outcome (BackwardOutcomeView::values; started, not waited for).
   HostView update(const at::Tensor& overflow);
+  /// The same update, with no view for the host (a CUDA graph capture: amp::GraphCaptureGuard).
+  void update_on_device(const at::Tensor& overflow);
   /// How many updates ran (the host scaler is current when it has taken the last one's state).
   uint64_t updates() const noexcept { return updates_; }
   /// Marks updates the host has no view of (CUDA graph replays): the next host read waits for the device.

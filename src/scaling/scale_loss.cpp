@@ -55,6 +55,13 @@ ScaledLoss::ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optim
   LossScaler& scaler = (*first.scaler_bank())[static_cast<size_t>(options.loss_id())];
   const bool on_device = std::all_of(optimizers_.begin(), optimizers_.end(),
                                      [](const OptimizerBase* o) { return o->skips_on_device(); });
+  if (first.graph_mode_) {
+    TORCH_CHECK(on_device, "amp::scale_loss: under amp::GraphCaptureGuard every optimizer of the loss must be one the "
+                "guard holds (amp's fused optimizers); pass the same optimizers to the guard and to scale_loss.");
+    TORCH_CHECK(scaler.device_ && scaler.device_->device() == loss.device(), "amp::scale_loss: loss scaler ",
+                options.loss_id(), " has no state on ", loss.device(), " yet, and a CUDA graph capture can't create "
+                "it. Run the warm-up steps the capture recipe takes (docs/cuda.md) with this loss_id before capturing.");
+  }
   if (on_device) {
     // NOTE [A step that never waits]: the scale is the device's; the host's copy only names it in messages.
     if (!scaler.device_ || scaler.device_->device() != loss.device()) {
@@ -106,6 +113,12 @@ void ScaledLoss::backward() {
   if (inverse_.defined()) {  // NOTE [A step that never waits]
     detail::DeviceScale& device = *scaler.device_;
     const at::Tensor overflow = found_inf.any_on(device.device());
+    if (optimizers_[0]->graph_mode_) {  // amp::GraphCaptureGuard: nothing for the host
+      device.update_on_device(overflow);
+      const at::Tensor flag = overflow.to(at::kFloat);
+      for (auto* o : optimizers_) o->defer_outcome(nullptr, flag);
+      return;
+    }
     detail::HostView outcome = device.update(overflow);
     outcome_ = std::make_shared<detail::BackwardOutcomeView>(std::move(outcome), loss_id, device.updates(),
                                                              scaler.device_.get());
@@ -134,6 +147,9 @@ void ScaledLoss::backward() {
 
 bool ScaledLoss::overflow() const {
   TORCH_CHECK(done_, "amp::ScaledLoss::overflow: call backward() first; overflow is known only after it.");
+  TORCH_CHECK(outcome_ || !optimizers_[0]->graph_mode_, "amp::ScaledLoss::overflow: under amp::GraphCaptureGuard "
+              "the overflow stays on the device (a captured step can't tell the host). Read amp::skipped_steps or "
+              "amp::loss_scale after the guard instead.");
   if (!outcome_) return overflow_;
   const detail::HostSyncScope syncs(std::vector<const OptimizerBase*>(optimizers_.begin(), optimizers_.end()));
   return outcome_->overflow();

@@ -1,0 +1,68 @@
+#include "amp/graph_capture.h"
+
+// amp::GraphCaptureGuard: checks that the optimizers' steps can run without the host, then switches them to record
+// nothing for it (NOTE [A step that never waits] in src/scaling/device_scale.h).
+
+#include <ATen/Functions.h>
+
+#include <string>
+
+#include "amp/fused_optimizers.h"
+#include "scaling/device_scale.h"
+
+namespace amp {
+
+GraphCaptureGuard::GraphCaptureGuard(OptimizerBase& optimizer) : GraphCaptureGuard(std::vector<OptimizerBase*>{&optimizer}) {}
+
+GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : optimizers_(std::move(optimizers)) {
+  const char* where = "amp::GraphCaptureGuard";
+  TORCH_CHECK(!optimizers_.empty(), where, ": the list of optimizers is empty; pass the amp optimizers the captured "
+              "step steps.");
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    OptimizerBase* o = optimizers_[i];
+    TORCH_CHECK(o != nullptr, where, ": optimizer ", i, " of the list is null.");
+    TORCH_CHECK(!o->graph_mode_, where, ": optimizer ", i, " is already under a GraphCaptureGuard.");
+    const Properties& p = o->properties();
+    TORCH_CHECK(p.enabled, where, ": optimizer ", i, " was initialized with enabled = false; amp does nothing a "
+                "capture needs to know of. Capture without the guard.");
+    const auto* fused = dynamic_cast<const optim::FusedOptimizer*>(&o->torch_optimizer());
+    TORCH_CHECK(fused != nullptr, where, ": optimizer ", i, " is a LibTorch optimizer, whose step can't skip on the "
+                "device (its skip is decided on the host, which a replayed graph never asks). Use amp::optim::FusedSGD, "
+                "FusedAdam or FusedAdamW.");
+    TORCH_CHECK(dynamic_cast<const optim::FusedLAMB*>(&o->torch_optimizer()) == nullptr, where, ": optimizer ", i,
+                " is amp::optim::FusedLAMB, whose step counts and trust ratios are host numbers in its step. Capture "
+                "with FusedAdam or FusedAdamW, or run FusedLAMB's steps eagerly (they never wait for the device).");
+    TORCH_CHECK(p.optimizer_state_format == OptimizerStateFormat::kFp32, where, ": optimizer ", i, " keeps its state "
+                "as ", p.optimizer_state_format == OptimizerStateFormat::kBf16 ? "bf16" : "8bit", " (optimizer_state_format), "
+                "whose step runs per-op routes that decide the skip on the host. Capture with optimizer_state_format = "
+                "fp32.");
+    TORCH_CHECK(p.master_weights_format == MasterWeights::kCopy, where, ": optimizer ", i, " has master_weights_format "
+                "= ", to_string(p.master_weights_format), ", whose step decides the skip on the host. Capture with the "
+                "default master_weights_format = copy.");
+    TORCH_CHECK(o->skips_on_device(), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
+                "ZeRO sharding is on). Capture without them.");
+    // Whatever the host has not seen yet it learns now, before the capture (reads during one are errors).
+    const detail::HostSyncScope syncs({o});
+    o->settle(/*wait=*/true);
+    const detail::DeviceScale* scale = nullptr;
+    for (const LossScaler& s : *o->scalers_) {
+      if (s.device_) scale = s.device_.get();
+    }
+    TORCH_CHECK(scale != nullptr, where, ": optimizer ", i, " has not taken a step with amp::scale_loss yet, so its "
+                "loss scale and optimizer state do not exist on the device, and a capture can't create them. Run the "
+                "recipe's warm-up steps first (docs/cuda.md, \"Capturing the whole step\").");
+    if (!o->device_skips_.defined()) {
+      o->device_skips_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(scale->device()));
+    }
+  }
+  for (OptimizerBase* o : optimizers_) {
+    o->graph_mode_ = true;
+    o->device_truth_ = true;
+  }
+}
+
+GraphCaptureGuard::~GraphCaptureGuard() {
+  for (OptimizerBase* o : optimizers_) o->graph_mode_ = false;
+}
+
+}  // namespace amp
