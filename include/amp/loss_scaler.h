@@ -9,6 +9,7 @@
 #include "amp/properties.h"
 
 namespace amp {
+class GraphCaptureGuard;
 class OptimizerBase;
 class ScaledLoss;
 namespace detail {
@@ -73,6 +74,7 @@ class LossScaler {
   void load(double loss_scale, int64_t unskipped, std::optional<int64_t> hysteresis_left = std::nullopt);
 
  private:
+  friend class GraphCaptureGuard;
   friend class OptimizerBase;
   friend class ScaledLoss;
   friend struct detail::OptimizerAccess;
