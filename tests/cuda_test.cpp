@@ -156,7 +156,8 @@ std::vector<SyncCase> all_sync_cases() {
 INSTANTIATE_TEST_SUITE_P(Levels, CudaSyncTest, ::testing::ValuesIn(all_sync_cases()), sync_case_name);
 
 // torch.amp's recipe through amp::GradScaler on a plain LibTorch model under amp::AutocastGuard: one sync per step
-// (step's found_inf read); amp keeps the scale on the host, so update() needs none.
+// (step's found_inf read: LibTorch's SGD can't skip on the device); the scale and its update live on the device, so
+// update() needs none.
 class CudaGradScalerSyncTest : public ::testing::TestWithParam<c10::ScalarType> {
  protected:
   void SetUp() override { SKIP_WITHOUT_CUDA_COUNTERS(); }

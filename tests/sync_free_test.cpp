@@ -499,3 +499,72 @@ TEST(GraphCaptureGuardTest, RefusesWhatAReplayCantDo) {
   scaled.backward();
   ASSERT_THROWS_WITH(scaled.overflow(), "under amp::GraphCaptureGuard the overflow stays on the device");
 }
+
+// ---- amp::GradScaler with a fused optimizer ------------------------------------------------------------------------
+
+namespace {
+
+// torch.amp's recipe on a plain FusedAdam (ATen's kernel, the route of CUDA parameters): `via_step` lets
+// GradScaler::step hand the flag into the kernel, which skips inside with the step counts on the device; otherwise
+// the host decides each skip from the unscaled gradients. Returns the weights after the run and after a torch::save /
+// torch::load round trip and two more steps (the step counts the checkpoint holds).
+std::pair<std::vector<torch::Tensor>, int64_t> gs_train(bool via_step) {
+  amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);
+  torch::manual_seed(0);
+  amp_test::Mlp net(8, 16, 4);
+  const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto make = [](amp_test::Mlp& m) { return amp::optim::FusedAdam(m->parameters(), torch::optim::AdamOptions(1e-3)); };
+  amp::optim::FusedAdam optimizer = make(net);
+  amp::GradScaler scaler(amp::GradScalerOptions().growth_interval(2));
+  const int64_t syncs_before = amp::detail::host_sync_count();
+  auto step = [&](amp::optim::FusedAdam& opt, amp_test::Mlp& model, double factor, bool device_skip) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      amp::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      loss = torch::nn::functional::cross_entropy(model(x), y) * factor;
+    }
+    scaler.scale(loss).backward();
+    if (device_skip) {
+      scaler.step(opt);
+    } else {
+      scaler.unscale_(opt);
+      bool finite = true;
+      for (const auto& p : model->parameters()) finite = finite && torch::isfinite(p.grad()).all().item<bool>();
+      if (finite) opt.step();
+    }
+    scaler.update();
+  };
+  for (const double factor : {1.0, kNwInf, 1.0, 1.0, kNwInf, 1.0}) step(optimizer, net, factor, via_step);
+  const int64_t syncs = amp::detail::host_sync_count() - syncs_before;
+  std::stringstream bytes;
+  torch::save(optimizer, bytes);
+  amp_test::Mlp resumed_net(8, 16, 4);
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < net->parameters().size(); ++i) resumed_net->parameters()[i].copy_(net->parameters()[i]);
+  }
+  amp::optim::FusedAdam resumed = make(resumed_net);
+  torch::load(resumed, bytes);
+  for (int i = 0; i < 2; ++i) step(resumed, resumed_net, 1.0, via_step);
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  for (const auto& p : resumed_net->parameters()) out.push_back(p.detach().clone());
+  return {out, syncs};
+}
+
+}  // namespace
+
+// GradScaler::step on amp's fused optimizers waits for nothing (the flag goes into the kernel, the scale update runs
+// on the device, as torch's GradScaler with a fused optimizer) and trains as the host-decided skips do, bit for bit,
+// step counts in the checkpoint included.
+TEST(GradScalerSyncFreeTest, FusedStepsSkipInsideAndMatchHostDecidedSkips) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  const auto device = gs_train(/*via_step=*/true);
+  const auto host = gs_train(/*via_step=*/false);
+  EXPECT_EQ(device.second, 0) << "GradScaler::step and update never read the device";
+  ASSERT_EQ(device.first.size(), host.first.size());
+  for (size_t i = 0; i < host.first.size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(device.first[i], host.first[i])) << "tensor " << i;
+  }
+}

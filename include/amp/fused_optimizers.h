@@ -60,7 +60,16 @@ class FusedOptimizer {
     model_copies_ = std::move(copies);
   }
   /// Set by amp::GradScaler::step around one step: the loss scale the gradients still carry (nullopt: none).
-  void set_grad_scale(std::optional<double> scale) noexcept { grad_scale_ = scale; }
+  void set_grad_scale(std::optional<double> scale) noexcept {
+    grad_scale_ = scale;
+    grad_scale_tensor_ = at::Tensor();
+  }
+  /// The same as a 0-dim fp32 tensor (torch's grad_scale), whose value the host need not know: ATen's kernels read
+  /// it on the device; the routes that need it on the host read it there (a device's waited for, counted).
+  void set_grad_scale(at::Tensor scale) {
+    grad_scale_tensor_ = std::move(scale);
+    grad_scale_.reset();
+  }
   /// Set by amp::Optimizer with a lean master_weights_format: the parameters that have lean masters.
   void set_lean_masters(std::shared_ptr<amp::detail::LeanMasters> lean) { lean_ = std::move(lean); }
 
@@ -108,9 +117,14 @@ class FusedOptimizer {
   Skip found_inf_decision(bool device_ok) const;
   const at::Tensor& found_inf() const noexcept { return found_inf_; }
   /// A step run with the flag on the device advanced a host count; `undo` puts it back if the step was skipped.
+  /// Without a step id (a graph capture, amp::GradScaler) nobody settles it: the host counts may run ahead of the
+  /// device's until pull_device_steps (torch::save does it).
   void on_skip_undo(std::function<void()> undo) {
     if (step_id_ != 0) undo_[step_id_].push_back(std::move(undo));
+    else counts_ahead_ = true;
   }
+  /// Whether host step counts may be ahead of the device's (see on_skip_undo).
+  bool counts_ahead() const noexcept { return counts_ahead_; }
   /// The fp32 step count ATen's kernels read for `key`, kept on the device across steps: advanced by one for this
   /// step (`host_step` is the host's count after it), the flag subtracted after the kernel. `set_host` writes a count
   /// into the host's state (pull_device_steps).
@@ -126,8 +140,13 @@ class FusedOptimizer {
 
   /// Returns the tensor p's update is also written into, or nullptr.
   const at::Tensor* model_copy(const at::Tensor& p) const;
-  /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled).
-  const std::optional<double>& grad_scale() const noexcept { return grad_scale_; }
+  /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled), reading a tensor's on the
+  /// host (see set_grad_scale).
+  const std::optional<double>& grad_scale() const;
+  /// Returns the scale as ATen's fused kernels take it, on `like`'s device (nullopt: none), without reading it.
+  std::optional<at::Tensor> aten_grad_scale(const at::Tensor& like) const;
+  /// Returns whether the gradients carry a scale, without reading it.
+  bool has_grad_scale() const noexcept { return grad_scale_.has_value() || grad_scale_tensor_.defined(); }
   /// Returns the parameters with lean masters (nullptr: none).
   const std::shared_ptr<amp::detail::LeanMasters>& lean_masters() const noexcept { return lean_; }
   /// Returns the state format (nullptr: fp32, as LibTorch).
@@ -137,12 +156,14 @@ class FusedOptimizer {
 
  private:
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
-  std::optional<double> grad_scale_;
+  mutable std::optional<double> grad_scale_;  // a tensor's, once read
+  at::Tensor grad_scale_tensor_;
   std::shared_ptr<amp::detail::LeanMasters> lean_;
   std::shared_ptr<amp::detail::StateFormat> state_format_;
   const ShardSums* shard_sums_ = nullptr;
   at::Tensor found_inf_;
   uint64_t step_id_ = 0;
+  bool counts_ahead_ = false;
   std::map<uint64_t, std::vector<std::function<void()>>> undo_;  // by step id, until settled
   struct DeviceStep {
     at::Tensor count;
@@ -173,6 +194,8 @@ class FusedAdam : public torch::optim::Adam, public FusedOptimizer {
   using torch::optim::Adam::Adam;
   /// Updates every parameter that has a gradient, as torch::optim::Adam::step does.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// torch::optim::Adam's archive, with the step counts the device kept (see set_found_inf).
+  void save(torch::serialize::OutputArchive& archive) const override;
 };
 
 /// torch::optim::AdamW (decoupled weight decay, amsgrad) with a fused step: Apex's FusedAdam with its
@@ -185,6 +208,8 @@ class FusedAdamW : public torch::optim::AdamW, public FusedOptimizer {
   using torch::optim::AdamW::AdamW;
   /// Updates every parameter that has a gradient, as torch::optim::AdamW::step does.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// torch::optim::AdamW's archive, with the step counts the device kept (see set_found_inf).
+  void save(torch::serialize::OutputArchive& archive) const override;
 };
 
 /// Apex's FusedLAMB keyword arguments, with Apex's defaults (fused_lamb.py; its docstring's eps 1e-8 and

@@ -37,9 +37,11 @@ struct GradScalerOptions {
 /// torch.amp.GradScaler with its exact semantics, defaults, state_dict keys and errors, for any
 /// torch::optim optimizer (no amp::initialize needed). Per optimizer and iteration: unscale_ at most
 /// once (optional, e.g. before clipping), step once, then update once for all optimizers. Unscaling is
-/// one fused pass per (device, dtype) and step reads its inf/NaN flag back to the host once. The scale
-/// lives on the host as a float, updated with torch's rule (`_amp_update_scale_`): no floor, growth only
-/// while the grown scale is finite.
+/// one fused pass per (device, dtype). As torch's, the scale and its growth tracker live on the device (created by
+/// the first scale() on the outputs' device), updated there with torch's rule (`_amp_update_scale_`: no floor,
+/// growth only while the grown scale is finite); an amp::optim::Fused* optimizer takes the inf/NaN flag and skips
+/// inside its step, so nothing waits for the device; LibTorch's optimizers need the flag on the host, one read per
+/// step. get_scale() and state_dict() read the device (a wait).
 ///
 /// Example (the AMP tutorials' loop):
 ///   amp::GradScaler scaler;
@@ -73,9 +75,10 @@ class GradScaler {
   /// and leaves them as they are. Throws after step().
   torch::Tensor clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type = 2.0);
   /// Unscales (unless unscale_ ran), then steps the optimizer unless its gradients held inf/NaN.
-  /// Returns the optimizer's step result, or nullopt when the step was skipped. An amp::optim::Fused*
-  /// optimizer without unscale_ gets the scale instead (torch's grad_scale): a read-only inf/NaN check, then
-  /// its step unscales each gradient as it reads it and stores it back, as torch's fused kernels do.
+  /// Returns the optimizer's step result, or nullopt when a LibTorch optimizer's step was skipped. An
+  /// amp::optim::Fused* optimizer takes the inf/NaN flag and skips inside its step (the result is its step's either
+  /// way); without unscale_ it gets the scale too (torch's grad_scale): a read-only inf/NaN check, then its step
+  /// unscales each gradient as it reads it and stores it back, as torch's fused kernels do.
   std::optional<torch::Tensor> step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off if any optimizer stepped (or unscaled) this iteration saw inf/NaN, else counts a
   /// clean step and grows the scale every growth_interval of them. `new_scale` sets the scale instead.
@@ -108,8 +111,9 @@ class GradScaler {
   double growth_factor_;
   double backoff_factor_;
   int growth_interval_;
-  std::optional<float> scale_;  // created by the first scale(), as torch's lazily created _scale
-  int growth_tracker_ = 0;
+  at::Tensor scale_;           // fp32, created by the first scale(), as torch's lazily created _scale
+  at::Tensor growth_tracker_;  // int32, beside it
+  int64_t initial_growth_tracker_ = 0;  // what growth_tracker_ starts from (load_state_dict before the first scale)
   std::map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerState>> per_optimizer_;
 };
 

@@ -199,6 +199,7 @@ class OptimizerBase {
   // truth (loss scale, skips, step counts) and the host reads it there.
   bool graph_mode_ = false;
   bool device_truth_ = false;
+  bool set_found_inf_ = false;  // the fused step holds a flag this optimizer gave it (not amp::GradScaler's)
   at::Tensor device_skips_;  // steps skipped on the device since the first guard (fp32, on the loss's device)
 };
 

@@ -162,12 +162,6 @@ using BatchKey = std::tuple<std::string, int, bool>;
 BatchKey batch_key(const at::Tensor& p, bool flag) { return {p.device().str(), static_cast<int>(p.scalar_type()), flag}; }
 
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
-// ATen's kernels divide each gradient by grad_scale themselves and store it back unscaled.
-std::optional<at::Tensor> aten_grad_scale(const std::optional<double>& grad_scale, const at::Tensor& like) {
-  if (!grad_scale) return std::nullopt;
-  return at::full({}, *grad_scale, like.options().dtype(at::kFloat));
-}
-
 void finish_batch(AtenBatch& batch) {
   bump(batch.params);
   for (size_t i = 0; i < batch.copies_to.size(); ++i) batch.copies_to[i].copy_(batch.copies_from[i]);
@@ -313,18 +307,19 @@ bool all_on_aten(const torch::optim::Optimizer& opt, CopyOf copy_of) {
 
 template <class Options, class State, class CopyOf, class Fused>
 void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of, const LeanTable& lean,
-                      const std::optional<double>& grad_scale, bool decoupled, const char* name,
-                      StateFormat& format) {
+                      bool decoupled, const char* name, StateFormat& format) {
   check_all(opt, name, [name](const torch::optim::OptimizerOptions& o, size_t g) {
     check_adam_options(static_cast<const Options&>(o), name, g);
   });
   c10::NoGradGuard no_grad;
   // NOTE [A step that never waits]: the flag stays on the device where every update is ATen's kernel with fp32
   // states (the step counts then live there too).
-  const auto skip = fused.found_inf_decision(!lean && format.format() == amp::OptimizerStateFormat::kFp32 &&
-                                             all_on_aten(opt, copy_of));
+  const bool aten_only = !lean && format.format() == amp::OptimizerStateFormat::kFp32 && all_on_aten(opt, copy_of);
+  const auto skip = fused.found_inf_decision(aten_only);
   if (skip == Fused::Skip::kYes) return;
   const bool on_device = skip == Fused::Skip::kOnDevice;
+  // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
+  const std::optional<double> grad_scale = aten_only ? std::nullopt : fused.grad_scale();
   format.begin_step(opt);
   auto& states = opt.state();
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
@@ -417,7 +412,7 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
     for (auto& [key, batch] : batches) {
       const bool amsgrad = std::get<2>(key);
-      const auto scale = aten_grad_scale(grad_scale, batch.params.front());
+      const auto scale = fused.aten_grad_scale(batch.params.front());
       const std::optional<at::Tensor> found_inf = on_device ? std::optional<at::Tensor>(fused.found_inf()) : std::nullopt;
       if (decoupled) {
         at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
@@ -603,6 +598,21 @@ torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
 
 }  // namespace
 
+const std::optional<double>& FusedOptimizer::grad_scale() const {
+  if (!grad_scale_ && grad_scale_tensor_.defined()) {
+    if (!grad_scale_tensor_.device().is_cpu()) amp::detail::count_host_sync();
+    grad_scale_ = static_cast<double>(grad_scale_tensor_.item<float>());
+  }
+  return grad_scale_;
+}
+
+// ATen's kernels divide each gradient by grad_scale themselves and store it back unscaled.
+std::optional<at::Tensor> FusedOptimizer::aten_grad_scale(const at::Tensor& like) const {
+  if (grad_scale_tensor_.defined()) return grad_scale_tensor_.to(like.device(), at::kFloat);
+  if (!grad_scale_) return std::nullopt;
+  return at::full({}, *grad_scale_, like.options().dtype(at::kFloat));
+}
+
 void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) {
   const auto it = undo_.find(step_id);
   if (it == undo_.end()) return;
@@ -636,6 +646,7 @@ at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step,
 }
 
 void FusedOptimizer::pull_device_steps() {
+  counts_ahead_ = false;
   for (auto& [key, entry] : device_steps_) {
     if (!entry.count.defined() || !entry.set_host) continue;
     if (!entry.count.device().is_cpu()) amp::detail::count_host_sync();
@@ -658,7 +669,8 @@ const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
 torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-      *this, *static_cast<FusedOptimizer*>(this), [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/false,
+      *this, *static_cast<FusedOptimizer*>(this), [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(),
+      /*decoupled=*/false,
       "amp::optim::FusedAdam", *format_for(state_format()));
   return loss;
 }
@@ -666,9 +678,20 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
   adam_family_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-      *this, *static_cast<FusedOptimizer*>(this), [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(), grad_scale(), /*decoupled=*/true,
+      *this, *static_cast<FusedOptimizer*>(this), [this](const at::Tensor& p) { return model_copy(p); }, lean_masters(),
+      /*decoupled=*/true,
       "amp::optim::FusedAdamW", *format_for(state_format()));
   return loss;
+}
+
+void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
+  if (counts_ahead()) const_cast<FusedAdam*>(this)->pull_device_steps();
+  torch::optim::Adam::save(archive);
+}
+
+void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
+  if (counts_ahead()) const_cast<FusedAdamW*>(this)->pull_device_steps();
+  torch::optim::AdamW::save(archive);
 }
 
 void FusedLAMBOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -916,6 +939,9 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   if (skip == Skip::kYes) return loss;
   const std::optional<at::Tensor> device_found_inf =
       skip == Skip::kOnDevice ? std::optional<at::Tensor>(found_inf()) : std::nullopt;
+  // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
+  const bool aten_only = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
+  const std::optional<double> grad_scale = aten_only ? std::nullopt : this->grad_scale();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
@@ -941,7 +967,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
       switch (route) {
         case FusedRoute::kAuto: {
           const cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), first,
-                                  inverse_scale(grad_scale())};
+                                  inverse_scale(grad_scale)};
           const at::Tensor buf = state ? state->momentum_buffer() : at::Tensor();
           float* pp = p.data_ptr<float>();
           float* gp = grad.data_ptr<float>();
@@ -964,7 +990,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
           break;
         }
         case FusedRoute::kPerOp:
-          sgd_per_op(p, grad, state, first, o, grad_scale());
+          sgd_per_op(p, grad, state, first, o, grad_scale);
           if (copy) copy->copy_(p);
           work.finish();
           break;
@@ -974,7 +1000,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     for (auto& [key, batch] : batches) {
       at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
                       o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
-                      aten_grad_scale(grad_scale(), batch.params.front()), device_found_inf);
+                      aten_grad_scale(batch.params.front()), device_found_inf);
       finish_batch(batch);
     }
 #else

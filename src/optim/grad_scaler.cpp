@@ -1,5 +1,8 @@
 #include "amp/grad_scaler.h"
 
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+
 #include <cmath>
 #include <stdexcept>
 
@@ -46,8 +49,7 @@ void check_scale(double value, const char* what) {
 struct GradScaler::OptimizerState {
   Stage stage = Stage::kReady;
   detail::FoundInf found_inf;
-  bool checked = false;             // unscale_ saw at least one gradient
-  std::optional<bool> found_on_host;  // read once, by step() or update()
+  bool checked = false;  // unscale_ saw at least one gradient
 };
 
 GradScaler::GradScaler(GradScalerOptions options)
@@ -75,13 +77,22 @@ GradScaler::OptimizerState& GradScaler::state_of(torch::optim::Optimizer& optimi
 torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
   if (!enabled_) return outputs;
   TORCH_CHECK(outputs.defined(), "amp::GradScaler::scale: the tensor to scale is undefined.");
-  if (!scale_) scale_ = static_cast<float>(init_scale_);
-  return outputs.mul(static_cast<double>(*scale_));
+  if (!scale_.defined()) {
+    const auto on = at::TensorOptions().device(outputs.device());
+    scale_ = at::full({}, static_cast<float>(init_scale_), on.dtype(at::kFloat));
+    growth_tracker_ = at::full({}, initial_growth_tracker_, on.dtype(at::kInt));
+  }
+  const at::Tensor scale = scale_.to(outputs.device());
+  // fp16/bf16 outputs: the product in fp32, rounded once (a 2^16 scale is not an fp16 number).
+  if (outputs.scalar_type() == at::kHalf || outputs.scalar_type() == at::kBFloat16) {
+    return outputs.to(at::kFloat).mul(scale).to(outputs.scalar_type());
+  }
+  return outputs.mul(scale);
 }
 
 // The gradients of the optimizer's parameters, checked as torch's _unscale_grads_ checks them.
 std::vector<at::Tensor> GradScaler::scaled_grads(torch::optim::Optimizer& optimizer) const {
-  TORCH_CHECK(scale_.has_value(), "Attempted unscale_ but _scale is None.  This may indicate your script did not use "
+  TORCH_CHECK(scale_.defined(), "Attempted unscale_ but _scale is None.  This may indicate your script did not use "
               "scaler.scale(loss or outputs) earlier in the iteration.");
   std::vector<at::Tensor> grads;
   for (const auto& group : optimizer.param_groups()) {
@@ -106,9 +117,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
               "unscale_() has already been called on this optimizer since the last update().");
   TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step().");
   const std::vector<at::Tensor> grads = scaled_grads(optimizer);
-  // torch: inv_scale = scale.double().reciprocal().float()
-  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(*scale_));
-  detail::unscale_(grads, inv_scale, state.found_inf);
+  // torch: inv_scale = scale.double().reciprocal().float(), on the device
+  const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  detail::unscale_(grads, detail::InvScale(inv_scale), state.found_inf);
   state.checked = !grads.empty();
   state.stage = Stage::kUnscaled;
 }
@@ -152,59 +163,67 @@ std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer
   }
   TORCH_CHECK(state.checked, "No inf checks were recorded for this optimizer. (None of its parameters has a "
               "gradient: run scaler.scale(loss).backward() through parameters this optimizer holds before step().)");
+  state.stage = Stage::kStepped;
+  if (fused != nullptr) {
+    // torch's path for optimizers that take found_inf: the step skips inside, nothing waits for the device.
+    fused->set_found_inf(state.found_inf.any_on(scale_.device()).to(at::kFloat), /*step_id=*/0);
+    if (fused_unscale) fused->set_grad_scale(scale_);
+    struct ResetGuard {
+      optim::FusedOptimizer* fused;
+      ~ResetGuard() {
+        fused->set_found_inf({}, 0);
+        fused->set_grad_scale(std::nullopt);
+      }
+    } reset{fused};
+    return optimizer.step();
+  }
+  bool found = false;
   {
     const detail::HostSyncScope syncs(amp_optimizers_of(optimizer));
-    state.found_on_host = state.found_inf.any();  // the step's one host sync
+    found = state.found_inf.any();  // the step's one host sync: LibTorch's step can't skip on the device
   }
-  state.stage = Stage::kStepped;
-  if (*state.found_on_host) return std::nullopt;
-  if (!fused_unscale) return optimizer.step();
-  fused->set_grad_scale(static_cast<double>(*scale_));
-  struct ResetGuard {
-    optim::FusedOptimizer* fused;
-    ~ResetGuard() { fused->set_grad_scale(std::nullopt); }
-  } reset{fused};
+  if (found) return std::nullopt;
   return optimizer.step();
 }
 
 void GradScaler::update(std::optional<double> new_scale) {
   if (!enabled_) return;
-  TORCH_CHECK(scale_.has_value(), "Attempted update but _scale is None.  This may indicate your script did not use "
+  TORCH_CHECK(scale_.defined(), "Attempted update but _scale is None.  This may indicate your script did not use "
               "scaler.scale(loss or outputs) earlier in the iteration.");
+  c10::NoGradGuard no_grad;
   if (new_scale) {
     check_scale(*new_scale, "update(new_scale): new_scale");
-    scale_ = static_cast<float>(*new_scale);
+    scale_.fill_(static_cast<float>(*new_scale));
   } else {
-    bool any_checked = false, found = false;
+    at::Tensor found = at::zeros({}, scale_.options());
+    bool any_checked = false;
     for (auto& [optimizer, state] : per_optimizer_) {
       if (!state->checked) continue;
       any_checked = true;
-      if (!state->found_on_host) {  // unscaled but not stepped
-        const detail::HostSyncScope syncs(amp_optimizers_of(*optimizer));
-        state->found_on_host = state->found_inf.any();
-      }
-      found = found || *state->found_on_host;
+      found = at::maximum(found, state->found_inf.any_on(scale_.device()).to(at::kFloat));
     }
     TORCH_CHECK(any_checked, "No inf checks were recorded prior to update(). Call scaler.step(optimizer) (or "
                 "scaler.unscale_(optimizer)) after scaler.scale(loss).backward(), then update().");
-    // torch's _amp_update_scale_: backoff on inf, grow after growth_interval clean steps while finite.
-    if (found) {
-      scale_ = static_cast<float>(static_cast<double>(*scale_) * backoff_factor_);
-      growth_tracker_ = 0;
-    } else if (growth_tracker_ + 1 == growth_interval_) {
-      const float grown = static_cast<float>(static_cast<double>(*scale_) * growth_factor_);
-      if (std::isfinite(grown)) scale_ = grown;
-      growth_tracker_ = 0;
-    } else {
-      ++growth_tracker_;
-    }
+    // torch's _amp_update_scale_, on the device: backoff on inf, grow after growth_interval clean steps while the
+    // grown scale is finite (the products in double, rounded to float, as its kernels compute them).
+    const at::Tensor overflow = found.gt(0);
+    const at::Tensor successful = growth_tracker_.add(1);
+    const at::Tensor grow = successful.eq(growth_interval_).logical_and(overflow.logical_not());
+    const at::Tensor wide = scale_.to(at::kDouble);
+    const at::Tensor grown = wide.mul(growth_factor_).to(at::kFloat);
+    const at::Tensor backed_off = wide.mul(backoff_factor_).to(at::kFloat);
+    scale_.copy_(at::where(overflow, backed_off, at::where(grow.logical_and(grown.isfinite()), grown, scale_)));
+    growth_tracker_.copy_(at::where(overflow.logical_or(successful.eq(growth_interval_)),
+                                    at::zeros_like(growth_tracker_), successful));
   }
   per_optimizer_.clear();
 }
 
 double GradScaler::get_scale() const {
   if (!enabled_) return 1.0;
-  return scale_ ? static_cast<double>(*scale_) : init_scale_;
+  if (!scale_.defined()) return init_scale_;
+  if (!scale_.device().is_cpu()) detail::count_host_sync();
+  return static_cast<double>(scale_.item<float>());
 }
 
 void GradScaler::set_growth_factor(double value) {
@@ -230,7 +249,8 @@ c10::Dict<std::string, c10::IValue> GradScaler::state_dict() const {
   out.insert("growth_factor", c10::IValue(growth_factor_));
   out.insert("backoff_factor", c10::IValue(backoff_factor_));
   out.insert("growth_interval", c10::IValue(static_cast<int64_t>(growth_interval_)));
-  out.insert("_growth_tracker", c10::IValue(static_cast<int64_t>(growth_tracker_)));
+  out.insert("_growth_tracker",
+             c10::IValue(growth_tracker_.defined() ? static_cast<int64_t>(growth_tracker_.item<int>()) : initial_growth_tracker_));
   return out;
 }
 
@@ -262,11 +282,14 @@ void GradScaler::load_state_dict(const c10::Dict<std::string, c10::IValue>& stat
               tracker, ".");
   // Everything validated: now change state.
   init_scale_ = scale;
-  if (scale_) scale_ = static_cast<float>(scale);
+  initial_growth_tracker_ = static_cast<int64_t>(tracker);
+  if (scale_.defined()) {
+    scale_.fill_(static_cast<float>(scale));
+    growth_tracker_.fill_(initial_growth_tracker_);
+  }
   growth_factor_ = growth;
   backoff_factor_ = backoff;
   growth_interval_ = static_cast<int>(interval);
-  growth_tracker_ = static_cast<int>(tracker);
 }
 
 }  // namespace amp

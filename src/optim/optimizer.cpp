@@ -405,14 +405,15 @@ bool OptimizerBase::begin_step() {
               "before step().");
   check_no_scaled_model_grads("step");
   auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer());
+  if (fused && std::exchange(set_found_inf_, false)) fused->set_found_inf({}, 0);  // (amp::GradScaler sets its own)
   if (graph_mode_) {  // amp::GraphCaptureGuard: the device decides and counts, the host records nothing
     if (step_found_inf_.defined()) device_skips_.add_(step_found_inf_.to(device_skips_.device()));
     fused->set_found_inf(std::exchange(step_found_inf_, at::Tensor()), /*step_id=*/0);
+    set_found_inf_ = true;
     index_->refresh_changed();
     return true;
   }
   settle(/*wait=*/false);
-  if (fused) fused->set_found_inf({}, 0);
   const bool unseen = std::any_of(pending_.begin(), pending_.end(),
                                   [](const Pending& p) { return p.kind == Pending::Kind::kBackward; });
   if (unseen) {
@@ -421,6 +422,7 @@ bool OptimizerBase::begin_step() {
     // (No flag: a zero_grad came after those backwards, so none of them can skip this step.)
     TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
     fused->set_found_inf(step_found_inf_, static_cast<uint64_t>(steps_));
+    set_found_inf_ = true;
     pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, static_cast<uint64_t>(steps_)});
   }
   step_found_inf_ = at::Tensor();
