@@ -697,7 +697,9 @@ TEST_P(FusedGradScalerTest, ScaleInsideTheStepEqualsUnscaleThenStep) {
             }
             scalers[m].update();
           }
-          for (int m = 0; m < 3; ++m) EXPECT_EQ(stepped[m].has_value(), s != 2) << what << " step " << s;
+          // A fused step skips inside (its result either way, as torch's); LibTorch's is skipped by the scaler.
+          for (int m = 0; m < 2; ++m) EXPECT_TRUE(stepped[m].has_value()) << what << " step " << s;
+          EXPECT_EQ(stepped[2].has_value(), s != 2) << what << " step " << s;
         }
         for (int m = 0; m < 3; ++m) EXPECT_EQ(scalers[m].get_scale(), 128.0 * 16 * 0.5) << what;  // 4 clean, 1 inf
         const auto a = models[0]->parameters(), b = models[1]->parameters(), c = models[2]->parameters();

@@ -15,6 +15,7 @@
 
 #include "optim/fused_route.h"
 #include "scaling/device_scale.h"
+#include "scaling/multi_tensor.h"
 #include "support/models.h"
 #include "support/support.h"
 #include "support/training.h"

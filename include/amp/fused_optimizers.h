@@ -132,6 +132,11 @@ class FusedOptimizer {
                          std::function<void(int64_t)> set_host);
   /// Puts back device_step's host count of `key` (its step was skipped on the device).
   void undo_device_step(const c10::TensorImpl* key);
+  /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled), reading a tensor's on the
+  /// host (see set_grad_scale).
+  const std::optional<double>& grad_scale() const;
+  /// Returns the scale as ATen's fused kernels take it, on `like`'s device (nullopt: none), without reading it.
+  std::optional<at::Tensor> aten_grad_scale(const at::Tensor& like) const;
 
  protected:
   FusedOptimizer() = default;
@@ -140,13 +145,6 @@ class FusedOptimizer {
 
   /// Returns the tensor p's update is also written into, or nullptr.
   const at::Tensor* model_copy(const at::Tensor& p) const;
-  /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled), reading a tensor's on the
-  /// host (see set_grad_scale).
-  const std::optional<double>& grad_scale() const;
-  /// Returns the scale as ATen's fused kernels take it, on `like`'s device (nullopt: none), without reading it.
-  std::optional<at::Tensor> aten_grad_scale(const at::Tensor& like) const;
-  /// Returns whether the gradients carry a scale, without reading it.
-  bool has_grad_scale() const noexcept { return grad_scale_.has_value() || grad_scale_tensor_.defined(); }
   /// Returns the parameters with lean masters (nullptr: none).
   const std::shared_ptr<amp::detail::LeanMasters>& lean_masters() const noexcept { return lean_; }
   /// Returns the state format (nullptr: fp32, as LibTorch).
