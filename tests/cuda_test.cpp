@@ -244,7 +244,8 @@ TEST_F(CudaGraphTest, GraphGradScaling) {
     optimizer.step();
   };
   at::cuda::CUDAGraph graph;
-  capture_step(graph, graphed_opt, [&] { step(graphed, graphed_opt, static_input); }, /*warmups=*/1);
+  capture_step(
+      graph, graphed_opt, [&, &m = graphed, &o = graphed_opt] { step(m, o, static_input); }, /*warmups=*/1);
   step(control, control_opt, static_input);  // the control's warm-up
   const double inputs[] = {5, 20000, 5, 40000};
   const double scales[] = {4, 2, 2, 1};
@@ -299,7 +300,9 @@ TEST_F(CudaGraphTest, GraphedFusedOptimizersMatchTheEagerControl) {
         auto [control, control_opt] = amp::initialize(control_net, std::move(control_in), options);
         torch::Tensor static_x = xs[0].clone(), static_y = ys[0].clone();
         at::cuda::CUDAGraph graph;
-        capture_step(graph, graphed_opt, [&] { amp_test::train_step(graphed, graphed_opt, static_x, static_y); }, 3);
+        capture_step(
+            graph, graphed_opt,
+            [&, &m = graphed, &o = graphed_opt] { amp_test::train_step(m, o, static_x, static_y); }, /*warmups=*/3);
         for (int i = 0; i < 3; ++i) amp_test::train_step(control, control_opt, static_x, static_y);
         for (size_t i = 0; i < xs.size(); ++i) {
           static_x.copy_(xs[i]);

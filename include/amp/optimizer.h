@@ -247,10 +247,12 @@ class Optimizer : public Opt, public OptimizerBase {
   const torch::optim::Optimizer& torch_optimizer() const override { return *this; }
 };
 
-/// Returns how many times `optimizer` made the host wait for a device value since it was created: the overflow
-/// flag after each unscaled backward, the overflow report's checks on an overflowing one, the norms of ZeRO's LAMB
-/// and stage-2 clipping, FP8 auto_fallback's flags, auto_fp32's diagnosis. A CPU never waits, but amp counts the same
-/// reads there, so the count is what the step costs on a GPU (docs/cuda.md has the table).
+/// Returns how many times `optimizer` made the host wait for a device value since it was created. With amp's fused
+/// optimizers a step makes none (NOTE [A step that never waits]); with LibTorch's, the overflow flag after each
+/// unscaled backward and the overflow report's checks on an overflowing one; besides, the norms of ZeRO's LAMB and
+/// stage-2 clipping, FP8 auto_fallback's flags, auto_fp32's diagnosis, and reading what the host has not seen yet
+/// (loss_scale, skipped_steps, a checkpoint). A CPU never waits, but amp counts the same reads there, so the count is
+/// what the step costs on a GPU (docs/cuda.md has the table).
 ///
 /// Example:
 ///   const int64_t before = amp::host_sync_count(optimizer);

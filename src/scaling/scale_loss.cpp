@@ -1,11 +1,9 @@
 #include "amp/scale_loss.h"
 
 #include <algorithm>
-#include <iostream>
 
 #include "amp/autocast_guard.h"
 #include "amp/optimizer.h"
-#include "options/format.h"
 #include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/scaled_grads.h"
