@@ -113,15 +113,26 @@ const std::vector<Config> kConfigs = {{"O0 fp32", "O0", torch::kFloat},  {"O1 fp
                                       {"O1 bf16", "O1", torch::kBFloat16}, {"O2 bf16", "O2", torch::kBFloat16},
                                       {"O3 bf16", "O3", torch::kBFloat16}};
 
-template <class Net>
-void bench_model(Settings& s, const std::string& name) {
+// The model's batch (cut to --batch) and its labels, on the device.
+std::pair<torch::Tensor, torch::Tensor> batch_for(const Settings& s, const std::string& name) {
   torch::manual_seed(0);
   auto x = bench::input_for(name);
   x = x.narrow(0, 0, s.batch > 0 ? std::min(s.batch, x.size(0)) : x.size(0)).to(s.device);
-  const auto y = torch::randint(10, {x.size(0)}, torch::kLong).to(s.device);
+  return {x, torch::randint(10, {x.size(0)}, torch::kLong).to(s.device)};
+}
+
+// Whether --configs selects `config`.
+bool selected(const Settings& s, const Config& config) {
+  return s.configs == "all" || ("," + s.configs + ",").find("," + config.name + ",") != std::string::npos;
+}
+
+template <class Net>
+void bench_model(Settings& s, const std::string& name) {
+  const auto batch = batch_for(s, name);
+  const torch::Tensor &x = batch.first, &y = batch.second;
   double o0_s = 0;
   for (const auto& config : kConfigs) {
-    if (s.configs != "all" && ("," + s.configs + ",").find("," + config.name + ",") == std::string::npos) continue;
+    if (!selected(s, config)) continue;
     torch::manual_seed(0);
     Net net;
     net->to(s.device);
@@ -266,13 +277,11 @@ void bench_fp8_shapes(Settings& s) {
 // GPU-sized ones. Both start from the same weights; after the timed runs the two agree on the loss scale.
 template <class Net>
 void bench_graph_model(Settings& s, const std::string& name) {
-  torch::manual_seed(0);
-  auto x = bench::input_for(name);
-  x = x.narrow(0, 0, s.batch > 0 ? std::min(s.batch, x.size(0)) : x.size(0)).to(s.device);
-  const auto y = torch::randint(10, {x.size(0)}, torch::kLong).to(s.device);
+  const auto batch = batch_for(s, name);
+  const torch::Tensor &x = batch.first, &y = batch.second;
   for (const auto& config : kConfigs) {
     if (std::string(config.level) != "O1" && std::string(config.level) != "O2") continue;
-    if (s.configs != "all" && ("," + s.configs + ",").find("," + config.name + ",") == std::string::npos) continue;
+    if (!selected(s, config)) continue;
     const auto options = amp::Options(config.level).verbosity(0).low_precision_dtype(config.dtype);
     auto make = [&](Net& net) {
       torch::manual_seed(0);

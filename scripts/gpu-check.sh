@@ -88,14 +88,20 @@ else
   status=1; echo "gpu-check: no time left for the suite"
 fi
 
-t=$(limit 80 180)
-if [ "$t" -gt 0 ]; then
-  stage "GPU benchmark: amp (limit $t s)"
-  timeout "$t" "$build/bench/amp_gpu_bench" "${bench_args[@]}" --csv "$out/gpu-bench-cpp.csv" > "$out/gpu-bench-cpp.md" ||
-    { status=1; echo "gpu-check: amp_gpu_bench failed or ran out of time"; }
-else
-  status=1; echo "gpu-check: no time left for amp_gpu_bench"
-fi
+# One amp_gpu_bench run, cut off at its share: bench_stage TITLE MAX RESERVE NAME ARGS... writes $out/NAME.{csv,md}.
+bench_stage() {
+  local title=$1 max=$2 reserve=$3 name=$4 t
+  shift 4
+  t=$(limit "$max" "$reserve")
+  if [ "$t" -gt 0 ]; then
+    stage "GPU benchmark: $title (limit $t s)"
+    timeout "$t" "$build/bench/amp_gpu_bench" "$@" --csv "$out/$name.csv" > "$out/$name.md" ||
+      { status=1; echo "gpu-check: amp_gpu_bench ($title) failed or ran out of time"; }
+  else
+    status=1; echo "gpu-check: no time left for amp_gpu_bench ($title)"
+  fi
+}
+bench_stage "amp" 80 180 gpu-bench-cpp "${bench_args[@]}"
 # Blockwise FP8 has a cuBLAS kernel from CUDA 12.9 on SM 9.0 (amp emulates it on every device for now); say what
 # this machine would offer, so the figures below read right.
 python3 -c 'import torch
@@ -103,36 +109,13 @@ cuda = torch.version.cuda or "none"; cc = torch.cuda.get_device_capability(0) if
 ok = cc is not None and cc >= (9, 0) and cuda != "none" and tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
 print("gpu-check: blockwise FP8: wheel CUDA", cuda, "compute capability", cc, "->",
       "cuBLAS 1x128/128x128 kernels available (amp still emulates)" if ok else "no blockwise kernel (amp emulates)")' || true
-t=$(limit 60 120)
-if [ "$t" -gt 0 ]; then
-  # FP8 Linear layers (docs/fp8.md): O2 bf16 against O2 + each FP8 recipe, step time and held-out loss.
-  stage "GPU benchmark: FP8 (limit $t s)"
-  timeout "$t" "$build/bench/amp_gpu_bench" --section fp8 "${fp8_args[@]}" --csv "$out/gpu-bench-fp8.csv" \
-    > "$out/gpu-bench-fp8.md" || { status=1; echo "gpu-check: amp_gpu_bench --section fp8 failed or ran out of time"; }
-  cat "$out/gpu-bench-fp8.md" || true
-else
-  status=1; echo "gpu-check: no time left for the FP8 benchmark"
-fi
-t=$(limit 30 100)
-if [ "$t" -gt 0 ]; then
-  # The per-shape table min_gemm_size is read from: one Linear, bf16 against FP8 dynamic and rowwise.
-  stage "GPU benchmark: FP8 per GEMM shape (limit $t s)"
-  timeout "$t" "$build/bench/amp_gpu_bench" --section fp8_shapes "${shape_args[@]}" --csv "$out/gpu-bench-fp8-shapes.csv" \
-    > "$out/gpu-bench-fp8-shapes.md" || { status=1; echo "gpu-check: amp_gpu_bench --section fp8_shapes failed or ran out of time"; }
-  cat "$out/gpu-bench-fp8-shapes.md" || true
-else
-  status=1; echo "gpu-check: no time left for the FP8 shape table"
-fi
-t=$(limit 40 60)
-if [ "$t" -gt 0 ]; then
-  # The whole step in one CUDA graph (docs/cuda.md): eager against graphed, O1/O2 in fp16 and bf16.
-  stage "GPU benchmark: eager against CUDA-graphed steps (limit $t s)"
-  timeout "$t" "$build/bench/amp_gpu_bench" --section graph "${graph_args[@]}" --csv "$out/gpu-bench-graph.csv" \
-    > "$out/gpu-bench-graph.md" || { status=1; echo "gpu-check: amp_gpu_bench --section graph failed or ran out of time"; }
-  cat "$out/gpu-bench-graph.md" || true
-else
-  status=1; echo "gpu-check: no time left for the CUDA graph benchmark"
-fi
+# FP8 Linear layers (docs/fp8.md): O2 bf16 against O2 + each FP8 recipe, step time and held-out loss.
+bench_stage "FP8" 60 120 gpu-bench-fp8 --section fp8 "${fp8_args[@]}"
+# The per-shape table min_gemm_size is read from: one Linear, bf16 against FP8 dynamic and rowwise.
+bench_stage "FP8 per GEMM shape" 30 100 gpu-bench-fp8-shapes --section fp8_shapes "${shape_args[@]}"
+# The whole step in one CUDA graph (docs/cuda.md): eager against graphed, O1/O2 in fp16 and bf16.
+bench_stage "eager against CUDA-graphed steps" 40 60 gpu-bench-graph --section graph "${graph_args[@]}"
+cat "$out/gpu-bench-fp8.md" "$out/gpu-bench-fp8-shapes.md" "$out/gpu-bench-graph.md" 2> /dev/null || true
 t=$(limit 60 0)
 if [ "$t" -gt 0 ]; then
   stage "GPU benchmark: Python torch.amp twin (limit $t s)"
