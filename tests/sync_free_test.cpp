@@ -38,32 +38,41 @@ class DeviceScaleTest : public ::testing::TestWithParam<ScaleCase> {};
 
 // Random overflows (and runs of clean passes long enough to grow): after each update the device's scale, clean
 // passes, hysteresis, loss multiplier and unscale factor are the host LossScaler's, and so is what the host reads.
+// Both ways the scaler runs: the tensor ops a device runs (DeferredHostReadsGuard makes the CPU one), and the CPU's
+// host machine copied into the tensors.
 TEST_P(DeviceScaleTest, FollowsTheHostScalerBitForBit) {
-  amp::LossScaler host(GetParam().options.resolve());
-  DeviceScale device(host, torch::kCPU);
-  std::mt19937 rng(7);
-  std::bernoulli_distribution overflow_draw(0.3);
-  int growths = 0, backoffs = 0;
-  for (int i = 0; i < 400; ++i) {
-    const bool overflow = i % 50 < 12 ? false : overflow_draw(rng);  // some runs of 12 clean passes
-    const double before = host.loss_scale();
-    host.update_scale(overflow);
-    growths += host.loss_scale() > before;
-    backoffs += host.loss_scale() < before;
-    amp::detail::HostView view = device.update(torch::tensor(overflow));
-    ASSERT_EQ(device.scale().item<double>(), host.loss_scale()) << "update " << i;
-    ASSERT_EQ(device.unskipped().item<int64_t>(), host.unskipped()) << "update " << i;
-    ASSERT_EQ(device.hysteresis_left().item<int64_t>(), host.hysteresis_left()) << "update " << i;
-    ASSERT_EQ(device.multiplier().item<float>(), static_cast<float>(host.loss_scale()));
-    ASSERT_EQ(device.inverse().item<float>(), static_cast<float>(1.0 / host.loss_scale()));
-    ASSERT_EQ(view.value(0), overflow ? 1.0 : 0.0);
-    ASSERT_EQ(view.value(1), before);
-    ASSERT_EQ(view.value(2), host.loss_scale());
-  }
-  EXPECT_EQ(device.updates(), 400u);
-  if (host.dynamic()) {
-    EXPECT_GT(growths, 0) << "the sequence must exercise growth";
-    EXPECT_GT(backoffs, 0) << "and backoff";
+  for (const bool as_device : {true, false}) {
+    SCOPED_TRACE(as_device ? "tensor ops" : "the CPU's host machine");
+    std::optional<DeferredHostReadsGuard> deferred;
+    if (as_device) deferred.emplace();
+    amp::LossScaler host(GetParam().options.resolve());
+    DeviceScale device(host, torch::kCPU);
+    std::mt19937 rng(7);
+    std::bernoulli_distribution overflow_draw(0.3);
+    int growths = 0, backoffs = 0;
+    for (int i = 0; i < 400; ++i) {
+      const bool overflow = i % 50 < 12 ? false : overflow_draw(rng);  // some runs of 12 clean passes
+      const double before = host.loss_scale();
+      host.update_scale(overflow);
+      growths += host.loss_scale() > before;
+      backoffs += host.loss_scale() < before;
+      amp::detail::HostView view = device.update(torch::tensor(overflow));
+      ASSERT_EQ(device.scale().item<double>(), host.loss_scale()) << "update " << i;
+      ASSERT_EQ(device.unskipped().item<int64_t>(), host.unskipped()) << "update " << i;
+      ASSERT_EQ(device.hysteresis_left().item<int64_t>(), host.hysteresis_left()) << "update " << i;
+      ASSERT_EQ(device.multiplier().item<float>(), static_cast<float>(host.loss_scale()));
+      ASSERT_EQ(device.inverse().item<float>(), static_cast<float>(1.0 / host.loss_scale()));
+      ASSERT_EQ(view.value(0), overflow ? 1.0 : 0.0);
+      ASSERT_EQ(view.value(1), before);
+      ASSERT_EQ(view.value(2), host.loss_scale());
+      ASSERT_EQ(view.value(3), static_cast<double>(host.unskipped()));
+      ASSERT_EQ(view.value(4), static_cast<double>(host.hysteresis_left()));
+    }
+    EXPECT_EQ(device.updates(), 400u);
+    if (host.dynamic()) {
+      EXPECT_GT(growths, 0) << "the sequence must exercise growth";
+      EXPECT_GT(backoffs, 0) << "and backoff";
+    }
   }
 }
 

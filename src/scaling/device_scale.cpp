@@ -66,6 +66,7 @@ DeviceScale::DeviceScale(const LossScaler& host, const c10::Device& device)
   unskipped_ = at::full({}, host.unskipped(), on.dtype(at::kLong));
   hysteresis_left_ = at::full({}, static_cast<int64_t>(host.hysteresis_left()), on.dtype(at::kLong));
   refresh_factors();
+  if (device.is_cpu()) cpu_ = std::make_unique<LossScaler>(host);
 }
 
 // In place: a captured CUDA graph reads the tensors it was captured with on every replay.
@@ -79,6 +80,18 @@ void DeviceScale::refresh_factors() {
 }
 
 HostView DeviceScale::update(const at::Tensor& overflow) {
+  if (cpu_ && !host_reads_deferred()) {
+    const double before = cpu_->loss_scale();
+    update_on_device(overflow);
+    const at::Tensor values = at::empty({5}, at::TensorOptions().dtype(at::kDouble));
+    double* v = values.data_ptr<double>();
+    v[0] = overflow.item<bool>() ? 1.0 : 0.0;
+    v[1] = before;
+    v[2] = cpu_->loss_scale();
+    v[3] = static_cast<double>(cpu_->unskipped());
+    v[4] = cpu_->hysteresis_left();
+    return HostView(values);
+  }
   const at::Tensor before = scale_.clone();
   update_on_device(overflow);
   return HostView(at::stack({overflow.to(at::kDouble), before, scale_, unskipped_.to(at::kDouble),
@@ -88,6 +101,16 @@ HostView DeviceScale::update(const at::Tensor& overflow) {
 // LossScaler::update_scale, branch for branch, as selects over both outcomes.
 void DeviceScale::update_on_device(const at::Tensor& overflow) {
   c10::NoGradGuard no_grad;
+  if (cpu_ && !host_reads_deferred()) {
+    cpu_->update_scale(overflow.item<bool>());  // a CPU tensor: nothing to wait for
+    scale_.data_ptr<double>()[0] = cpu_->loss_scale();
+    unskipped_.data_ptr<int64_t>()[0] = cpu_->unskipped();
+    hysteresis_left_.data_ptr<int64_t>()[0] = cpu_->hysteresis_left();
+    multiplier_.data_ptr<float>()[0] = static_cast<float>(cpu_->loss_scale());
+    inverse_.data_ptr<float>()[0] = static_cast<float>(1.0 / cpu_->loss_scale());
+    ++updates_;
+    return;
+  }
   const at::Tensor clean_passes = unskipped_.add(1);
   if (dynamic_) {
     const at::Tensor delay = hysteresis_left_.gt(1);
@@ -104,6 +127,11 @@ void DeviceScale::update_on_device(const at::Tensor& overflow) {
     unskipped_.copy_(at::where(overflow, at::zeros_like(unskipped_), clean_passes));
   }
   ++updates_;
+  if (cpu_) {  // a CPU scale run as a device's (DeferredHostReadsGuard): the host machine follows
+    cpu_->scale_ = scale_.item<double>();
+    cpu_->unskipped_ = unskipped_.item<int64_t>();
+    cpu_->hysteresis_left_ = static_cast<int>(hysteresis_left_.item<int64_t>());
+  }
 }
 
 void DeviceScale::read_into(LossScaler& host) const {

@@ -112,6 +112,9 @@ class DeviceScale {
   void refresh_factors();
 
   c10::Device device_;
+  // On the CPU (unless DeferredHostReadsGuard makes it a device) the state machine is a LossScaler run on the host,
+  // its state copied into the tensors: one ATen op fewer per field, the same numbers (it is the same code).
+  std::unique_ptr<LossScaler> cpu_;
   bool dynamic_;
   double min_scale_, max_scale_, growth_factor_, backoff_factor_;
   int64_t growth_interval_, hysteresis_;
