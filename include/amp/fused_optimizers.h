@@ -119,7 +119,11 @@ class FusedOptimizer {
   /// A step run with the flag on the device advanced a host count; `undo` puts it back if the step was skipped.
   /// Without a step id (a graph capture, amp::GradScaler) nobody settles it: the host counts may run ahead of the
   /// device's until pull_device_steps (torch::save does it).
-  void on_skip_undo(std::function<void()> undo) {
+  /// The callbacks take the optimizer (this object as a torch::optim::Optimizer, and as a FusedOptimizer) rather than
+  /// capturing it, so a moved optimizer carries them safely.
+  using Undo = std::function<void(torch::optim::Optimizer&, FusedOptimizer&)>;
+  using SetHostCount = std::function<void(torch::optim::Optimizer&, int64_t)>;
+  void on_skip_undo(Undo undo) {
     if (step_id_ != 0) undo_[step_id_].push_back(std::move(undo));
     else counts_ahead_ = true;
   }
@@ -128,8 +132,7 @@ class FusedOptimizer {
   /// The fp32 step count ATen's kernels read for `key`, kept on the device across steps: advanced by one for this
   /// step (`host_step` is the host's count after it), the flag subtracted after the kernel. `set_host` writes a count
   /// into the host's state (pull_device_steps).
-  at::Tensor device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device,
-                         std::function<void(int64_t)> set_host);
+  at::Tensor device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device, SetHostCount set_host);
   /// Puts back device_step's host count of `key` (its step was skipped on the device).
   void undo_device_step(const c10::TensorImpl* key);
   /// Returns the loss scale the gradients carry in this step (nullopt: they are unscaled), reading a tensor's on the
@@ -162,11 +165,11 @@ class FusedOptimizer {
   at::Tensor found_inf_;
   uint64_t step_id_ = 0;
   bool counts_ahead_ = false;
-  std::map<uint64_t, std::vector<std::function<void()>>> undo_;  // by step id, until settled
+  std::map<uint64_t, std::vector<Undo>> undo_;  // by step id, until settled
   struct DeviceStep {
     at::Tensor count;
     int64_t host = 0;  // the host count it equals unless the device skipped
-    std::function<void(int64_t)> set_host;
+    SetHostCount set_host;
   };
   std::unordered_map<const c10::TensorImpl*, DeviceStep> device_steps_;
 };

@@ -383,19 +383,20 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
           if (o.amsgrad()) batch.buffers_c.push_back(vmax);
           // The count lives on the device across steps (a captured step replays its own update of it).
           const auto slot_key = state_key(states, key);
-          auto set_host = [&opt, slot_key](int64_t count) {
-            const auto it = opt.state().find(slot_key);
-            if (it != opt.state().end() && it->second) static_cast<State&>(*it->second).step(count);
+          auto set_host = [slot_key](torch::optim::Optimizer& self, int64_t count) {
+            const auto it = self.state().find(slot_key);
+            if (it != self.state().end() && it->second) static_cast<State&>(*it->second).step(count);
           };
           batch.steps.push_back(fused.device_step(key, state.step(), p.device(), set_host));
           if (on_device) {
-            fused.on_skip_undo([&opt, &fused, impl = key.unsafeGetTensorImpl(), slot_key] {
-              const auto it = opt.state().find(slot_key);
-              if (it != opt.state().end() && it->second) {
+            fused.on_skip_undo([impl = key.unsafeGetTensorImpl(), slot_key](torch::optim::Optimizer& self,
+                                                                            FusedOptimizer& fused_self) {
+              const auto it = self.state().find(slot_key);
+              if (it != self.state().end() && it->second) {
                 auto& counted = static_cast<State&>(*it->second);
                 counted.step(counted.step() - 1);
               }
-              fused.undo_device_step(impl);
+              fused_self.undo_device_step(impl);
             });
           }
           batch.copy_after(p, copy);
@@ -617,7 +618,8 @@ void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) {
   const auto it = undo_.find(step_id);
   if (it == undo_.end()) return;
   if (skipped) {
-    for (const auto& undo : it->second) undo();
+    auto& self = dynamic_cast<torch::optim::Optimizer&>(*this);
+    for (const auto& undo : it->second) undo(self, *this);
   }
   undo_.erase(it);
 }
@@ -633,7 +635,7 @@ FusedOptimizer::Skip FusedOptimizer::found_inf_decision(bool device_ok) const {
 }
 
 at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device,
-                                       std::function<void(int64_t)> set_host) {
+                                       SetHostCount set_host) {
   DeviceStep& entry = device_steps_[key.unsafeGetTensorImpl()];
   entry.set_host = std::move(set_host);
   if (entry.count.defined() && entry.count.device() == device && entry.host == host_step - 1) {
@@ -647,11 +649,12 @@ at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step,
 
 void FusedOptimizer::pull_device_steps() {
   counts_ahead_ = false;
+  auto& self = dynamic_cast<torch::optim::Optimizer&>(*this);
   for (auto& [key, entry] : device_steps_) {
     if (!entry.count.defined() || !entry.set_host) continue;
     if (!entry.count.device().is_cpu()) amp::detail::count_host_sync();
     entry.host = static_cast<int64_t>(entry.count.item<float>());
-    entry.set_host(entry.host);
+    entry.set_host(self, entry.host);
   }
 }
 
