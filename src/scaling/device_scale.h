@@ -17,7 +17,8 @@
 //     and counts as a host sync.
 // On the CPU every value is there at once, so the host knows each outcome by the end of its backward and the step
 // skips on the host as it always did; DeferredHostReadsGuard makes the CPU behave as a GPU that is never done, which
-// is how the tests run the device path here.
+// is how the tests run the device path here. amp::GraphCaptureGuard goes one step further for a CUDA graph capture:
+// nothing is recorded for the host at all, and the host reads the device afterwards (src/optim/graph_capture.cpp).
 
 #include <ATen/core/Tensor.h>
 
@@ -25,9 +26,7 @@
 #include <memory>
 #include <utility>
 
-namespace amp {
-class LossScaler;
-}
+#include "amp/loss_scaler.h"
 
 namespace amp::detail {
 
