@@ -5,9 +5,11 @@
 // host's, bit for bit.
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -576,5 +578,40 @@ TEST(GradScalerSyncFreeTest, FusedStepsSkipInsideAndMatchHostDecidedSkips) {
   ASSERT_EQ(device.first.size(), host.first.size());
   for (size_t i = 0; i < host.first.size(); ++i) {
     EXPECT_TRUE(amp_test::bitwise_equal(device.first[i], host.first[i])) << "tensor " << i;
+  }
+}
+
+// torch.amp.GradScaler itself, run at test time (tests/python/grad_scaler.py): the scale and growth tracker after
+// each update (odd growth and backoff factors, overflows at steps 1 and 5) and the weights, bit for bit, through
+// LibTorch's SGD (the host reads the flag) and FusedSGD (the flag goes into the step).
+TEST(GradScalerPythonTest, ScaleSequenceAndWeightsAreTorchsBits) {
+  if (!amp_test::python_has_torch()) GTEST_SKIP() << "needs Python with the torch wheel (AMP_PYTHON)";
+  const auto dir = amp_test::run_python_reference(AMP_SOURCE_DIR "/tests/python/grad_scaler.py", "grad_scaler");
+  ASSERT_FALSE(dir.empty());
+  const amp::PythonCheckpoint reference = amp::PythonCheckpoint::load((dir / "grad_scaler.pt").string());
+  const std::string version = reference.get("torch_version").toStringRef();
+  if (version.substr(0, version.find('+')) != TORCH_VERSION) GTEST_SKIP() << "Python's torch " << version << " is not this build's";
+  const torch::Tensor scales = reference.get("scales").toTensor(), trackers = reference.get("trackers").toTensor();
+  const std::vector<double> factors = {1, kNwInf, 1, 1, 1, kNwInf, 1, 1, 1, 1};
+  for (const bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "FusedSGD" : "LibTorch SGD");
+    torch::Tensor w = (torch::arange(8, torch::kFloat) / 8 + 0.5).requires_grad_(true);
+    const torch::Tensor x = (torch::arange(8, torch::kFloat) - 3.5) / 4;
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    if (fused) optimizer = std::make_unique<amp::optim::FusedSGD>(std::vector<torch::Tensor>{w}, torch::optim::SGDOptions(0.1));
+    else optimizer = std::make_unique<torch::optim::SGD>(std::vector<torch::Tensor>{w}, torch::optim::SGDOptions(0.1));
+    amp::GradScaler scaler(
+        amp::GradScalerOptions().init_scale(1000.0).growth_factor(1.5).backoff_factor(0.3).growth_interval(2));
+    for (size_t i = 0; i < factors.size(); ++i) {
+      optimizer->zero_grad();
+      scaler.scale((w * x).sum() * factors[i]).backward();
+      if (fused) scaler.unscale_(*optimizer);  // then the fused step reads unscaled gradients, as LibTorch's does
+      scaler.step(*optimizer);
+      scaler.update();
+      EXPECT_EQ(static_cast<float>(scaler.get_scale()), scales[static_cast<int64_t>(i)].item<float>()) << "step " << i;
+      EXPECT_EQ(scaler.state_dict().at("_growth_tracker").toInt(), trackers[static_cast<int64_t>(i)].item<int64_t>())
+          << "step " << i;
+    }
+    EXPECT_TRUE(amp_test::bitwise_equal(w.detach(), reference.get("w").toTensor()));
   }
 }

@@ -102,8 +102,6 @@ class DeviceScale {
   void update_on_device(const at::Tensor& overflow);
   /// How many updates ran (the host scaler is current when it has taken the last one's state).
   uint64_t updates() const noexcept { return updates_; }
-  /// Marks updates the host has no view of (CUDA graph replays): the next host read waits for the device.
-  void mark_updated_elsewhere() noexcept { ++updates_; }
   /// Copies the device state into `host`, waiting for the device (counted).
   void read_into(LossScaler& host) const;
 
