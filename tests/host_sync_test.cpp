@@ -1,7 +1,8 @@
 // amp::host_sync_count (amp/optimizer.h): the reads of device values amp's backward and step make on the host,
-// counted per optimizer (NOTE [Counting host syncs]). The same reads happen on every device, so these CPU counts
-// are a GPU step's; tests/cuda_test.cpp checks them against CUDA's own count on a GPU. amp's fused optimizers make
-// none (NOTE [A step that never waits]; tests/sync_free_test.cpp runs their device path).
+// counted per optimizer (NOTE [Counting host syncs]). The CPU runs a device's path and counts the reads a device would
+// wait for, so these CPU counts are a GPU step's; tests/cuda_test.cpp checks them against CUDA's own count on a GPU.
+// amp's fused optimizers make none where their kernels take the overflow flag (NOTE [A step that never waits];
+// tests/sync_free_test.cpp runs the device path with the host learning late).
 
 #include <torch/torch.h>
 
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "optim/fused_route.h"
 #include "support/models.h"
 #include "support/support.h"
 #include "support/training.h"
@@ -25,14 +27,30 @@ class HostSyncTest : public ::testing::TestWithParam<HsCase> {};
 
 constexpr double kHsInf = std::numeric_limits<double>::infinity();
 
-// The syncs of each step. With amp's fused optimizers none, an overflowing step included: the scale, the skip and
-// the report stay on the device until the host can read them without waiting. With LibTorch's optimizer (whose step
-// can't skip on the device): one per step with finite gradients (the overflow flag), and on an overflowing step one
-// more per parameter with a gradient (the overflow report checks each). Whatever the level and dtype.
-TEST_P(HostSyncTest, NoneWithAFusedOptimizerOnePerStepWithLibTorchs) {
+// What each step waits for on a device, as docs/cuda.md's table has it. LibTorch's SGD (its step can't skip on the
+// device): the overflow flag on every step, and on an overflowing one the report's check of each gradient. amp's fused
+// optimizers take the flag inside their step, where a device's kernels read it: no wait, an overflowing step included;
+// but a step whose update keeps a host-side count the flag decides reads it on the host, once: FusedLAMB (its step
+// counts are the groups' options) on every step, FusedSGD on its first (the momentum buffers are created then).
+// Without ATen's fused kernels (LibTorch < 2.4) a device steps per op and every fused step reads it. Whatever the level
+// and dtype; counted on the CPU as on a device (NOTE [Counting host syncs]).
+std::vector<int64_t> expected_step_syncs(const std::string& optimizer, int64_t num_params, const std::vector<bool>& overflows) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < overflows.size(); ++i) {
+    if (optimizer == "SGD") {
+      out.push_back(overflows[i] ? 1 + num_params : 1);
+    } else if (optimizer == "FusedLAMB" || !amp::optim::detail::has_aten_fused_optimizers()) {
+      out.push_back(1);
+    } else {
+      out.push_back(optimizer == "FusedSGD" && i == 0 ? 1 : 0);
+    }
+  }
+  return out;
+}
+
+TEST_P(HostSyncTest, EachStepWaitsAsADeviceWould) {
   const HsCase c = GetParam();
   SKIP_WITHOUT_CPU_KERNELS(c.dtype);
-  const bool libtorch = std::string(c.optimizer) == "SGD";
   torch::manual_seed(0);
   amp_test::Mlp net(8, 16, 4);
   const auto params = net->parameters();
@@ -40,18 +58,17 @@ TEST_P(HostSyncTest, NoneWithAFusedOptimizerOnePerStepWithLibTorchs) {
   const auto options =
       amp::Options(c.level).low_precision_dtype(c.dtype).loss_scale(amp::LossScale::dynamic()).verbosity(0);
   const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  const std::vector<bool> overflows = {false, false, false, true, false};
+  const auto expected = expected_step_syncs(c.optimizer, static_cast<int64_t>(params.size()), overflows);
   auto run = [&](auto optimizer_in) {
     auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), options);
-    auto syncs_of = [&, &model = model, &optimizer = optimizer](double loss_factor) {
+    for (size_t step = 0; step < overflows.size(); ++step) {
       const int64_t before = amp::host_sync_count(optimizer);
-      amp_test::train_step(model, optimizer, x, y, amp_test::StepOptions().loss_factor(loss_factor));
-      return amp::host_sync_count(optimizer) - before;
-    };
-    const int64_t per_step = libtorch ? 1 : 0;
-    for (int step = 0; step < 3; ++step) EXPECT_EQ(syncs_of(1.0), per_step) << "clean step " << step;
-    EXPECT_EQ(syncs_of(kHsInf), libtorch ? 1 + static_cast<int64_t>(params.size()) : 0) << "an overflowing step";
+      amp_test::train_step(model, optimizer, x, y, amp_test::StepOptions().loss_factor(overflows[step] ? kHsInf : 1.0));
+      EXPECT_EQ(amp::host_sync_count(optimizer) - before, expected[step]) << "step " << step
+          << (overflows[step] ? " (overflowing)" : "");
+    }
     EXPECT_EQ(optimizer.skipped_steps(), 1);
-    EXPECT_EQ(syncs_of(1.0), per_step) << "the clean step after it";
   };
   const std::string o = c.optimizer;
   if (o == "SGD") run(torch::optim::SGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
@@ -77,6 +94,47 @@ std::vector<HsCase> hs_cases() {
 INSTANTIATE_TEST_SUITE_P(Levels, HostSyncTest, ::testing::ValuesIn(hs_cases()), [](const auto& info) {
   return std::string(info.param.level) + "_" + amp_test::dtype_label(info.param.dtype) + "_" + info.param.optimizer;
 });
+
+struct HsFormatCase {
+  const char* name;
+  amp::Options options;
+  bool sgd;  // FusedSGD (else FusedAdamW)
+};
+
+class HostSyncFormatTest : public ::testing::TestWithParam<HsFormatCase> {};
+
+// The bf16 and 8-bit moments and the lean master formats keep host-side state the flag decides (the generator's
+// counter, the lean masters' stream): on a device their fused step reads the flag once per step, overflowing or not.
+TEST_P(HostSyncFormatTest, OneWaitPerStepForTheFlag) {
+  const HsFormatCase c = GetParam();
+  torch::manual_seed(0);
+  amp_test::Mlp net(8, 16, 4);
+  const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  auto run = [&](auto optimizer_in) {
+    auto [model, optimizer] = amp::initialize(net, std::move(optimizer_in), c.options);
+    for (const bool overflow : {false, false, true, false}) {
+      const int64_t before = amp::host_sync_count(optimizer);
+      amp_test::train_step(model, optimizer, x, y, amp_test::StepOptions().loss_factor(overflow ? kHsInf : 1.0));
+      EXPECT_EQ(amp::host_sync_count(optimizer) - before, 1) << (overflow ? "an overflowing step" : "a clean step");
+    }
+    EXPECT_EQ(optimizer.skipped_steps(), 1);
+  };
+  if (c.sgd) run(amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)));
+  else run(amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)));
+}
+
+amp::Options hs_o2_bf16() { return amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0); }
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, HostSyncFormatTest,
+    ::testing::Values(
+        HsFormatCase{"bf16_moments", hs_o2_bf16().optimizer_state_format(amp::OptimizerStateFormat::kBf16), false},
+        HsFormatCase{"8bit_moments", hs_o2_bf16().optimizer_state_format(amp::OptimizerStateFormat::k8Bit), false},
+        HsFormatCase{"split_masters", hs_o2_bf16().master_weights_format(amp::MasterWeights::kSplit), false},
+        HsFormatCase{"stochastic_rounding_masters",
+                     hs_o2_bf16().master_weights_format(amp::MasterWeights::kStochasticRounding), true},
+        HsFormatCase{"kahan_masters", hs_o2_bf16().master_weights_format(amp::MasterWeights::kKahan), true}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // Two optimizers under one scale_loss share its one read of the overflow flag: each counts it, as each waited.
 // amp::GradScaler stepping an amp optimizer counts its read for that optimizer too.

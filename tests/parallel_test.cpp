@@ -675,6 +675,17 @@ TEST(ZeroTest, MatchesPythonZeroRedundancyOptimizer) {
   std::filesystem::remove_all(dir);
 }
 
+// What scripts change after shard_optimizer: groups added, lr schedules, no_sync() accumulation; refusals.
+TEST(ZeroTest, FollowsWhatScriptsChangeAfterSharding) {
+  char dir[] = "/tmp/amp_zero_scripts_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const auto ranks = ranks_of(2, "zero_scripts", 300, "60", {{"AMP_ZERO_DIR", dir}});
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ZeroTest, RankThatDiesMidStepFailsTheOtherWithinTheTimeout) {
   const auto ranks = two_ranks("zero_dies", 120, "20");
   std::cout << outputs(ranks);

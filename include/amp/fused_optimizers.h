@@ -111,10 +111,12 @@ class FusedOptimizer {
   enum class Skip {
     kNo,        // no flag, or read on the host and clear: run as usual
     kYes,       // read on the host and set: change nothing
-    kOnDevice,  // pass it to ATen's kernels (`device_ok`: every update of this step can)
+    kOnDevice,  // pass it to ATen's kernels (`aten_only`: every update of this step is one)
   };
-  /// Decides at the start of step() (see set_found_inf).
-  Skip found_inf_decision(bool device_ok) const;
+  /// Decides at the start of step() (see set_found_inf). `on_device_there`: on a device, every update of this step
+  /// would take the flag there (ATen's kernels, no host count it decides); where not, reading the flag is a wait on a
+  /// device, counted on every device (NOTE [Counting host syncs]), the CPU's loops included.
+  Skip found_inf_decision(bool aten_only, bool on_device_there) const;
   const at::Tensor& found_inf() const noexcept { return found_inf_; }
   /// A step run with the flag on the device advanced a host count; `undo` puts it back if the step was skipped.
   /// Without a step id (a graph capture, amp::GradScaler) nobody settles it: the host counts may run ahead of the
@@ -158,6 +160,7 @@ class FusedOptimizer {
  private:
   std::unordered_map<const c10::TensorImpl*, at::Tensor> model_copies_;
   mutable std::optional<double> grad_scale_;  // a tensor's, once read
+  mutable bool host_reads_count_ = true;      // this step's: a device would read the flag and scale on the host too
   at::Tensor grad_scale_tensor_;
   std::shared_ptr<amp::detail::LeanMasters> lean_;
   std::shared_ptr<amp::detail::StateFormat> state_format_;

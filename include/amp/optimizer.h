@@ -105,11 +105,17 @@ class OptimizerBase {
   /// shares one bank of loss scalers between optimizers initialized together (nullptr: a new bank).
   void attach(const std::vector<torch::nn::Module*>& modules, const Properties& properties,
               std::shared_ptr<std::vector<LossScaler>> scalers);
-  /// Decides the step: false after an overflow (grads are then dropped and nothing changes).
-  bool begin_step();
-  /// Copies the updated masters into the model's low-precision parameters (one fused pass), unless the
+  /// How step() runs: not at all (an overflow the host decided: grads are dropped and nothing changes), the torch
+  /// optimizer's step, or a fused step handed the overflow flag of an overflow the host knows of already, which skips
+  /// inside as on a device (NOTE [A step that never waits]), followed by the skip's bookkeeping.
+  enum class StepPlan { kSkip, kStep, kSkipInside };
+  /// Decides the step.
+  StepPlan begin_step();
+  /// After a kStep: copies the updated masters into the model's low-precision parameters (one fused pass), unless the
   /// step wrote them itself (amp::optim::Fused*).
   void end_step();
+  /// After a kSkipInside: what a skip the host decided does (the notice, the count, the gradients dropped).
+  void end_skipped_step();
   /// Clears model and master gradients and any pending backward state.
   void zero_all_grads(bool set_to_none);
   void save_amp_state(torch::serialize::OutputArchive& archive) const;
@@ -153,6 +159,8 @@ class OptimizerBase {
   // Brings the host copy of every loss scaler up to its device state (with `wait`, waiting for it).
   void settle_scalers(bool wait) const;
   void announce_skip() const;
+  // A skip the host decided: the notice, the features, the gradients dropped, the count.
+  void take_skip();
   void warn_overflow_at_minimum(int loss_id, double loss_scale);
   bool scales_loss() const noexcept { return properties_.enabled && !unscaled_fast_path_; }
   void check_loss_id(int loss_id) const;
@@ -200,6 +208,7 @@ class OptimizerBase {
   bool graph_mode_ = false;
   bool device_truth_ = false;
   bool set_found_inf_ = false;  // the fused step holds a flag this optimizer gave it (not amp::GradScaler's)
+  uint64_t settle_after_step_ = 0;  // the id of a step run with a flag whose outcome the host knew (settled after it)
   at::Tensor device_skips_;  // steps skipped on the device since the first guard (fp32, on the loss's device)
 };
 
@@ -222,9 +231,14 @@ class Optimizer : public Opt, public OptimizerBase {
                 "amp::Optimizer::step: Currently, amp does not support closure use with optimizers. Compute the "
                 "loss, run amp::scale_loss(loss, optimizer).backward(), then call step() without a closure.");
     const detail::HostSyncScope syncs({this});
-    if (!begin_step()) return {};
+    const StepPlan plan = begin_step();
+    if (plan == StepPlan::kSkip) return {};
     torch::Tensor loss;
     run_own(OwnCall::kStep, [&] { loss = Opt::step(nullptr); });
+    if (plan == StepPlan::kSkipInside) {
+      end_skipped_step();
+      return {};
+    }
     end_step();
     return loss;
   }

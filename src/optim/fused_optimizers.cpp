@@ -305,6 +305,21 @@ bool all_on_aten(const torch::optim::Optimizer& opt, CopyOf copy_of) {
   return true;
 }
 
+// Whether every parameter with a gradient would take ATen's kernels on a device (CUDA's route for what the CPU's own
+// loops step): what a step's host reads are counted against (NOTE [Counting host syncs]).
+bool all_on_aten_there(const torch::optim::Optimizer& opt) {
+  if (!detail::has_aten_fused_optimizers() || detail::forced_route == FusedRoute::kPerOp) return false;
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      const auto dtype = p.scalar_type();
+      if (g.scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16)) return false;
+    }
+  }
+  return true;
+}
+
 template <class Options, class State, class CopyOf, class Fused>
 void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of, const LeanTable& lean,
                       bool decoupled, const char* name, StateFormat& format) {
@@ -314,8 +329,9 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
   c10::NoGradGuard no_grad;
   // NOTE [A step that never waits]: the flag stays on the device where every update is ATen's kernel with fp32
   // states (the step counts then live there too).
-  const bool aten_only = !lean && format.format() == amp::OptimizerStateFormat::kFp32 && all_on_aten(opt, copy_of);
-  const auto skip = fused.found_inf_decision(aten_only);
+  const bool plain = !lean && format.format() == amp::OptimizerStateFormat::kFp32;
+  const bool aten_only = plain && all_on_aten(opt, copy_of);
+  const auto skip = fused.found_inf_decision(aten_only, plain && all_on_aten_there(opt));
   if (skip == Fused::Skip::kYes) return;
   const bool on_device = skip == Fused::Skip::kOnDevice;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
@@ -601,7 +617,7 @@ torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
 
 const std::optional<double>& FusedOptimizer::grad_scale() const {
   if (!grad_scale_ && grad_scale_tensor_.defined()) {
-    if (!grad_scale_tensor_.device().is_cpu()) amp::detail::count_host_sync();
+    if (!grad_scale_tensor_.device().is_cpu() || host_reads_count_) amp::detail::count_host_sync();
     grad_scale_ = static_cast<double>(grad_scale_tensor_.item<float>());
   }
   return grad_scale_;
@@ -624,13 +640,16 @@ void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) {
   undo_.erase(it);
 }
 
-FusedOptimizer::Skip FusedOptimizer::found_inf_decision(bool device_ok) const {
+FusedOptimizer::Skip FusedOptimizer::found_inf_decision(bool aten_only, bool on_device_there) const {
+  host_reads_count_ = !on_device_there;
   if (!found_inf_.defined()) return Skip::kNo;
   // (Tests run the device's path on the CPU: DeferredHostReadsGuard.)
-  if (device_ok && (!found_inf_.device().is_cpu() || amp::detail::host_reads_deferred() || step_id_ == 0)) {
+  if (aten_only && (!found_inf_.device().is_cpu() || amp::detail::host_reads_deferred() || step_id_ == 0)) {
     return Skip::kOnDevice;
   }
-  if (!found_inf_.device().is_cpu()) amp::detail::count_host_sync();
+  // NOTE [Counting host syncs]: amp's CPU loops read a CPU flag for free where a device's kernels would take it;
+  // anything else is a wait on a device, and counts on the CPU too.
+  if (!found_inf_.device().is_cpu() || !on_device_there) amp::detail::count_host_sync();
   return found_inf_.item<float>() != 0.0f ? Skip::kYes : Skip::kNo;
 }
 
@@ -652,7 +671,7 @@ void FusedOptimizer::pull_device_steps() {
   auto& self = dynamic_cast<torch::optim::Optimizer&>(*this);
   for (auto& [key, entry] : device_steps_) {
     if (!entry.count.defined() || !entry.set_host) continue;
-    if (!entry.count.device().is_cpu()) amp::detail::count_host_sync();
+    amp::detail::count_host_sync();  // a device's count (the CPU's only where tests force ATen's kernels there)
     entry.host = static_cast<int64_t>(entry.count.item<float>());
     entry.set_host(self, entry.host);
   }
@@ -768,7 +787,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
     check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
   });
   // Its step counts are the groups' options, on the host: the flag is read there (no wait on the CPU).
-  if (found_inf_decision(/*device_ok=*/false) == Skip::kYes) return loss;
+  if (found_inf_decision(/*aten_only=*/false, /*on_device_there=*/false) == Skip::kYes) return loss;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
@@ -928,17 +947,19 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   auto& states = state_;
   // A first momentum buffer is created on the host and would be counted as initialized after a skip the host can't
   // see: the flag stays on the device only where every buffer exists and every update is ATen's.
-  bool device_ok = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
+  bool buffers_exist = true;
   for (const auto& group : param_groups_) {
     if (static_cast<const torch::optim::SGDOptions&>(group.options()).momentum() == 0) continue;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const auto it = states.find(state_key(states, p));
-      device_ok = device_ok && it != states.end() && it->second &&
-                  static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
+      buffers_exist = buffers_exist && it != states.end() && it->second &&
+                      static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
     }
   }
-  const Skip skip = found_inf_decision(device_ok);
+  const bool plain = !lean_masters() && buffers_exist;
+  const Skip skip = found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
+                                       plain && all_on_aten_there(*this));
   if (skip == Skip::kYes) return loss;
   const std::optional<at::Tensor> device_found_inf =
       skip == Skip::kOnDevice ? std::optional<at::Tensor>(found_inf()) : std::nullopt;

@@ -128,7 +128,7 @@ struct OptimizerBase::OverflowReportView {
 };
 
 bool OptimizerBase::skips_on_device() const {
-  if (!properties_.enabled || sharding_) return false;
+  if (!properties_.enabled || sharding_ || detail::host_decides()) return false;
   if (dynamic_cast<const optim::FusedOptimizer*>(&torch_optimizer()) == nullptr) return false;
   return std::none_of(features_.begin(), features_.end(),
                       [this](const std::shared_ptr<detail::Feature>& f) { return f->needs_overflow_on_host(*this); });
@@ -355,7 +355,10 @@ void OptimizerBase::refresh_master_params() {
 }
 
 void OptimizerBase::sync_param_groups(bool at_initialize) {
+  const bool reshard = sharding_ && index_->changed(torch_optimizer());
+  if (reshard) sharding_->check_groups(torch_optimizer());  // NOTE [Sharded optimizers]: groups may be appended only
   index_->sync(torch_optimizer(), modules_, properties_, at_initialize);
+  if (reshard) sharding_->adopt_groups(*this);
 }
 
 bool OptimizerBase::owns_model_tensor(const c10::TensorImpl* t) const { return index_->owns(t); }
@@ -393,9 +396,9 @@ void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const
   sync_param_groups(/*at_initialize=*/true);
 }
 
-bool OptimizerBase::begin_step() {
+OptimizerBase::StepPlan OptimizerBase::begin_step() {
   ++steps_;
-  if (!properties_.enabled) return true;
+  if (!properties_.enabled) return StepPlan::kStep;
   sync_param_groups();
   TORCH_CHECK(!backward_prepared_, "amp::Optimizer::step: an amp::scale_loss handle of this optimizer is still "
               "open and its backward() has not run. Call scaled_loss.backward() (or let the handle go out of "
@@ -406,33 +409,40 @@ bool OptimizerBase::begin_step() {
   check_no_scaled_model_grads("step");
   auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer());
   if (fused && std::exchange(set_found_inf_, false)) fused->set_found_inf({}, 0);  // (amp::GradScaler sets its own)
+  settle_after_step_ = 0;
   if (graph_mode_) {  // amp::GraphCaptureGuard: the device decides and counts, the host records nothing
     if (step_found_inf_.defined()) device_skips_.add_(step_found_inf_.to(device_skips_.device()));
     fused->set_found_inf(std::exchange(step_found_inf_, at::Tensor()), /*step_id=*/0);
     set_found_inf_ = true;
     index_->refresh_changed();
-    return true;
+    return StepPlan::kStep;
   }
   settle(/*wait=*/false);
   const bool unseen = std::any_of(pending_.begin(), pending_.end(),
                                   [](const Pending& p) { return p.kind == Pending::Kind::kBackward; });
+  const auto id = static_cast<uint64_t>(steps_);
   if (unseen) {
     // The host has not seen every backward since the last step: the device decides the skip (NOTE [A step that
     // never waits]), and the host learns it with those backwards.
     // (No flag: a zero_grad came after those backwards, so none of them can skip this step.)
     TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
-    fused->set_found_inf(step_found_inf_, static_cast<uint64_t>(steps_));
+    fused->set_found_inf(step_found_inf_, id);
     set_found_inf_ = true;
-    pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, static_cast<uint64_t>(steps_)});
+    pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, id});
+  } else if (step_found_inf_.defined()) {
+    // The host has seen those backwards already (on the CPU it always has), but a device's step would run before it
+    // does: the fused step takes the flag all the same, so the CPU runs and counts (NOTE [Counting host syncs]) the
+    // path a device takes, and the host settles the step right after it.
+    TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
+    fused->set_found_inf(step_found_inf_, id);
+    set_found_inf_ = true;
+    settle_after_step_ = id;
   }
   step_found_inf_ = at::Tensor();
-  if (!unseen && skip_next_step_) {
-    announce_skip();
-    for (const auto& feature : features_) feature->after_step(*this, /*taken=*/false);
-    // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
-    zero_all_grads(/*set_to_none=*/true);
-    ++skipped_steps_;
-    return false;
+  const bool skip = !unseen && skip_next_step_;
+  if (skip && settle_after_step_ == 0) {
+    take_skip();
+    return StepPlan::kSkip;
   }
   if (sharding_) sharding_->refresh_changed();  // the step starts from the weights the model holds now
   else index_->refresh_changed();
@@ -440,10 +450,30 @@ bool OptimizerBase::begin_step() {
   for (size_t i = 0; i < direct.size(); ++i) {
     if (detail::holds_float32_bytes(direct[i])) detail::fail_float32_bytes("parameter", index_->direct_names()[i], direct[i]);
   }
-  return true;
+  return skip ? StepPlan::kSkipInside : StepPlan::kStep;
+}
+
+void OptimizerBase::take_skip() {
+  announce_skip();
+  for (const auto& feature : features_) feature->after_step(*this, /*taken=*/false);
+  // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
+  zero_all_grads(/*set_to_none=*/true);
+  ++skipped_steps_;
+}
+
+void OptimizerBase::end_skipped_step() {
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer())) {
+    fused->settle_step(std::exchange(settle_after_step_, 0), /*skipped=*/true);
+  }
+  take_skip();
 }
 
 void OptimizerBase::end_step() {
+  if (settle_after_step_ != 0) {
+    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer())) {
+      fused->settle_step(std::exchange(settle_after_step_, 0), /*skipped=*/false);
+    }
+  }
   if (sharding_) {
     sharding_->after_step();
   } else if (index_->step_writes_model()) {

@@ -24,6 +24,7 @@
 #include "optim/master_weights.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/state_format.h"
+#include "optim/state_tensors.h"
 #include "options/format.h"
 
 namespace amp::detail {
@@ -47,11 +48,18 @@ bool is_untouched_adagrad_state(const torch::optim::OptimizerParamState& state) 
 
 using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 
+// The state of a parameter cast without a master follows it: Adagrad's untouched sum at initialize, or (a group added
+// later) the state a torch::load gave it, whose floating tensors take the parameter's dtype.
 void cast_initial_state(StateMap& state, const at::Tensor& p, c10::ScalarType dtype) {
   const auto it = state.find(state_key(state, p));
-  if (it == state.end()) return;
-  auto& adagrad = static_cast<torch::optim::AdagradParamState&>(*it->second);  // checked by is_untouched_adagrad_state
-  adagrad.sum(adagrad.sum().to(dtype));
+  if (it == state.end() || !it->second) return;
+  if (auto* adagrad = dynamic_cast<torch::optim::AdagradParamState*>(it->second.get())) {
+    adagrad->sum(adagrad->sum().to(dtype));
+    return;
+  }
+  for (at::Tensor* t : state_fields(*it->second).tensors) {
+    if (t->defined() && t->is_floating_point() && t->scalar_type() != dtype) *t = t->to(dtype);
+  }
 }
 
 // Casts a parameter added to the optimizer after initialize, keeping its identity (as initialize does).
@@ -176,7 +184,7 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
                     "weight. Put each parameter in one optimizer.");
         plans[g].push_back({Kind::kNewMaster, 0, found->second, true});
       } else {
-        if (cast) check_state_without_master(opt, state, p, g, found->second, properties);
+        if (cast) check_state_without_master(opt, state, p, g, found->second, properties, at_initialize);
         plans[g].push_back({Kind::kNewDirect, 0, found->second, cast});
       }
     }
@@ -280,10 +288,12 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
 
 void ParamIndex::check_state_without_master(const torch::optim::Optimizer& opt, const StateMap& state,
                                             const at::Tensor& p, size_t group, const std::string& name,
-                                            const Properties& properties) const {
+                                            const Properties& properties, bool at_initialize) const {
   const c10::ScalarType lp = properties.cast_model_type.value_or(at::kFloat);
   const auto it = state.find(state_key(state, p));
-  TORCH_CHECK(it == state.end() || is_untouched_adagrad_state(*it->second), "amp::initialize: the optimizer already "
+  // A group added later may hold state a torch::load after initialize gave it (a resumed script adds its groups, then
+  // loads): that state was saved for the cast parameter.
+  TORCH_CHECK(!at_initialize || it == state.end() || is_untouched_adagrad_state(*it->second), "amp::initialize: the optimizer already "
               "has state for parameter '", name, "', which opt_level ", to_string(properties.opt_level), " casts to ",
               dtype_name(lp), " without master weights; that fp32 state would no longer match. Call amp::initialize "
               "first, then torch::load the optimizer (Apex's documented order).");

@@ -60,7 +60,7 @@ class ParamIndex {
  private:
   using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
   void check_state_without_master(const torch::optim::Optimizer& opt, const StateMap& state, const at::Tensor& p,
-                                  size_t group, const std::string& name, const Properties& properties) const;
+                                  size_t group, const std::string& name, const Properties& properties, bool at_initialize) const;
 
   std::shared_ptr<MasterWeights> masters_;  // low-precision params and their fp32 masters
   std::shared_ptr<LeanMasters> lean_;       // bf16 params with lean masters, or null

@@ -35,6 +35,11 @@ class Sharding {
   /// pieces (and, for a step, their gradients). During save_consolidated a save runs `fn` with the full state instead
   /// (an unsharded archive loads into the full tensors without it: load() then slices the state).
   virtual void on_shard(torch::optim::Optimizer& opt, Use use, const std::function<void()>& fn) = 0;
+  /// Before the parameter index follows a change of param_groups: throws, changing nothing, unless the change is one
+  /// the sharding follows (groups appended, options changed).
+  virtual void check_groups(const torch::optim::Optimizer& opt) const = 0;
+  /// After the index followed it: lays out the appended groups (progressive unfreezing) and shards them.
+  virtual void adopt_groups(OptimizerBase& optimizer) = 0;
   /// Before a step: the pieces follow writes into the model since the last gather (NOTE [Masters follow the model]).
   virtual void refresh_changed() = 0;
   /// Every piece from the model, written or not (OptimizerBase::refresh_master_params: writes through `.data()`).

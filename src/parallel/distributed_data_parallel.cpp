@@ -199,8 +199,8 @@ struct DistributedCore::Impl {
   bool rehook_moved_to_fp32();
   void on_ready(size_t i);
   void end_of_backward();
-  void reduce_delayed(const std::vector<bool>& used_here);
-  void reduce_unreduced_masters();
+  void reduce_delayed(const std::vector<bool>& used_here, bool closes_window);
+  void reduce_unreduced_masters(const std::vector<bool>& skip);
   void check_unsynced() const;
 };
 
@@ -247,8 +247,9 @@ void DistributedCore::Impl::end_of_backward() {
   }
   counters.synced_backwards.fetch_add(1);
   unsynced.clear();
-  // ZeRO stage 2 leaves no_sync()'s gradients in the model's .grad (its unscale moves nothing aside).
-  if (std::exchange(window_unsynced, false) && zero_reductions.empty()) reduce_unreduced_masters();
+  // ZeRO stage 2 reduce-scatters its own parameters' no_sync() sums (reduce_delayed); the rest are all-reduced here.
+  const bool closes_window = std::exchange(window_unsynced, false);
+  if (closes_window && zero_reductions.empty()) reduce_unreduced_masters({});
   std::vector<std::string> missing;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!reached[i]) missing.push_back(names[i]);
@@ -266,10 +267,10 @@ void DistributedCore::Impl::end_of_backward() {
                 "which reduces whatever each backward reached.");
     return;
   }
-  reduce_delayed(used_here);
+  reduce_delayed(used_here, closes_window);
 }
 
-void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
+void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here, bool closes_window) {
   c10::NoGradGuard no_grad;
   // NOTE [Parameters only some ranks reach]: agree on what any rank reached; reduce that everywhere.
   std::vector<bool> used_anywhere = used_here;
@@ -284,10 +285,15 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
          "the gradient all-reduce (agreeing on which parameters some rank has a gradient for)");
     for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = f[i] != 0;
   }
+  std::vector<bool> zero_handled(params.size(), false);
   for (const auto& reduce : zero_reductions) {
-    const std::vector<bool> handled = reduce(params, used_anywhere);
-    for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = used_anywhere[i] && !handled[i];
+    const std::vector<bool> handled = reduce(params, used_anywhere, closes_window);
+    for (size_t i = 0; i < params.size(); ++i) {
+      used_anywhere[i] = used_anywhere[i] && !handled[i];
+      zero_handled[i] = zero_handled[i] || handled[i];
+    }
   }
+  if (closes_window && !zero_reductions.empty()) reduce_unreduced_masters(zero_handled);
   struct Pending {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     at::Tensor flat;
@@ -328,12 +334,14 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here) {
 // no_sync() micro-batches' sums are this rank's own: the synchronized backward that closes the window
 // all-reduces them once, in fp32, beside the reduction of its own gradients, and adds them to what the
 // unscale consumes. Every rank sends every master parameter (zeros where it has none), so the message is the
-// same size everywhere.
-void DistributedCore::Impl::reduce_unreduced_masters() {
+// same size everywhere. ZeRO stage 2 keeps its parameters' sums itself and reduce-scatters them (`skip`).
+void DistributedCore::Impl::reduce_unreduced_masters(const std::vector<bool>& skip) {
   c10::NoGradGuard no_grad;
   std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>> entries;
   int64_t total = 0;
-  for (const auto& p : params) {
+  for (size_t k = 0; k < params.size(); ++k) {
+    const at::Tensor& p = params[k];
+    if (k < skip.size() && skip[k]) continue;
     if (auto master = amp::detail::find_master(p)) {
       total += p.numel();
       entries.push_back(std::move(*master));

@@ -152,11 +152,14 @@ std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::opti
   return out;
 }
 
-class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeights::Shards {
+class Zero final : public amp::detail::Sharding,
+                   public amp::detail::MasterWeights::Shards,
+                   public std::enable_shared_from_this<Zero> {
  public:
   Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options);
 
-  std::vector<bool> reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere);
+  std::vector<bool> reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere,
+                           bool closes_window);
   // Every rank's pieces and state, whole: on rank 0 (`everywhere`: on every rank), for an unsharded archive.
   void gather_consolidated(OptimizerBase& optimizer, bool everywhere);
   void end_consolidated() {
@@ -186,7 +189,12 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
             std::vector<at::Tensor>& grads) const override;
   void with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) override;
   void adopt_loaded_state(OptimizerBase& optimizer) override {
-    adopt_full_state(OptimizerAccess::torch_optimizer(optimizer));
+    adopt_full_state(OptimizerAccess::torch_optimizer(optimizer), 0);
+  }
+  void check_groups(const torch::optim::Optimizer& opt) const override;
+  void adopt_groups(OptimizerBase& optimizer) override {
+    add_groups(optimizer);
+    OptimizerAccess::index(optimizer).masters().mark_sharded(weak_from_this());
   }
   void write_master(size_t i, const at::Tensor& value) override;
   std::vector<at::Tensor> gather_masters() override;
@@ -197,8 +205,11 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   std::vector<ShardSpan> slice_spans(size_t g, int64_t r) const;
   void record_versions();
   void settle(const amp::detail::InvScale& inv_scale, amp::detail::FoundInf* found_inf);
+  void stash_unreduced();
+  void reduce_unreduced(ShardLane& lane);
   void gather_into_model();
-  void adopt_full_state(torch::optim::Optimizer& opt);
+  void add_groups(OptimizerBase& optimizer);
+  void adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece);
   double sum_over_ranks(double value);
   void sum_per_tensor(std::vector<double>& per_piece);
   at::Tensor full_grad(const ShardEntry& e) const { return e.mastered ? e.stepped.grad() : e.model.grad(); }
@@ -218,6 +229,9 @@ class Zero final : public amp::detail::Sharding, public amp::detail::MasterWeigh
   std::vector<ShardPiece> pieces_;
   std::vector<ShardLane> lanes_;
   std::vector<std::vector<char>> used_;  // stage 2: [group][entry] has a reduced gradient in its lane's incoming
+  // Stage 2, NOTE [fp32 accumulation under no_sync]: [group][entry] this rank's fp32 sum of the still-scaled
+  // gradients of no_sync() micro-batches (masters' parameters), reduce-scattered when the window closes.
+  std::vector<std::vector<at::Tensor>> unreduced_;
   std::optional<ShardStateMap> full_state_;  // while gathered (save_consolidated, with_full_state): the whole state
   std::vector<at::Tensor> full_masters_;
 };
@@ -230,6 +244,15 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
       fast_path_(OptimizerAccess::unscaled_fast_path(optimizer)) {
   average_.always_fp32 = core_->options().allreduce_always_fp32();
   average_.predivide = core_->options().gradient_predivide_factor();
+  format_ = OptimizerAccess::index(optimizer).state_format();
+  if (format_ && format_->format() == amp::OptimizerStateFormat::k8Bit) slice_multiple_ = kShardBlock;
+  add_groups(optimizer);
+}
+
+// Lays out the param groups this object does not hold yet (all of them at shard_optimizer; later, the groups
+// add_param_group appended): their entries, this rank's pieces with any state the whole tensors had, every rank's
+// lanes; then the fp32 masters give their memory back.
+void Zero::add_groups(OptimizerBase& optimizer) {
   torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
   amp::detail::ParamIndex& index = OptimizerAccess::index(optimizer);
   amp::detail::MasterWeights& masters = index.masters();
@@ -238,15 +261,13 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   const auto names = index.names();
   std::unordered_set<const c10::TensorImpl*> trained;
   for (const auto& p : core_->params()) trained.insert(p.unsafeGetTensorImpl());
-
-  const int64_t n_ranks = state_.world_size;
-  format_ = index.state_format();
-  const bool blocks = format_ && format_->format() == amp::OptimizerStateFormat::k8Bit;
-  if (blocks) slice_multiple_ = kShardBlock;
-  for (auto& group : opt.param_groups()) {
+  const bool blocks = slice_multiple_ == kShardBlock;
+  const size_t first = groups_.size();
+  const auto& param_groups = opt.param_groups();
+  for (size_t g = first; g < param_groups.size(); ++g) {
     std::vector<ShardEntry> entries;
     int64_t total = 0;
-    for (const auto& t : group.params()) {
+    for (const auto& t : param_groups[g].params()) {
       ShardEntry e;
       e.stepped = t;
       const auto m = master_of.find(t.unsafeGetTensorImpl());
@@ -272,7 +293,9 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
     group_numel_.push_back(total);
   }
   // This rank's pieces, the lanes every rank's pieces travel in.
-  for (size_t g = 0; g < groups_.size(); ++g) {
+  const int64_t n_ranks = state_.world_size;
+  const size_t first_piece = pieces_.size();
+  for (size_t g = first; g < groups_.size(); ++g) {
     std::vector<c10::ScalarType> dtypes;
     for (const auto& e : groups_[g]) {
       if (std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) == dtypes.end()) dtypes.push_back(e.model.scalar_type());
@@ -314,16 +337,39 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
       lanes_.push_back(std::move(lane));
     }
     used_.emplace_back(groups_[g].size(), 0);
+    unreduced_.emplace_back(groups_[g].size());
   }
-  adopt_full_state(opt);  // a checkpoint torch::load-ed before sharding
+  adopt_full_state(opt, first_piece);  // a checkpoint torch::load-ed before sharding; state of an added group's tensors
   // The full masters give their memory back: a placeholder of their shape that refuses writes.
-  for (auto& entries : groups_) {
-    for (auto& e : entries) {
+  for (size_t g = first; g < groups_.size(); ++g) {
+    for (auto& e : groups_[g]) {
       if (!e.mastered) continue;
       e.stepped.set_data(at::zeros({}, e.stepped.options()).expand(e.stepped.sizes()));
     }
   }
   record_versions();
+}
+
+// What may change in the optimizer under a sharding: groups appended (adopted by add_groups) and any group's options
+// (lr schedules: the step reads them where they are). Refused, before anything changes: a held group's tensors
+// replaced, added or removed, or a group removed, since every rank's slices, lanes and state were cut from them.
+void Zero::check_groups(const torch::optim::Optimizer& opt) const {
+  const auto& param_groups = opt.param_groups();
+  TORCH_CHECK(param_groups.size() >= groups_.size(), kShard, ": the optimizer had ", groups_.size(), " param groups "
+              "when it was sharded and now has ", param_groups.size(), ". A sharded optimizer's groups can't be removed: "
+              "every rank's slices of them are laid out. Leave the group in place (set its lr to 0 to stop it), or shard "
+              "a new optimizer.");
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const auto& params = param_groups[g].params();
+    bool same = params.size() == groups_[g].size();
+    for (size_t i = 0; same && i < params.size(); ++i) {
+      same = params[i].unsafeGetTensorImpl() == groups_[g][i].stepped.unsafeGetTensorImpl();
+    }
+    TORCH_CHECK(same, kShard, ": param group ", g, " held ", groups_[g].size(), " tensors when it was laid out and now "
+                "holds ", params.size(), (params.size() == groups_[g].size() ? " others" : ""), ". A sharded group's "
+                "tensors can't be replaced, added or removed: every rank's slices of them are laid out. Add new "
+                "parameters as a new group (optimizer.add_param_group: it is sharded from its first step).");
+  }
 }
 
 // NOTE [ZeRO layout]: the parts of group g's tensors inside rank r's slice, in group order (pos left 0).
@@ -359,10 +405,12 @@ void Zero::record_versions() {
   }
 }
 
-// The pieces' state from whole tensors' state (keyed by the stepped tensors), which then leaves the map.
-void Zero::adopt_full_state(torch::optim::Optimizer& opt) {
+// The state of pieces [first_piece, end) from whole tensors' state (keyed by the stepped tensors), which then leaves
+// the map.
+void Zero::adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece) {
   auto& state = opt.state();
-  for (auto& p : pieces_) {
+  for (size_t k = first_piece; k < pieces_.size(); ++k) {
+    const ShardPiece& p = pieces_[k];
     const ShardEntry& e = groups_[p.group][p.entry];
     const auto it = state.find(amp::detail::state_key(state, e.stepped));
     if (it == state.end() || !it->second) continue;
@@ -439,7 +487,8 @@ void Zero::sum_per_tensor(std::vector<double>& per_piece) {
   for (size_t k = 0; k < pieces_.size(); ++k) per_piece[k] = s[base[pieces_[k].group] + pieces_[k].entry];
 }
 
-std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere) {
+std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere,
+                               bool closes_window) {
   c10::NoGradGuard no_grad;
   std::unordered_map<const c10::TensorImpl*, size_t> where;
   for (size_t i = 0; i < params.size(); ++i) where.emplace(params[i].unsafeGetTensorImpl(), i);
@@ -450,6 +499,7 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
   const int64_t n_ranks = state_.world_size;
   for (auto& lane : lanes_) {
     const std::vector<ShardEntry>& entries = groups_[lane.group];
+    if (closes_window) reduce_unreduced(lane);  // first, as the unsharded unscale adds the last micro-batch to them
     bool any = false;
     for (const auto& spans : lane.spans) {
       for (const auto& s : spans) any = any || used(entries[s.entry]);
@@ -494,6 +544,63 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
   return handled;
 }
 
+// NOTE [fp32 accumulation under no_sync] (src/parallel/distributed_data_parallel.cpp), at stage 2: a delay_unscale
+// backward inside no_sync() leaves its masters' low-precision gradients in the model's .grad (nothing was reduced):
+// they move into this rank's fp32 sums, as the unsharded unscale moves them beside the masters.
+void Zero::stash_unreduced() {
+  c10::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (size_t i = 0; i < groups_[g].size(); ++i) {
+      const ShardEntry& e = groups_[g][i];
+      at::Tensor& grad = e.model.mutable_grad();
+      if (!e.mastered || !grad.defined()) continue;
+      at::Tensor& sum = unreduced_[g][i];
+      if (sum.defined()) sum.add_(grad);
+      else sum = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      grad = at::Tensor();
+    }
+  }
+}
+
+// The window's fp32 sums of `lane`'s masters, reduce-scattered in fp32 (the unsharded run all-reduces them in fp32
+// too), become the start of its incoming slice; every master of the lane then has a gradient, as unsharded.
+void Zero::reduce_unreduced(ShardLane& lane) {
+  std::vector<ShardEntry>& entries = groups_[lane.group];
+  std::vector<at::Tensor>& sums = unreduced_[lane.group];
+  bool mastered = false;
+  for (const auto& spans : lane.spans) {
+    for (const auto& s : spans) mastered = mastered || entries[s.entry].mastered;
+  }
+  if (!mastered) return;  // the same on every rank: the layout is
+  const int64_t n_ranks = state_.world_size;
+  at::Tensor input = at::zeros({n_ranks * lane.width}, entries.front().model.options().dtype(at::kFloat));
+  for (size_t r = 0; r < lane.spans.size(); ++r) {
+    for (const auto& s : lane.spans[r]) {
+      const at::Tensor& sum = sums[s.entry];
+      if (!entries[s.entry].mastered || !sum.defined()) continue;
+      input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(sum.reshape({-1}).narrow(0, s.begin, s.length));
+    }
+  }
+  if (average_.predivide != 1.0) input.div_(average_.predivide);
+  at::Tensor mine = shard_reduce_scatter(state_, input, lane.width, bucket_bytes_,
+                                         std::string(kShard) + " (reduce-scattering the no_sync() gradient sums)");
+  core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0);
+  const double post = static_cast<double>(n_ranks) / average_.predivide;
+  if (post != 1.0) mine.div_(post);
+  if (!lane.incoming.defined()) {
+    lane.incoming = mine;
+  } else {
+    if (lane.incoming.scalar_type() != at::kFloat) lane.incoming = lane.incoming.to(at::kFloat);
+    lane.incoming.add_(mine);
+  }
+  for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+    if (entries[s.entry].mastered) used_[lane.group][s.entry] = 1;
+  }
+  for (const auto& spans : lane.spans) {
+    for (const auto& s : spans) sums[s.entry] = at::Tensor();
+  }
+}
+
 // Moves the reduced slices into the pieces' gradients, unscaled (found_inf: checked), adding to what they hold.
 void Zero::settle(const amp::detail::InvScale& inv_scale, amp::detail::FoundInf* found_inf) {
   std::vector<at::Tensor> fresh_in, fresh_out, acc_in, acc_out;
@@ -522,7 +629,10 @@ void Zero::settle(const amp::detail::InvScale& inv_scale, amp::detail::FoundInf*
 }
 
 void Zero::unscale(bool delay_unscale, const amp::detail::InvScale& inv_scale, amp::detail::FoundInf& found_inf) {
-  if (delay_unscale) return;  // the slices stay scaled in the lanes; the next reduce adds to them
+  if (delay_unscale) {  // the slices stay scaled in the lanes; the next reduce adds to them
+    stash_unreduced();  // what no_sync() left unreduced in the model's .grad
+    return;
+  }
   settle(inv_scale, &found_inf);
   // Each rank checked its own slices: the overflow decision is every rank's together.
   const c10::Device device = groups_.empty() || groups_.front().empty() ? c10::Device(at::kCPU)
@@ -544,6 +654,7 @@ void Zero::zero_grad(bool set_to_none) {
   }
   for (auto& lane : lanes_) lane.incoming = at::Tensor();
   for (auto& flags : used_) std::fill(flags.begin(), flags.end(), 0);
+  for (auto& sums : unreduced_) std::fill(sums.begin(), sums.end(), at::Tensor());
 }
 
 std::vector<at::Tensor> Zero::grads() {
@@ -727,7 +838,7 @@ std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::Inp
       const at::Tensor& source = e.mastered ? full_masters[e.master_index] : e.model;
       p.value.copy_(source.reshape({-1}).narrow(0, p.begin, p.length));
     }
-    adopt_full_state(opt);
+    adopt_full_state(opt, 0);
     record_versions();
   };
 }
@@ -820,6 +931,7 @@ void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& maste
     else grads.push_back(p.grad);
   }
   for (const auto& lane : lanes_) grads.push_back(lane.incoming);
+  for (const auto& sums : unreduced_) master_grads.insert(master_grads.end(), sums.begin(), sums.end());
 }
 
 // Every rank's pieces (values and state), so that rank 0 holds what an unsharded optimizer would.
@@ -988,8 +1100,8 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   auto zero = std::make_shared<Zero>(core, optimizer, options);
   if (options.stage() == 2) {
     std::weak_ptr<Zero> weak = zero;
-    core->add_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used) {
-      if (const auto z = weak.lock()) return z->reduce(params, used);
+    core->add_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used, bool closes_window) {
+      if (const auto z = weak.lock()) return z->reduce(params, used, closes_window);
       return std::vector<bool>(params.size(), false);
     });
   }

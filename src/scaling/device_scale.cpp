@@ -22,6 +22,14 @@ DeferredHostReadsGuard::DeferredHostReadsGuard() : previous_(defer_host_reads) {
 DeferredHostReadsGuard::~DeferredHostReadsGuard() { defer_host_reads = previous_; }
 bool host_reads_deferred() { return defer_host_reads; }
 
+namespace {
+thread_local bool host_decides_steps = false;
+}  // namespace
+
+HostDecidesGuard::HostDecidesGuard() : previous_(host_decides_steps) { host_decides_steps = true; }
+HostDecidesGuard::~HostDecidesGuard() { host_decides_steps = previous_; }
+bool host_decides() { return host_decides_steps; }
+
 HostView::HostView(const at::Tensor& values) : device_(values), sequence_(++views_made) {
   if (values.device().is_cpu()) {
     host_ = values;

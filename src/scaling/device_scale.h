@@ -15,9 +15,11 @@
 //     LossScaler takes the same update, and skipped_steps(), the "Gradient overflow" notice and the overflow report
 //     follow. Asking for them before that (loss_scale(), skipped_steps(), ScaledLoss::overflow(), a checkpoint) waits,
 //     and counts as a host sync.
-// On the CPU every value is there at once, so the host knows each outcome by the end of its backward and the step
-// skips on the host as it always did; DeferredHostReadsGuard makes the CPU behave as a GPU that is never done, which
-// is how the tests run the device path here. amp::GraphCaptureGuard goes one step further for a CUDA graph capture:
+// On the CPU every value is there at once, so the host knows each outcome by the end of its backward; the fused step
+// takes the flag all the same (a device's step runs before its host knows), so the CPU runs the device's path and
+// counts the host syncs a device would make (NOTE [Counting host syncs]). DeferredHostReadsGuard makes the CPU behave as
+// a GPU that is never done (the host learns each outcome only when it asks), and HostDecidesGuard as LibTorch's
+// optimizers (the host decides every skip): the tests compare the three. amp::GraphCaptureGuard goes one step further for a CUDA graph capture:
 // nothing is recorded for the host at all, and the host reads the device afterwards (src/optim/graph_capture.cpp).
 
 #include <ATen/core/Tensor.h>
@@ -65,6 +67,22 @@ class DeferredHostReadsGuard {
 
 /// Whether a DeferredHostReadsGuard is alive on this thread (the fused steps then treat a CPU flag as a device's).
 bool host_reads_deferred();
+
+/// While alive, every backward on this thread is decided on the host, as with LibTorch's optimizers, even where amp's
+/// fused optimizers could skip on the device (tests comparing the two paths).
+class HostDecidesGuard {
+ public:
+  HostDecidesGuard();
+  ~HostDecidesGuard();
+  HostDecidesGuard(const HostDecidesGuard&) = delete;
+  HostDecidesGuard& operator=(const HostDecidesGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Whether a HostDecidesGuard is alive on this thread.
+bool host_decides();
 
 /// What the host learns of one unscaled backward of a step that never waits: whether it overflowed, the scale it
 /// ran with, and the scaler's state after its update (`source`'s update number `update`).

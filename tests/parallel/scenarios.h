@@ -23,6 +23,8 @@ void scenario_zero(const amp::parallel::ProcessGroup& group);
 void scenario_zero_bench(const amp::parallel::ProcessGroup& group);
 void scenario_zero_python(const amp::parallel::ProcessGroup& group);
 void scenario_zero_dies(const amp::parallel::ProcessGroup& group);
+// zero_script_scenarios.cpp (2 ranks)
+void scenario_zero_scripts(const amp::parallel::ProcessGroup& group);
 // failure_scenarios.cpp
 void scenario_mismatch(const amp::parallel::ProcessGroup& group);
 void scenario_dies(const amp::parallel::ProcessGroup& group);

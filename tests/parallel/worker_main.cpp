@@ -19,6 +19,8 @@
 //   zero     ZeRO stage 1 and 2 (2 or 4 ranks) against unsharded replicas, archives, misuse (zero_scenarios.cpp);
 //            zero_python: O0 against torch's DDP + ZeroRedundancyOptimizer (tests/python/zero.py); zero_dies: a rank
 //            exits mid-step under stage 2; zero_bench: the byte table.
+//   zero_scripts  what real scripts change under ZeRO: param groups added (progressive unfreezing), lr schedules,
+//            no_sync() accumulation in fp32, and the changes refused (zero_script_scenarios.cpp).
 //
 // The scenarios live by concern: training_scenarios.cpp (train, quick, syncbn), routing_scenarios.cpp (unused),
 // feature_scenarios.cpp, failure_scenarios.cpp (mismatch, dies); step_loop.h is the loop train and unused share.
@@ -59,6 +61,7 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"zero_bench", amp_worker::scenario_zero_bench},
     {"zero_python", amp_worker::scenario_zero_python},
     {"zero_dies", amp_worker::scenario_zero_dies},
+    {"zero_scripts", amp_worker::scenario_zero_scripts},
 };
 
 }  // namespace

@@ -72,11 +72,12 @@ class DistributedCore {
   const ProcessGroup& group() const;
   const DistributedDataParallelOptions& options() const;
 
-  /// ZeRO stage 2: after each synchronized backward, `reduce` gets the trainable parameters (model order) and which
-  /// of them some rank has a gradient for (and no earlier reduction took), reduces those it shards and returns which;
-  /// the rest are all-reduced. One per stage-2 sharded optimizer of the model.
+  /// ZeRO stage 2: after each synchronized backward, `reduce` gets the trainable parameters (model order), which
+  /// of them some rank has a gradient for (and no earlier reduction took) and whether the backward closes a no_sync()
+  /// window (whose fp32 sums it reduces too); it reduces those it shards and returns which; the rest are all-reduced.
+  /// One per stage-2 sharded optimizer of the model.
   using Reduction = std::function<std::vector<bool>(const std::vector<at::Tensor>& params,
-                                                    const std::vector<bool>& used_anywhere)>;
+                                                    const std::vector<bool>& used_anywhere, bool closes_window)>;
   void add_reduction(Reduction reduce);
   /// The trainable parameters, in model order (those reduced).
   const std::vector<at::Tensor>& params() const;
