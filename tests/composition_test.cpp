@@ -4,6 +4,7 @@
 // computes is docs/composition.md's; on the primary build (LibTorch 2.13, CPU) the test fails if the page differs,
 // and prints the page it found.
 #include <filesystem>
+#include <cctype>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -302,6 +303,21 @@ std::string compose_matrix(const std::vector<std::pair<std::string, std::vector<
   for (size_t i = 0; i < reason_list.size(); ++i) table << (i + 1) << ". " << reason_list[i] << "\n";
   return table.str();
 }
+
+// docs/reliability.md says how many mistakes docs/errors.md lists: the number of its rows.
+TEST(DocsTest, ReliabilityPageCountsTheRowsOfErrorsMd) {
+  std::ifstream errors(AMP_SOURCE_DIR "/docs/errors.md"), reliability(AMP_SOURCE_DIR "/docs/reliability.md");
+  std::string line;
+  int rows = 0;
+  while (std::getline(errors, line)) {
+    if (line.size() > 3 && line.rfind("| ", 0) == 0 && std::isdigit(static_cast<unsigned char>(line[2]))) ++rows;
+  }
+  std::stringstream text;
+  text << reliability.rdbuf();
+  EXPECT_NE(text.str().find("lists " + std::to_string(rows) + " mistakes"), std::string::npos)
+      << "docs/errors.md has " << rows << " rows; docs/reliability.md should say so";
+}
+
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 // (amp::GraphCaptureGuard), ported from torch's test_graph_grad_scaling and test_graph_scaling_fused_optimizers.
 // Skips without a GPU.
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -227,8 +228,9 @@ void capture_step(at::cuda::CUDAGraph& graph, amp::OptimizerBase& optimizer, Ste
 
 // torch's test_graph_grad_scaling in amp's terms: the whole step (zero_grad, forward, scale_loss's backward with its
 // unscale and scale update, the fused step) captured once, replayed with inputs 5, 20000, 5, 40000. After each
-// replay the scale and clean-pass count are torch's expected sequence (4, 2, 2, 1 and 1, 0, 1, 0 after one clean
-// warm-up step), the gradients are the unscaled 5 or inf, and the weight is the eager control's.
+// replay the scale and clean-pass count follow torch's expected sequence (scales 4, 2, 2, 1; clean passes 2, 0, 1, 0:
+// the eager warm-up step's clean pass counts too), the gradients are the unscaled 5 or inf, and the weight is the
+// eager control's.
 TEST_F(CudaGraphTest, GraphGradScaling) {
 #ifdef AMP_TEST_CUDA
   const auto options = amp::Options("O0").loss_scale(amp::LossScale::dynamic()).init_scale(4.0).verbosity(0);
@@ -292,7 +294,8 @@ TEST_F(CudaGraphTest, GraphedFusedOptimizersMatchTheEagerControl) {
       control_net->to(torch::kCUDA);
       std::vector<torch::Tensor> xs, ys;
       for (int i = 0; i < 8; ++i) {
-        xs.push_back(torch::randn({32, 16}).to(torch::kCUDA) * (i == 4 ? 1e30 : 1.0));  // step 4 overflows
+        // Step 4 overflows in both dtypes: infinite inputs (x * 1e30 would stay finite in bf16).
+        xs.push_back(torch::randn({32, 16}).to(torch::kCUDA) * (i == 4 ? std::numeric_limits<double>::infinity() : 1.0));
         ys.push_back(torch::randint(0, 4, {32}).to(torch::kCUDA));
       }
       auto run = [&](auto graphed_in, auto control_in) {
@@ -311,6 +314,7 @@ TEST_F(CudaGraphTest, GraphedFusedOptimizersMatchTheEagerControl) {
           amp_test::train_step(control, control_opt, xs[i], ys[i]);
         }
         torch::cuda::synchronize();
+        EXPECT_EQ(control_opt.skipped_steps(), 1) << "the overflowing batch was skipped";
         EXPECT_EQ(graphed_opt.skipped_steps(), control_opt.skipped_steps());
         EXPECT_EQ(amp::loss_scale(graphed_opt), amp::loss_scale(control_opt));
         const auto g = graphed_net->parameters(), e = control_net->parameters();

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <string>
@@ -498,6 +499,33 @@ TEST(Fp8AutoFallbackTest, ALayerOverflowingOnEightStepsInARowLeavesFp8) {
   EXPECT_TRUE(amp_test::bitwise_equal(model(rc_x(2)), plain(rc_x(2))));
 }
 
+// Copies a torch::save archive key by key (nested archives, tensors, values), `edit` deciding each value it copies:
+// how a test damages one entry of a real file.
+void rc_copy_archive(torch::serialize::InputArchive& in, torch::serialize::OutputArchive& out, const std::string& prefix,
+                     const std::function<c10::IValue(const std::string&, c10::IValue)>& edit) {
+  for (const std::string& key : in.keys()) {
+    torch::serialize::InputArchive nested;
+    if (in.try_read(key, nested)) {
+      torch::serialize::OutputArchive nested_out(out.compilation_unit());
+      rc_copy_archive(nested, nested_out, prefix + key + ".", edit);
+      out.write(key, nested_out);
+      continue;
+    }
+    torch::Tensor tensor;
+    if (in.try_read(key, tensor, /*is_buffer=*/false)) {
+      out.write(key, tensor, /*is_buffer=*/false);
+      continue;
+    }
+    if (in.try_read(key, tensor, /*is_buffer=*/true)) {
+      out.write(key, tensor, /*is_buffer=*/true);
+      continue;
+    }
+    c10::IValue value;
+    ASSERT_TRUE(in.try_read(key, value)) << "can't copy archive entry " << prefix << key;
+    out.write(key, edit(prefix + key, value));
+  }
+}
+
 TEST(Fp8AutoFallbackTest, OffByDefaultAndTheDecisionSurvivesTorchSaveAndPythonCheckpoints) {
   RC_SKIP_WITHOUT_FP8();
   {  // without auto_fallback, overflows move nothing
@@ -556,6 +584,54 @@ TEST(Fp8AutoFallbackTest, OffByDefaultAndTheDecisionSurvivesTorchSaveAndPythonCh
     EXPECT_EQ(amp::fp8_fallbacks(o), (std::vector<std::string>{"fc1", "fc2"}));
     EXPECT_TRUE(amp::fp8_layers(o).empty());
   }
+  // Damaged files, both formats: a decision naming a layer the checkpoint lacks is refused, nothing changed.
+  const std::string damage = "says auto_fallback moved FP8 layer 'fc9', which is not among its FP8 layers (fc1, fc2): "
+                             "the checkpoint is damaged.";
+  {  // torch::save's archive, its amp part's fallbacks rewritten (and, as a control, copied unchanged)
+    for (const bool damaged : {false, true}) {
+      torch::serialize::InputArchive in;
+      in.load_from((dir / "moved.pt").string());
+      torch::serialize::OutputArchive out;
+      rc_copy_archive(in, out, "", [&](const std::string& key, c10::IValue value) {
+        if (damaged && key == "amp.fp8/0/fallbacks") return c10::IValue(c10::List<std::string>({"fc9"}));
+        return value;
+      });
+      out.save_to((dir / "damaged.pt").string());
+      auto [m, o] = fresh();
+      if (!damaged) {
+        torch::load(o, (dir / "damaged.pt").string());
+        EXPECT_EQ(amp::fp8_fallbacks(o), (std::vector<std::string>{"fc1", "fc2"})) << "the copy itself loads";
+        continue;
+      }
+      try {
+        torch::load(o, (dir / "damaged.pt").string());
+        ADD_FAILURE() << "expected: " << damage;
+      } catch (const c10::Error& e) {
+        EXPECT_NE(amp_test::message(e).find(damage), std::string::npos) << amp_test::message(e);
+      }
+      EXPECT_EQ(rc_layer_names(o).size(), 2u);
+      EXPECT_TRUE(amp::fp8_fallbacks(o).empty());
+    }
+  }
+  {  // a Python checkpoint whose amp entry's fallbacks were rewritten
+    auto file = amp::PythonCheckpoint::load((dir / "moved_py.pt").string());
+    c10::IValue entry = file.get("amp");
+    auto fp8_list = entry.toGenericDict().at("fp8").toList();
+    auto model_entry = fp8_list.get(0).toGenericDict();
+    model_entry.insert_or_assign("fallbacks", c10::IValue(c10::List<std::string>({"fc9"})));
+    file.put("amp", entry);
+    file.save((dir / "damaged_py.pt").string());
+    auto [m, o] = fresh();
+    try {
+      amp::PythonCheckpoint::load((dir / "damaged_py.pt").string()).load_amp(o, "amp");
+      ADD_FAILURE() << "expected: " << damage;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(amp_test::message(e).find(damage), std::string::npos) << amp_test::message(e);
+    }
+    EXPECT_EQ(rc_layer_names(o).size(), 2u);
+    EXPECT_TRUE(amp::fp8_fallbacks(o).empty());
+  }
+  fs::remove_all(dir);
 }
 
 TEST(Fp8AutoFallbackTest, TensorBoardCountsTheLayersMoved) {

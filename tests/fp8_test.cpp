@@ -426,11 +426,24 @@ TEST(Fp8Test, ResumeFromTorchSaveIsBitwise) {
     torch::save(net, (dir / "model.pt").string());
     torch::save(optimizer, (dir / "optimizer.pt").string());
   }
+  {  // the optimizer (its masters and FP8 state), then the model: the same continuation
+    torch::manual_seed(78);
+    F8Mlp net;
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
+    torch::load(optimizer, (dir / "optimizer.pt").string());
+    torch::load(net, (dir / "model.pt").string());
+    EXPECT_EQ(f8_scales(optimizer), straight.scales[3]) << "optimizer first";
+    for (int step = 4; step < kF8Steps; ++step) {
+      EXPECT_EQ(f8_step(model, optimizer, step), straight.losses[step]) << "optimizer first, step " << step;
+      EXPECT_EQ(f8_scales(optimizer), straight.scales[step]) << "optimizer first, step " << step;
+    }
+  }
   torch::manual_seed(77);
   F8Mlp net;  // other weights: the load must bring them
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto [model, optimizer] = amp::initialize(net, std::move(sgd), options);
-  torch::load(net, (dir / "model.pt").string());  // the model, then the optimizer (its masters), as docs/porting.md
+  torch::load(net, (dir / "model.pt").string());  // the model, then the optimizer (its masters)
   torch::load(optimizer, (dir / "optimizer.pt").string());
   EXPECT_EQ(f8_scales(optimizer), straight.scales[3]);
   for (int step = 4; step < kF8Steps; ++step) {

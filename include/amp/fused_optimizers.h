@@ -87,12 +87,13 @@ class FusedOptimizer {
   };
   void set_shard_sums(const ShardSums* sums) noexcept { shard_sums_ = sums; }
 
-  /// Set by amp::Optimizer around a step whose overflow flag the host has not read (NOTE [A step that never waits]
-  /// in src/scaling/device_scale.h), undefined otherwise: a 0-dim fp32 tensor, non-zero when the step must change
-  /// nothing. The step skips inside, as torch's fused optimizers do: ATen's kernels take the flag on a device (step
-  /// counts on the device with it), amp's CPU loops read it (a CPU tensor: nothing to wait for). Where a device step
-  /// keeps host-side counts that the flag decides (FusedLAMB, the bf16 and 8-bit state formats, lean masters, a first
-  /// momentum buffer, the per-op route), it is read on the host, waiting (counted: amp::host_sync_count).
+  /// Set by amp::Optimizer around a step after a backward that never waited (NOTE [A step that never waits] in
+  /// src/scaling/device_scale.h; on the CPU, where the host has seen the outcome already, too), undefined otherwise: a
+  /// 0-dim fp32 tensor, non-zero when the step must change nothing. The step skips inside, as torch's fused optimizers
+  /// do: ATen's kernels take the flag on a device (step counts on the device with it), amp's CPU loops read it where a
+  /// device's kernels would. Where a step keeps host-side counts that the flag decides (FusedLAMB, the bf16 and 8-bit
+  /// state formats, lean masters, a first momentum buffer, the per-op route), it is read on the host, a wait on a
+  /// device (counted on every device: amp::host_sync_count).
   /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard), whose flag stays on the
   /// device wherever the step's kernels can take it and whose skips the host never settles.
   void set_found_inf(at::Tensor found_inf, uint64_t step_id) {

@@ -786,7 +786,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   check_all(*this, "amp::optim::FusedLAMB", [](const torch::optim::OptimizerOptions& o, size_t g) {
     check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
   });
-  // Its step counts are the groups' options, on the host: the flag is read there (no wait on the CPU).
+  // Its step counts are the groups' options, on the host: the flag is read there (a wait on a device).
   if (found_inf_decision(/*aten_only=*/false, /*on_device_there=*/false) == Skip::kYes) return loss;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);

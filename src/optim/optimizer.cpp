@@ -766,10 +766,20 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
 void OptimizerBase::run_own(OwnCall call, const std::function<void()>& fn, torch::serialize::InputArchive* loading) const {
   auto& opt = const_cast<OptimizerBase&>(*this).torch_optimizer();
   if (call == OwnCall::kLoad && detail::Sharding::is_shard_archive(*loading)) {
-    TORCH_CHECK(sharding_, "amp::Optimizer::load: the checkpoint holds one rank's shard of a ZeRO-sharded optimizer "
-                "(torch::save on a rank after amp::parallel::shard_optimizer). Load it after shard_optimizer, on the same "
-                "rank of the same world size; a single process or another world size loads what "
-                "amp::parallel::save_consolidated writes.");
+    if (!sharding_) {
+      torch::serialize::InputArchive amp_archive;
+      loading->read("amp", amp_archive);
+      c10::IValue world, rank;
+      const bool described = amp_archive.try_read("zero/world_size", world) && world.isInt() &&
+                             amp_archive.try_read("zero/rank", rank) && rank.isInt();
+      TORCH_CHECK(false, "amp::Optimizer::load: the checkpoint holds ",
+                  described ? "rank " + std::to_string(rank.toInt()) + "'s shard of a ZeRO world of " +
+                                  std::to_string(world.toInt()) + " ranks"
+                            : std::string("one rank's shard of a ZeRO-sharded optimizer"),
+                  " (torch::save on a rank after amp::parallel::shard_optimizer), and this optimizer is not sharded. "
+                  "Load it after shard_optimizer, on the same rank of the same world size; a single process or another "
+                  "world size loads what amp::parallel::save_consolidated writes.");
+    }
     sharding_->check_shard_archive(*loading, "amp::Optimizer::load");
     sharding_->on_shard(opt, detail::Sharding::Use::kLoad, fn);
     return;
