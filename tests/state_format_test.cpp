@@ -40,13 +40,19 @@ fs::path sf_dir(const std::string& name) {
 }
 
 // Runs tests/python/state_formats.py MODE DIR under its own time limit (a hang fails here, named); returns its exit
-// status (3: torchao is not importable, 124: it ran past 300 s).
+// status (3: torchao is not importable, 124: it ran past 300 s). The references (maps, steps, run: Python computes
+// from the inputs C++ wrote) run once per test command; resume, a round trip Python checks, runs every time.
 int sf_python(const std::string& mode, const fs::path& dir) {
-  const std::string command = "timeout 300 " + amp_test::python_interpreter() +
-                              " '" AMP_SOURCE_DIR "/tests/python/state_formats.py' " +
-                              mode + " '" + dir.string() + "' > '" + (dir / "python.log").string() + "' 2>&1";
-  const int status = std::system(command.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  const char* const script = AMP_SOURCE_DIR "/tests/python/state_formats.py";
+  if (mode == "resume") {
+    const std::string command = "timeout 300 " + amp_test::python_interpreter() + " '" + script + "' " + mode + " '" +
+                                dir.string() + "' > '" + (dir / "python.log").string() + "' 2>&1";
+    const int status = std::system(command.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  std::vector<std::string> inputs;
+  if (fs::exists(dir / (mode + "_in.pt"))) inputs.push_back(mode + "_in.pt");
+  return amp_test::run_python(script, {mode}, dir, inputs);
 }
 
 #define SF_RUN_PYTHON(mode, dir)                                                                        \

@@ -1,8 +1,14 @@
 #include "support.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
 
 namespace amp_test {
 
@@ -21,14 +27,94 @@ bool python_has_torch() {
   return have;
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string file_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// FNV-1a, 64 bits: a key, not a security boundary.
+uint64_t fnv1a(uint64_t hash, const std::string& bytes) {
+  for (const unsigned char c : bytes) hash = (hash ^ c) * 1099511628211ull;
+  return hash ^ 0xff;  // (a separator: "ab" + "c" and "a" + "bc" differ)
+}
+
+// What a reference's outputs depend on beside its script and inputs: the interpreter and its torch's version file
+// (found without importing torch).
+const std::string& python_fingerprint() {
+  static const std::string fingerprint = [] {
+    std::string out = python_interpreter();
+    const std::string command = python_interpreter() +
+        " -c 'import importlib.util as u; s = u.find_spec(\"torch\"); print(s.origin if s else \"\")' 2> /dev/null";
+    if (FILE* pipe = ::popen(command.c_str(), "r")) {
+      char buffer[4096];
+      std::string origin;
+      while (std::fgets(buffer, sizeof buffer, pipe)) origin += buffer;
+      ::pclose(pipe);
+      while (!origin.empty() && (origin.back() == '\n' || origin.back() == '\r')) origin.pop_back();
+      if (!origin.empty()) out += file_bytes(fs::path(origin).parent_path() / "version.py");
+    }
+    return out;
+  }();
+  return fingerprint;
+}
+
+// NOTE [Python references run once]: a reference's outputs, keyed by its script, arguments, input files and Python,
+// are kept under AMP_PYTHON_REFERENCE_CACHE (build/python-references for scripts/build.sh's flavors), so the suites
+// and flavors of one test command compute each once. An entry is written to a temporary directory and renamed into
+// place: processes that computed it at once keep the first.
+fs::path cache_entry(const std::string& script, const std::vector<std::string>& args, const fs::path& dir,
+                     const std::vector<std::string>& inputs) {
+  const char* env = std::getenv("AMP_PYTHON_REFERENCE_CACHE");
+#ifdef AMP_PYTHON_REFERENCE_CACHE
+  const std::string root = env ? env : AMP_PYTHON_REFERENCE_CACHE;
+#else
+  const std::string root = env ? env : "";
+#endif
+  if (root.empty()) return {};
+  uint64_t key = fnv1a(14695981039346656037ull, file_bytes(script));
+  key = fnv1a(key, python_fingerprint());
+  for (const auto& a : args) key = fnv1a(key, a);
+  for (const auto& i : inputs) key = fnv1a(fnv1a(key, i), file_bytes(dir / i));
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(key));
+  return fs::path(root) / (fs::path(script).stem().string() + "-" + hex);
+}
+
+}  // namespace
+
+int run_python(const std::string& script, const std::vector<std::string>& args, const fs::path& dir,
+               const std::vector<std::string>& inputs) {
+  const fs::path entry = cache_entry(script, args, dir, inputs);
+  std::error_code ec;
+  if (!entry.empty() && fs::exists(entry / ".complete", ec)) {
+    fs::copy(entry, dir, fs::copy_options::overwrite_existing | fs::copy_options::recursive, ec);
+    if (!ec) return 0;
+  }
+  std::string command = "timeout 300 " + python_interpreter() + " '" + script + "'";
+  for (const auto& a : args) command += " '" + a + "'";
+  command += " '" + dir.string() + "' > '" + (dir / "python.log").string() + "' 2>&1";
+  const int status = std::system(command.c_str());
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (rc == 0 && !entry.empty()) {
+    const fs::path staging = entry.string() + ".tmp" + std::to_string(::getpid());
+    fs::create_directories(entry.parent_path(), ec);
+    fs::copy(dir, staging, fs::copy_options::overwrite_existing | fs::copy_options::recursive, ec);
+    if (!ec) std::ofstream(staging / ".complete") << script << "\n";
+    if (ec || (fs::rename(staging, entry, ec), ec)) fs::remove_all(staging, ec);  // another process stored it first
+  }
+  return rc;
+}
+
 std::filesystem::path run_python_reference(const std::string& script, const std::string& name) {
   const std::filesystem::path dir =
       std::filesystem::path(::testing::TempDir()) / ("amp_" + name + "_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
-  const std::string command = "timeout 300 " + python_interpreter() + " '" + script + "' '" + dir.string() + "' > '" +
-                              (dir / "python.log").string() + "' 2>&1";
-  if (std::system(command.c_str()) != 0) {
-    ADD_FAILURE() << command << " failed; see " << (dir / "python.log");
+  if (run_python(script, {}, dir, {}) != 0) {
+    ADD_FAILURE() << "python3 '" << script << "' '" << dir.string() << "' failed; see " << (dir / "python.log");
     return {};
   }
   return dir;

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "amp/amp.h"
 
@@ -112,9 +113,15 @@ std::string message(const std::exception& e);
 std::string python_interpreter();
 /// Whether python_interpreter() imports torch (checked once per process).
 bool python_has_torch();
-/// Runs `script DIR` (a reference of tests/python/) with python_interpreter() in a fresh DIR under the test
-/// temporary directory named after `name` and this process, its output in DIR/python.log, under `timeout 300`.
-/// Returns DIR, or an empty path (and a test failure naming the log) when it fails.
+/// Runs `script ARGS... DIR` (a reference of tests/python/) with python_interpreter(), its output in DIR/python.log,
+/// under `timeout 300`, and returns its exit status. A reference that ran before with the same script, arguments,
+/// Python and `inputs` (files in DIR the script reads) is not run again: its outputs are copied into DIR
+/// (NOTE [Python references run once] in support.cpp). Round trips that check C++ output in Python call it without a
+/// cache: python_interpreter() directly.
+int run_python(const std::string& script, const std::vector<std::string>& args, const std::filesystem::path& dir,
+               const std::vector<std::string>& inputs);
+/// run_python(script, {}, DIR, {}) in a fresh DIR under the test temporary directory named after `name` and this
+/// process. Returns DIR, or an empty path (and a test failure naming the log) when it fails.
 std::filesystem::path run_python_reference(const std::string& script, const std::string& name);
 
 /// Returns whether the two tensors have the same dtype, shape and bits.
