@@ -389,6 +389,7 @@ TEST(Fp8RecipeTest, O3TrainsEachRecipeWithoutMasters) {
 // the held-out loss after 40 steps stays within 2% of O2 bfloat16's.
 TEST(Fp8RecipeTest, BenchTransformerLossStaysWithin2PercentOfBf16) {
   RC_SKIP_WITHOUT_FP8();
+  SKIP_QUALITY_FIGURE_UNDER_SANITIZERS();
   auto run = [](const amp::Options& options) {
     torch::manual_seed(0);
     return bench::train_transformer_task(bench::Transformer(128, 4, 256, 1), options, 40, torch::kCPU, 8, 32);

@@ -5,9 +5,12 @@
 
 #include <ATen/Functions.h>
 
+#include <torch/version.h>
+
 #include <string>
 
 #include "amp/fused_optimizers.h"
+#include "optim/fused_route.h"
 #include "scaling/device_scale.h"
 
 namespace amp {
@@ -29,6 +32,9 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     TORCH_CHECK(fused != nullptr, where, ": optimizer ", i, " is a LibTorch optimizer, whose step can't skip on the "
                 "device (its skip is decided on the host, which a replayed graph never asks). Use amp::optim::FusedSGD, "
                 "FusedAdam or FusedAdamW.");
+    TORCH_CHECK(optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
+                "fused optimizer kernels (they arrived in LibTorch 2.4), so a fused step runs per op and reads the overflow "
+                "flag on the host, which a replayed graph never does. Capture with LibTorch 2.4 or later.");
     TORCH_CHECK(dynamic_cast<const optim::FusedLAMB*>(&o->torch_optimizer()) == nullptr, where, ": optimizer ", i,
                 " is amp::optim::FusedLAMB, whose step counts and trust ratios are host numbers in its step. Capture "
                 "with FusedAdam or FusedAdamW, or run FusedLAMB's steps eagerly (they never wait for the device).");

@@ -31,6 +31,25 @@
                    << c10::toString(dtype) << " (fp16 CPU kernels arrived in LibTorch 2.x)";        \
   } while (0)
 
+/// Whether this build runs under AddressSanitizer (the 2.13-sanitize flavor).
+#if defined(__SANITIZE_ADDRESS__)
+#define AMP_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define AMP_TEST_SANITIZED 1
+#endif
+#endif
+
+/// Skips a training-quality figure (many steps of the same amp code that smaller tests run) under the sanitizers: it
+/// would find no memory error the smaller tests miss, and the instrumented build runs it slowest. The 2.13 flavor runs it.
+#ifdef AMP_TEST_SANITIZED
+#define SKIP_QUALITY_FIGURE_UNDER_SANITIZERS()                                                                      \
+  GTEST_SKIP() << "a training-quality figure: the sanitizer build runs the same FP8 code in the smaller tests, the " \
+                  "2.13 flavor runs this one"
+#else
+#define SKIP_QUALITY_FIGURE_UNDER_SANITIZERS() (void)0
+#endif
+
 /// Skips the test where `device` is CUDA and this machine has none (the same test runs on a GPU
 /// machine, built against a CUDA LibTorch: scripts/gpu-check.sh).
 #define SKIP_WITHOUT_DEVICE(device)                                                                  \
