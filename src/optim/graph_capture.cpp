@@ -32,9 +32,6 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     TORCH_CHECK(fused != nullptr, where, ": optimizer ", i, " is a LibTorch optimizer, whose step can't skip on the "
                 "device (its skip is decided on the host, which a replayed graph never asks). Use amp::optim::FusedSGD, "
                 "FusedAdam or FusedAdamW.");
-    TORCH_CHECK(optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
-                "fused optimizer kernels (they arrived in LibTorch 2.4), so a fused step runs per op and reads the overflow "
-                "flag on the host, which a replayed graph never does. Capture with LibTorch 2.4 or later.");
     TORCH_CHECK(dynamic_cast<const optim::FusedLAMB*>(&o->torch_optimizer()) == nullptr, where, ": optimizer ", i,
                 " is amp::optim::FusedLAMB, whose step counts and trust ratios are host numbers in its step. Capture "
                 "with FusedAdam or FusedAdamW, or run FusedLAMB's steps eagerly (they never wait for the device).");
@@ -47,6 +44,9 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
                 "default master_weights_format = copy.");
     TORCH_CHECK(o->skips_on_device(), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
                 "ZeRO sharding is on). Capture without them.");
+    TORCH_CHECK(optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
+                "fused optimizer kernels (they arrived in LibTorch 2.4), so a fused step runs per op and reads the overflow "
+                "flag on the host, which a replayed graph never does. Capture with LibTorch 2.4 or later.");
     // Whatever the host has not seen yet it learns now, before the capture (reads during one are errors).
     const detail::HostSyncScope syncs({o});
     o->settle(/*wait=*/true);
