@@ -77,5 +77,8 @@ if [ "$version" = main ]; then
   # Ninja (pip's, where the machine has it) compiles examples/train beside the library; make waits for the library.
   if command -v ninja > /dev/null && [ ! -f "$build_dir/Makefile" ]; then args+=(-G Ninja); fi
 fi
+# Ninja (Debian's ninja-build, which scripts/setup.sh installs) keeps both cores busy across targets where make waits for
+# a target's last object; a tree configured with make before keeps make.
+if [ "$version" != main ] && command -v ninja > /dev/null && [ ! -f "$build_dir/Makefile" ]; then args+=(-G Ninja); fi
 cmake "${args[@]}" "$@" > "$build_dir.configure.log" 2>&1 || { mkdir -p build; cat "$build_dir.configure.log"; exit 1; }
 cmake --build "$build_dir" -j "${AMP_JOBS:-2}" "${targets[@]}"

@@ -15,7 +15,7 @@ if [ $main_only = 1 ]; then
   command -v cmake > /dev/null || apt_packages+=(cmake)
 else
   apt_packages=(libtorch-dev libgtest-dev libgmock-dev libbenchmark-dev libboost-program-options-dev
-                ccache cmake g++ make python3-sklearn gnuplot-nox clang libclang-rt-14-dev libgloo-dev)
+                ccache cmake g++ make ninja-build python3-sklearn gnuplot-nox clang libclang-rt-14-dev libgloo-dev)
 fi
 missing=()
 for p in "${apt_packages[@]}"; do
