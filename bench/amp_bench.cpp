@@ -660,6 +660,7 @@ void o1_profile_for(const std::string& name) {
   for (int c = 0; c <= bench::OpProfile::kCategories; ++c) std::printf("---|");
   std::printf("\n");
   std::vector<std::map<std::string, double>> per_op;
+  std::vector<std::map<std::string, double>> per_op_calls;
   for (size_t i = 0; i < configs.size(); ++i) {
     const int steps_profiled = std::max(3, static_cast<int>(0.5 / t[i]));
     double profiled_s = 0;
@@ -669,6 +670,8 @@ void o1_profile_for(const std::string& name) {
       for (int k = 0; k < steps_profiled; ++k) configs[i].second();
       profiled_s = std::chrono::duration<double>(Clock::now() - start).count();
       per_op.push_back(profile.op_ns());
+      per_op_calls.emplace_back();
+      for (const auto& [op, n] : profile.op_calls()) per_op_calls.back()[op] = static_cast<double>(n) / steps_profiled;
       std::printf("| %s | %.3f | ", configs[i].first.c_str(), 1e3 * t[i]);
       for (int c = 0; c < bench::OpProfile::kCategories; ++c) {
         const double ms = 1e-6 * profile.category_ns()[c] / steps_profiled;
@@ -708,6 +711,27 @@ void o1_profile_for(const std::string& name) {
     for (const auto& ops : per_op) {
       const auto it = ops.find(ranked[r].second);
       std::printf(" %.3f |", it == ops.end() ? 0.0 : 1e-6 * it->second);
+    }
+    std::printf("\n");
+  }
+  // Every op of each configuration, calls and self time per step: what bench/o1_profile_python.py prints for the
+  // Python twin, to read side by side (which overloads each side calls, how often).
+  std::printf("\nEvery op, calls per step and self ms per step (with the profiler on):\n\n| op |");
+  for (const auto& c : configs) std::printf(" %s calls | %s ms |", c.first.c_str(), c.first.c_str());
+  std::printf("\n|---|");
+  for (size_t i = 0; i < configs.size(); ++i) std::printf("---|---|");
+  std::printf("\n");
+  for (const auto& [op, unused] : spread) {
+    std::printf("| %s |", op.c_str());
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const auto ns = per_op[i].find(op);
+      const auto calls = per_op_calls[i].find(op);
+      std::printf(" %.1f | %.3f |", calls == per_op_calls[i].end() ? 0.0 : calls->second,
+                  ns == per_op[i].end() ? 0.0 : 1e-6 * ns->second);
+      record("o1_profile_ops", name + " " + op, configs[i].first, "calls_per_step",
+             calls == per_op_calls[i].end() ? 0.0 : calls->second);
+      record("o1_profile_ops", name + " " + op, configs[i].first, "self_ms_per_step",
+             ns == per_op[i].end() ? 0.0 : 1e-6 * ns->second);
     }
     std::printf("\n");
   }

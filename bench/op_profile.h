@@ -11,6 +11,7 @@
 #include <ATen/record_function.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <string>
@@ -39,6 +40,8 @@ class OpProfile {
   /// Nanoseconds of self time per category, and per op name (the autocast kernels' frames as "<op> (kernel)").
   static const std::vector<double>& category_ns() { return state().category_ns; }
   static const std::map<std::string, double>& op_ns() { return state().op_ns; }
+  /// Calls per op name (as op_ns names them).
+  static const std::map<std::string, int64_t>& op_calls() { return state().op_calls; }
   /// Nanoseconds inside outermost ops (the rest of a step is the C++ frontend, autograd's engine, amp's host code).
   static double op_total_ns() { return state().top_ns; }
 
@@ -55,6 +58,7 @@ class OpProfile {
     std::vector<Frame> stack;
     std::vector<double> category_ns = std::vector<double>(kCategories, 0.0);
     std::map<std::string, double> op_ns;
+    std::map<std::string, int64_t> op_calls;
     double top_ns = 0;
   };
   static State& state() {
@@ -96,13 +100,10 @@ class OpProfile {
     s.stack.pop_back();
     const double total = std::chrono::duration<double, std::nano>(Clock::now() - f.start).count();
     const double self = total - f.children_ns;
-    if (f.calls_itself) {
-      s.category_ns[kAutocastKernel] += self;
-      s.op_ns[std::string(f.name) + " (kernel)"] += self;
-    } else {
-      s.category_ns[f.category] += self;
-      s.op_ns[f.name] += self;
-    }
+    const std::string name = f.calls_itself ? std::string(f.name) + " (kernel)" : std::string(f.name);
+    s.category_ns[f.calls_itself ? kAutocastKernel : f.category] += self;
+    s.op_ns[name] += self;
+    ++s.op_calls[name];
     if (s.stack.empty()) s.top_ns += total;
     else s.stack.back().children_ns += total;
   }

@@ -47,14 +47,11 @@ case "$version" in 1.13|2.13-sanitize|cuda) args+=(-DAMP_BUILD_EXAMPLES=OFF) ;; 
 # The docs' C++ blocks compile against both supported versions (2.13 and 1.13); the CUDA and sanitizer builds of
 # 2.13 would compile the same text against the same headers again.
 case "$version" in 2.13-sanitize|cuda) args+=(-DAMP_BUILD_DOC_SNIPPETS=OFF) ;; esac
-# Each public header compiled alone (one translation unit each), once, against the primary LibTorch.
-[ "$version" = 2.13 ] || args+=(-DAMP_CHECK_HEADERS=OFF)
-# 2.13 builds the library as users get it (the default configuration: each source alone, with its own includes);
-# the other flavors compile it in batches.
-case "$version" in
-  1.13|2.13-sanitize|cuda) args+=(-DAMP_QUICK_LIBRARY_BUILD=ON) ;;
-  2.13) args+=(-DAMP_QUICK_LIBRARY_BUILD=OFF) ;;  # explicit: a build tree configured before keeps its cache
-esac
+# Each public header compiled alone and each library source parsed alone (one translation unit each), once, against
+# the primary LibTorch; every flavor builds the library as users get it by default (in batches over precompiled
+# headers; explicit: a build tree configured before keeps its cache).
+[ "$version" = 2.13 ] || args+=(-DAMP_CHECK_HEADERS=OFF -DAMP_CHECK_SOURCES=OFF)
+args+=(-DAMP_QUICK_LIBRARY_BUILD=ON)
 # -O1 -g1: the optimization level ASan's documentation recommends, and line tables, all a report needs; -O2 and
 # full debug info slow this, the longest build.
 [ "$version" = 2.13-sanitize ] && args+=(-DAMP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG")
@@ -72,7 +69,7 @@ if [ "$version" = main ]; then
   # The main job trains within minutes of a fresh clone: no tests, no benchmarks, one example (no precompiled
   # header for a single file), and the library built in batches over one precompiled <torch/torch.h> (the test
   # flavors compile each source alone, so their includes stay checked).
-  args+=(-DAMP_BUILD_TESTS=OFF -DAMP_BUILD_BENCH=OFF -DAMP_PRECOMPILE_TORCH=OFF -DAMP_QUICK_LIBRARY_BUILD=ON)
+  args+=(-DAMP_BUILD_TESTS=OFF -DAMP_BUILD_BENCH=OFF -DAMP_PRECOMPILE_TORCH=OFF)
   targets=(--target train)
   # Ninja (pip's, where the machine has it) compiles examples/train beside the library; make waits for the library.
   if command -v ninja > /dev/null && [ ! -f "$build_dir/Makefile" ]; then args+=(-G Ninja); fi
