@@ -1,5 +1,6 @@
 # Run after each build by amp_gtest_suites (cmake/AmpGTestSuites.cmake): lists EXECUTABLE's suites and writes
-# OUTPUT, a ctest file with one add_test per suite (two for a suite in SHARDED), costliest first.
+# OUTPUT, a ctest file with one add_test per suite (two for a suite in SHARDED), costliest first (LONG suites, then
+# shards, then by their number of tests).
 execute_process(COMMAND "${EXECUTABLE}" --gtest_list_tests OUTPUT_VARIABLE listing RESULT_VARIABLE rc
                 TIMEOUT 120)
 if(NOT rc EQUAL 0)
@@ -30,14 +31,18 @@ foreach(suite IN LISTS suites)
                             "\"OMP_NUM_THREADS=1;GTEST_TOTAL_SHARDS=2;GTEST_SHARD_INDEX=${shard}\")\n")
     endforeach()
   else()
+    set(cost ${count_${suite}})
+    if(suite IN_LIST LONG)
+      set(cost 1500)
+    endif()
     string(APPEND content "add_test([=[${suite}]=] \"${EXECUTABLE}\" [=[${filter}]=])\n"
-                          "set_tests_properties([=[${suite}]=] PROPERTIES COST ${count_${suite}} TIMEOUT ${TIMEOUT} "
+                          "set_tests_properties([=[${suite}]=] PROPERTIES COST ${cost} TIMEOUT ${TIMEOUT} "
                           "ENVIRONMENT OMP_NUM_THREADS=1)\n")
   endif()
 endforeach()
-foreach(suite IN LISTS SHARDED)
+foreach(suite IN LISTS SHARDED LONG)
   if(NOT suite IN_LIST suites)
-    message(FATAL_ERROR "amp: SHARDED names '${suite}', which '${EXECUTABLE}' does not have (its suites: ${suites})")
+    message(FATAL_ERROR "amp: SHARDED or LONG names '${suite}', which '${EXECUTABLE}' does not have (its suites: ${suites})")
   endif()
 endforeach()
 file(WRITE "${OUTPUT}" "${content}")

@@ -52,8 +52,11 @@ case "$version" in 2.13-sanitize|cuda) args+=(-DAMP_BUILD_DOC_SNIPPETS=OFF) ;; e
 # headers; explicit: a build tree configured before keeps its cache).
 [ "$version" = 2.13 ] || args+=(-DAMP_CHECK_HEADERS=OFF -DAMP_CHECK_SOURCES=OFF)
 args+=(-DAMP_QUICK_LIBRARY_BUILD=ON)
-# -O1 -g1: the optimization level ASan's documentation recommends, and line tables, all a report needs; -O2 and
-# full debug info slow this, the longest build.
+# The tests' and examples' own code at -O0 (amp's library and the benchmarks as users build them): a batch of test files
+# compiles in 0.4-0.6x the time, and the suite takes as long (what runs long in a test is LibTorch's and amp's code).
+[ "$version" = main ] || args+=(-DAMP_TEST_CODE_OPTIMIZATION=-O0)
+# -O1 -g1 for the sanitizers: the optimization level ASan's documentation recommends, and line tables, all a report
+# needs; -O2 and full debug info slow this, the longest build.
 [ "$version" = 2.13-sanitize ] && args+=(-DAMP_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG")
 [ "$version" = cuda ] && args+=("${cuda_args[@]}")
 # Without a GPU every other test would run the same code on the same CPU kernels as the 2.13 flavor.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # examples/train with FP8 (examples/configs/O2_bf16_fp8.ini: a hidden Linear layer in FP8, delayed scaling) against
 # O2 bf16 on the same network: the final validation accuracy must be within 1 point, the run must differ from bf16
-# (FP8 really ran), and a run stopped after epoch 2 and resumed must continue bitwise (the FP8 amax history is in
-# the checkpoint). Also with dynamic scaling (--fp8-scaling dynamic), torchao's rowwise recipe and MXFP8 with
+# (FP8 really ran), and a run stopped after epoch 2 and resumed for one more must continue bitwise (the FP8 amax
+# history is in the checkpoint). Also with dynamic scaling (--fp8-scaling dynamic), torchao's rowwise recipe and MXFP8 with
 # auto_fallback on (docs/fp8.md's recipes; blockwise needs layers of 128).
 #   check_train_fp8.sh TRAIN_BINARY WORK_DIR CONFIG_DIR
 set -euo pipefail
@@ -25,11 +25,12 @@ fi
 "$train" --config "$configs/O2_bf16_fp8.ini" "${common[@]}" --epochs 6 --fp8-scaling mxfp8 --fp8-auto-fallback true \
   --metrics "$work/mxfp8.csv" > "$work/mxfp8.log"
 "$train" --config "$configs/O2_bf16_fp8.ini" "${common[@]}" --epochs 2 --metrics "$work/b.csv" --checkpoint "$work/b.pt" > /dev/null
-"$train" --config "$configs/O2_bf16_fp8.ini" "${common[@]}" --epochs 6 --metrics "$work/b.csv" --checkpoint "$work/b.pt" --resume true > /dev/null
+"$train" --config "$configs/O2_bf16_fp8.ini" "${common[@]}" --epochs 3 --metrics "$work/b.csv" --checkpoint "$work/b.pt" --resume true > /dev/null
 cat "$work/fp8.log"
 
 strip_time() { cut -d, -f1-7 "$1"; }
-if ! diff <(strip_time "$work/fp8.csv") <(strip_time "$work/b.csv"); then
+# The learning rate depends on the epoch alone, so the run resumed to epoch 3 is the uninterrupted run's first 3 epochs.
+if ! diff <(strip_time "$work/fp8.csv" | head -n 4) <(strip_time "$work/b.csv"); then
   echo "FAIL: the resumed FP8 run differs from the uninterrupted one"; exit 1
 fi
 if diff -q <(strip_time "$work/bf16.csv") <(strip_time "$work/fp8.csv") > /dev/null; then

@@ -216,11 +216,11 @@ bool keeps_batchnorm(const torch::nn::Module& m, const Properties& p) {
 
 PrecisionPolicy::PrecisionPolicy(const Properties& properties, std::vector<KeptModule> kept, torch::nn::Module& root)
     : properties_(properties),
-      root_(root.shared_from_this()),
       per_op_(properties.enabled && properties.patch_torch_functions),
       cast_model_(casts_model_to_low_precision(properties)),
       low_dtype_(properties.low_precision_dtype),
-      kept_(std::move(kept)) {
+      kept_(std::move(kept)),
+      root_(root.shared_from_this()) {
   for (const auto& k : kept_) {
     if (k.reason == "keep_batchnorm_fp32") continue;  // BatchNorm's own rule: fp32 tensors, ops as before
     if (auto m = k.module.lock()) collect_island(*m);

@@ -145,7 +145,7 @@ Work work_for(const at::Tensor& p, const LeanTable& lean) {
       return {lean->value(found->second), p.grad().to(at::kFloat), lean, found->second};
     }
   }
-  return {p, p.grad()};
+  return {p, p.grad(), nullptr, 0};
 }
 
 // ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).

@@ -136,7 +136,7 @@ bool OptimizerBase::skips_on_device() const {
 
 void OptimizerBase::defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow) {
   step_found_inf_ = step_found_inf_.defined() ? at::maximum(step_found_inf_, overflow) : overflow;
-  if (outcome) pending_.push_back({Pending::Kind::kBackward, std::move(outcome), grads_generation_});
+  if (outcome) pending_.push_back({Pending::Kind::kBackward, std::move(outcome), grads_generation_, 0, nullptr});
 }
 
 void OptimizerBase::settle(bool wait) const {
@@ -428,7 +428,7 @@ OptimizerBase::StepPlan OptimizerBase::begin_step() {
     TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
     fused->set_found_inf(step_found_inf_, id);
     set_found_inf_ = true;
-    pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, id});
+    pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, id, nullptr});
   } else if (step_found_inf_.defined()) {
     // The host has seen those backwards already (on the CPU it always has), but a device's step would run before it
     // does: the fused step takes the flag all the same, so the CPU runs and counts (NOTE [Counting host syncs]) the
@@ -493,7 +493,7 @@ void OptimizerBase::zero_all_grads(bool set_to_none) {
   skip_next_step_ = false;
   step_found_inf_ = at::Tensor();
   ++grads_generation_;
-  if (!pending_.empty()) pending_.push_back({Pending::Kind::kZeroGrad});  // a skip learned later is dropped too
+  if (!pending_.empty()) pending_.push_back({Pending::Kind::kZeroGrad, nullptr, 0, 0, nullptr});  // a skip learned later is dropped too
 }
 
 void OptimizerBase::clear_grads(bool set_to_none) {

@@ -183,7 +183,7 @@ struct DistributedCore::Impl {
   struct GradSnapshot {
     bool defined = false;
     const c10::TensorImpl* impl = nullptr;
-    uint32_t version = 0;
+    int64_t version = 0;  // _version(): uint32_t in LibTorch 1.13, int64_t in 2.x
   };
   std::vector<GradSnapshot> unsynced;  // gradients a no_sync() backward left, awaiting a synchronized backward
   bool window_unsynced = false;        // a no_sync() backward ran since the last synchronized one
@@ -238,7 +238,7 @@ void DistributedCore::Impl::end_of_backward() {
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& g = params[i].grad();
       if (!g.defined()) continue;
-      unsynced[i] = {true, g.unsafeGetTensorImpl(), g._version()};
+      unsynced[i] = {true, g.unsafeGetTensorImpl(), static_cast<int64_t>(g._version())};
       // delay_unscale moves an O2 gradient into an fp32 sum beside its master: that sum is this rank's own.
       if (const auto master = amp::detail::find_master(params[i])) master->first->mark_unreduced(master->second);
     }
@@ -385,7 +385,7 @@ void DistributedCore::Impl::check_unsynced() const {
       if (!g.defined() && master->first->master()[master->second].grad().defined()) unscaled.push_back(names[i]);
       continue;
     }
-    if (!g.defined() || (g.unsafeGetTensorImpl() == unsynced[i].impl && g._version() == unsynced[i].version)) continue;
+    if (!g.defined() || (g.unsafeGetTensorImpl() == unsynced[i].impl && static_cast<int64_t>(g._version()) == unsynced[i].version)) continue;
     amp::detail::count_host_sync();
     if (g.count_nonzero().item<int64_t>() > 0) unscaled.push_back(names[i]);  // changed, and not by zero_grad
   }

@@ -207,6 +207,7 @@ class Zero final : public amp::detail::Sharding,
   void settle(const amp::detail::InvScale& inv_scale, amp::detail::FoundInf* found_inf);
   void stash_unreduced();
   void reduce_unreduced(ShardLane& lane);
+  void scatter_into(ShardLane& lane, at::Tensor input, c10::ScalarType dtype, const std::string& what);
   void gather_into_model();
   void add_groups(OptimizerBase& optimizer);
   void adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece);
@@ -515,19 +516,7 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
         input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(grad.reshape({-1}).narrow(0, s.begin, s.length));
       }
     }
-    if (average_.predivide != 1.0) input.div_(average_.predivide);
-    at::Tensor mine = shard_reduce_scatter(state_, input, lane.width, bucket_bytes_,
-                                     std::string(kShard) + " (reduce-scattering the gradients)");
-    core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0);
-    const double post = static_cast<double>(n_ranks) / average_.predivide;
-    if (post != 1.0) mine.div_(post);
-    if (wire != lane.dtype) mine = mine.to(lane.dtype);
-    if (!lane.incoming.defined()) {
-      lane.incoming = mine;
-    } else {  // a second backward before the unscale (delay_unscale, several losses): summed in fp32, as amp's pending
-      if (lane.incoming.scalar_type() != at::kFloat) lane.incoming = lane.incoming.to(at::kFloat);
-      lane.incoming.add_(mine);
-    }
+    scatter_into(lane, input, lane.dtype, "reduce-scattering the gradients");
     for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
       if (used(entries[s.entry])) used_[lane.group][s.entry] = 1;
     }
@@ -581,24 +570,32 @@ void Zero::reduce_unreduced(ShardLane& lane) {
       input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(sum.reshape({-1}).narrow(0, s.begin, s.length));
     }
   }
-  if (average_.predivide != 1.0) input.div_(average_.predivide);
-  at::Tensor mine = shard_reduce_scatter(state_, input, lane.width, bucket_bytes_,
-                                         std::string(kShard) + " (reduce-scattering the no_sync() gradient sums)");
-  core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0);
-  const double post = static_cast<double>(n_ranks) / average_.predivide;
-  if (post != 1.0) mine.div_(post);
-  if (!lane.incoming.defined()) {
-    lane.incoming = mine;
-  } else {
-    if (lane.incoming.scalar_type() != at::kFloat) lane.incoming = lane.incoming.to(at::kFloat);
-    lane.incoming.add_(mine);
-  }
+  scatter_into(lane, input, at::kFloat, "reduce-scattering the no_sync() gradient sums");
   for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
     if (entries[s.entry].mastered) used_[lane.group][s.entry] = 1;
   }
   for (const auto& spans : lane.spans) {
     for (const auto& s : spans) sums[s.entry] = at::Tensor();
   }
+}
+
+// `input` holds every rank's piece of the lane; averaged as DistributedCore's average (predivide, sum in the input's
+// dtype, divide by world_size / predivide), this rank's slice, in `dtype`, starts the lane's incoming gradient or, after
+// a second backward before the unscale (delay_unscale, several losses), is added to it in fp32, as amp's pending sums.
+void Zero::scatter_into(ShardLane& lane, at::Tensor input, c10::ScalarType dtype, const std::string& what) {
+  if (average_.predivide != 1.0) input.div_(average_.predivide);
+  at::Tensor mine =
+      shard_reduce_scatter(state_, input, lane.width, bucket_bytes_, std::string(kShard) + " (" + what + ")");
+  core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0);
+  const double post = static_cast<double>(state_.world_size) / average_.predivide;
+  if (post != 1.0) mine.div_(post);
+  if (mine.scalar_type() != dtype) mine = mine.to(dtype);
+  if (!lane.incoming.defined()) {
+    lane.incoming = mine;
+    return;
+  }
+  if (lane.incoming.scalar_type() != at::kFloat) lane.incoming = lane.incoming.to(at::kFloat);
+  lane.incoming.add_(mine);
 }
 
 // Moves the reduced slices into the pieces' gradients, unscaled (found_inf: checked), adding to what they hold.

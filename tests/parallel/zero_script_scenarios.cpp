@@ -49,6 +49,17 @@ std::vector<torch::Tensor> first_layers(torch::nn::Sequential& net) {
 
 std::vector<torch::Tensor> last_layer(torch::nn::Sequential& net) { return net[4]->parameters(); }
 
+// One data-parallel step on this rank's rows.
+template <class Ddp, class Optimizer>
+void train_step(Ddp& ddp, Optimizer& optimizer, const Batch& local) {
+  optimizer.zero_grad();
+  {
+    auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+}
+
 struct UnfreezeCase {
   std::string label;
   amp::Options options;
@@ -105,16 +116,8 @@ void unfreeze(const ProcessGroup& group, const UnfreezeCase& c, int stage, const
           }
         }
         const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
-        auto train = [&](auto& d, auto& o) {
-          o.zero_grad();
-          {
-            auto scaled = amp::scale_loss(loss_of(d(local.x), local.y), o);
-            scaled.backward();
-          }
-          o.step();
-        };
-        train(ref_ddp, ref_optimizer);
-        train(ddp, optimizer);
+        train_step(ref_ddp, ref_optimizer, local);
+        train_step(ddp, optimizer, local);
         same = same && equal_bits(parameters_of(net), parameters_of(ref_net));
       }
       report(same, label + ": a group added after shard_optimizer, and an lr changed, step as the unsharded run's, "
@@ -140,16 +143,8 @@ void unfreeze(const ProcessGroup& group, const UnfreezeCase& c, int stage, const
         bool continues = true;
         for (int step = 7; step < 9; ++step) {
           const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
-          auto train = [&](auto& d, auto& o) {
-            o.zero_grad();
-            {
-              auto scaled = amp::scale_loss(loss_of(d(local.x), local.y), o);
-              scaled.backward();
-            }
-            o.step();
-          };
-          train(ref_ddp, ref_optimizer);
-          train(resumed_ddp, resumed);
+          train_step(ref_ddp, ref_optimizer, local);
+          train_step(resumed_ddp, resumed, local);
           continues = continues && equal_bits(parameters_of(resumed_net), parameters_of(ref_net));
         }
         report(continues, label + ": the consolidated archive after unfreezing resumes unsharded as the run that did "
