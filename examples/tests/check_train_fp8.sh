@@ -2,8 +2,8 @@
 # examples/train with FP8 (examples/configs/O2_bf16_fp8.ini: a hidden Linear layer in FP8, delayed scaling) against
 # O2 bf16 on the same network: the final validation accuracy must be within 1 point, the run must differ from bf16
 # (FP8 really ran), and a run stopped after epoch 2 and resumed for one more must continue bitwise (the FP8 amax
-# history is in the checkpoint). Also with dynamic scaling (--fp8-scaling dynamic), torchao's rowwise recipe and MXFP8 with
-# auto_fallback on (docs/fp8.md's recipes; blockwise needs layers of 128).
+# history is in the checkpoint). Also with dynamic scaling (--fp8-scaling dynamic), torchao's rowwise recipe and
+# MXFP8 with auto_fallback on (docs/fp8.md's recipes; blockwise needs layers of 128).
 #   check_train_fp8.sh TRAIN_BINARY WORK_DIR CONFIG_DIR
 set -euo pipefail
 train=$1 work=$2 configs=$3

@@ -493,7 +493,8 @@ void OptimizerBase::zero_all_grads(bool set_to_none) {
   skip_next_step_ = false;
   step_found_inf_ = at::Tensor();
   ++grads_generation_;
-  if (!pending_.empty()) pending_.push_back({Pending::Kind::kZeroGrad, nullptr, 0, 0, nullptr});  // a skip learned later is dropped too
+  // A skip learned later is dropped too.
+  if (!pending_.empty()) pending_.push_back({Pending::Kind::kZeroGrad, nullptr, 0, 0, nullptr});
 }
 
 void OptimizerBase::clear_grads(bool set_to_none) {

@@ -385,7 +385,8 @@ void DistributedCore::Impl::check_unsynced() const {
       if (!g.defined() && master->first->master()[master->second].grad().defined()) unscaled.push_back(names[i]);
       continue;
     }
-    if (!g.defined() || (g.unsafeGetTensorImpl() == unsynced[i].impl && static_cast<int64_t>(g._version()) == unsynced[i].version)) continue;
+    if (!g.defined()) continue;
+    if (g.unsafeGetTensorImpl() == unsynced[i].impl && static_cast<int64_t>(g._version()) == unsynced[i].version) continue;
     amp::detail::count_host_sync();
     if (g.count_nonzero().item<int64_t>() > 0) unscaled.push_back(names[i]);  // changed, and not by zero_grad
   }
