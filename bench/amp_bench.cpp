@@ -721,17 +721,17 @@ void o1_profile_for(const std::string& name) {
   std::printf("\n|---|");
   for (size_t i = 0; i < configs.size(); ++i) std::printf("---|---|");
   std::printf("\n");
+  auto value = [](const std::map<std::string, double>& m, const std::string& op) {
+    const auto it = m.find(op);
+    return it == m.end() ? 0.0 : it->second;
+  };
   for (const auto& [op, unused] : spread) {
     std::printf("| %s |", op.c_str());
     for (size_t i = 0; i < configs.size(); ++i) {
-      const auto ns = per_op[i].find(op);
-      const auto calls = per_op_calls[i].find(op);
-      std::printf(" %.1f | %.3f |", calls == per_op_calls[i].end() ? 0.0 : calls->second,
-                  ns == per_op[i].end() ? 0.0 : 1e-6 * ns->second);
-      record("o1_profile_ops", name + " " + op, configs[i].first, "calls_per_step",
-             calls == per_op_calls[i].end() ? 0.0 : calls->second);
-      record("o1_profile_ops", name + " " + op, configs[i].first, "self_ms_per_step",
-             ns == per_op[i].end() ? 0.0 : 1e-6 * ns->second);
+      const double calls = value(per_op_calls[i], op), ms = 1e-6 * value(per_op[i], op);
+      std::printf(" %.1f | %.3f |", calls, ms);
+      record("o1_profile_ops", name + " " + op, configs[i].first, "calls_per_step", calls);
+      record("o1_profile_ops", name + " " + op, configs[i].first, "self_ms_per_step", ms);
     }
     std::printf("\n");
   }
