@@ -65,10 +65,15 @@ struct TransformerBlockImpl : torch::nn::Module {
         ff2(register_module("ff2", torch::nn::Linear(ff, d))) {}
   torch::Tensor forward(const torch::Tensor& x) {  // x: [batch, seq, d]
     const int64_t b = x.size(0), s = x.size(1);
-    auto q_k_v = qkv(ln1(x)).view({b, s, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
+    auto q_k_v = linear(qkv, ln1(x)).view({b, s, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
     auto attention = torch::softmax(torch::matmul(q_k_v[0], q_k_v[1].transpose(-2, -1)) / std::sqrt(double(d / heads)), -1);
-    auto h = x + proj(torch::matmul(attention, q_k_v[2]).transpose(1, 2).reshape({b, s, d}));
-    return h + ff2(torch::gelu(ff1(ln2(h))));
+    auto h = x + linear(proj, torch::matmul(attention, q_k_v[2]).transpose(1, 2).reshape({b, s, d}));
+    return h + linear(ff2, torch::gelu(linear(ff1, ln2(h))));
+  }
+  // Python's nn.Linear: ATen's linear, one addmm with the bias cast by autocast. torch::nn::Linear's forward on a
+  // 3-D input is a matmul plus an in-place add of the fp32 bias (docs/porting.md), 8% of an O1 step here.
+  static torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+    return torch::linear(x, layer->weight, layer->bias);
   }
   int64_t d, heads;
   torch::nn::LayerNorm ln1;

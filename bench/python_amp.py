@@ -1,11 +1,13 @@
 """The Python side of the comparison: the models of bench/models.h, stepped with torch.amp (autocast +
-GradScaler) on the same torch whose LibTorch amp builds against. Prints one CSV row per measurement:
+GradScaler, and with Apex O1's fp32 rows patched in: `apex_o1_rows`) on the same torch whose LibTorch amp builds
+against. Prints one CSV row per measurement:
 section,name,config,metric,value (section "python", or "python_gpu" with --device).
 
     python3 bench/python_amp.py --reps 7                 # the CPU models (bench/run.sh)
     python3 bench/python_amp.py --device cuda --reps 3   # the GPU models (scripts/gpu-check.sh)
 """
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -168,6 +170,32 @@ def gpu_main(args):
             sys.stdout.flush()
 
 
+@contextlib.contextmanager
+def apex_o1_rows():
+    """Apex O1's fp32 rows for the functions the bench models call (apex/amp/lists/functional_overrides.py:
+    gelu, softmax, layer_norm), patched in as Apex patched them: floating arguments cast to fp32 and the function
+    run without autocast. autocast keeps casting the GEMMs and convolutions (Apex's FP16_FUNCS), so this twin is
+    Apex's arithmetic without the cost of Apex's Python wrappers around those."""
+    def fp32(function):
+        def cast(v):
+            return v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+
+        def run(*args, **kwargs):
+            with torch.autocast("cpu", enabled=False):
+                return function(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+        return run
+
+    patched = ((F, "gelu"), (F, "layer_norm"), (torch, "softmax"))
+    saved = [getattr(module, name) for module, name in patched]
+    for module, name in patched:
+        setattr(module, name, fp32(getattr(module, name)))
+    try:
+        yield
+    finally:
+        for (module, name), function in zip(patched, saved):
+            setattr(module, name, function)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
@@ -183,7 +211,7 @@ def main():
     for name, (cls, make_input) in MODELS.items():
         if name.startswith("gpu_"):
             continue
-        for config in ("O0", "O1 bf16"):
+        for config in ("O0", "O1 bf16", "O1 bf16 apex"):
             torch.manual_seed(0)
             x = make_input()
             y = torch.randint(10, (x.shape[0],))
@@ -201,7 +229,8 @@ def main():
                 scaler.step(optimizer)
                 scaler.update()
 
-            ms = 1e3 * time_per_call(step, args.reps)
+            with apex_o1_rows() if config.endswith("apex") else contextlib.nullcontext():
+                ms = 1e3 * time_per_call(step, args.reps)
             print(f"python,{name},{config},ms_per_step,{ms}")
             sys.stdout.flush()
 
