@@ -18,6 +18,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "core/host_sync.h"
 #include "../examples/common/memory_meter.h"
 #include "fp8_task.h"
 #include "models.h"

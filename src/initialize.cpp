@@ -12,7 +12,9 @@
 #include <mutex>
 #include <set>
 
+#include "amp/torchscript.h"
 #include "casting/cpu_features.h"
+#include "casting/jit_mirror.h"
 #include "options/exception_message.h"
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
@@ -235,3 +237,58 @@ void cast_model(torch::nn::Module& module, const Properties& properties) {
 }
 
 }  // namespace amp::detail
+
+namespace amp {
+namespace detail {
+
+std::pair<std::shared_ptr<torch::nn::Module>, c10::DeviceType> begin_initialize(const torch::jit::Module& model,
+                                                                                const Options& options,
+                                                                                const Properties& properties) {
+  TORCH_CHECK(properties.auto_fp32 == 0, "amp::initialize: auto_fp32 (", properties.auto_fp32, ") does not take "
+              "TorchScript models yet: its diagnosis watches the ops of torch::nn::Module layers. Name the modules to "
+              "keep in fp32 with keep_fp32 (config keep_fp32 = ...), or set auto_fp32 0.");
+  auto mirror = jit_mirror_node(model);
+  TORCH_CHECK(!mirror->parameters().empty(), "amp::initialize: the TorchScript module (", mirror->type_name(),
+              ") has no parameters, so amp has nothing to cast or train. A module saved after torch.jit.freeze or "
+              "torch.jit.optimize_for_inference holds its weights as graph constants: save the module before freezing "
+              "it (torch.jit.script(model).save(path)).");
+  auto check_fp32 = [](const char* kind, const std::string& name, const at::Tensor& t) {
+    TORCH_CHECK(!t.is_floating_point() || t.scalar_type() == at::kFloat, "amp::initialize: the TorchScript module's ",
+                kind, " '", name, "' is ", dtype_name(t.scalar_type()), ": the module was saved after .half(), "
+                ".bfloat16() or .double() in Python. amp casts the model itself and keeps fp32 where the level asks: "
+                "save it in fp32 (model.float() before torch.jit.script / torch.jit.trace and save).");
+  };
+  if (!already_initialized(*mirror)) {  // else check_model says so: its tensors are cast
+    for (const auto& item : mirror->named_parameters()) check_fp32("parameter", item.key(), item.value());
+    for (const auto& item : mirror->named_buffers()) check_fp32("buffer", item.key(), item.value());
+  }
+  const c10::DeviceType device = check_model(*mirror, options, properties);
+  resolve_precision_policy({mirror.get()}, properties);
+  return {mirror, device};
+}
+
+void check_trainable(const torch::optim::Optimizer& optimizer, const torch::nn::Module& mirror) {
+  size_t count = 0, trainable = 0;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      ++count;
+      trainable += p.requires_grad() ? 1 : 0;
+    }
+  }
+  TORCH_CHECK(count == 0 || trainable > 0, "amp::initialize: none of the optimizer's ", count, " parameters requires "
+              "grad, so training would change nothing. A TorchScript module (", mirror.name(), ") keeps the "
+              "requires_grad its parameters had when Python saved it (requires_grad_(False) on a backbone, ...): turn "
+              "it on for the parameters to train (p.set_requires_grad(true) on amp::parameters(net)'s) before building "
+              "the optimizer.");
+}
+
+}  // namespace detail
+
+Model<torch::jit::Module> initialize(torch::jit::Module model, const Options& options) {
+  const Properties properties = options.resolve();
+  auto [mirror, device] = detail::begin_initialize(model, options, properties);
+  detail::cast_model(*mirror, properties);
+  return Model<torch::jit::Module>(std::move(model), mirror, properties, device);
+}
+
+}  // namespace amp

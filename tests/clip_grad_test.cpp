@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "amp/clip_grad.h"
+#include "core/host_sync.h"
 #include "optim/optimizer_access.h"
 #include "scaling/multi_tensor.h"
 #include "support/models.h"

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/host_sync.h"
 #include "support/data.h"
 #include "support/models.h"
 #include "support/support.h"

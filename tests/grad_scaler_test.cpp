@@ -4,6 +4,7 @@
 // _multiple and test_grad_scale_will_not_overflow, with their expected values. Those that touch gradients run on
 // every device: on CUDA the unscale and inf/NaN check are ATen's _amp_foreach_non_finite_check_and_unscale_, and
 // control and scaled runs do the same ops on the same device, so the expectations are the same.
+#include "core/host_sync.h"
 #include "scaling/multi_tensor.h"
 #include "support/data.h"
 #include "support/models.h"

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/host_sync.h"
 #include "optim/fused_route.h"
 #include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"

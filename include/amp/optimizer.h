@@ -26,8 +26,6 @@ class Feature;
 class ParamIndex;
 class Sharding;
 struct OptimizerAccess;
-/// Counts one read of a device value on the host (NOTE [Counting host syncs]).
-void count_host_sync();
 }  // namespace amp::detail
 
 namespace amp {
@@ -51,7 +49,7 @@ class HostSyncScope {
   HostSyncScope& operator=(const HostSyncScope&) = delete;
 
  private:
-  std::vector<const OptimizerBase*> previous_;
+  std::vector<int64_t*> previous_;
 };
 }  // namespace detail
 
@@ -129,7 +127,6 @@ class OptimizerBase {
   friend class ScaledLoss;
   friend class GraphCaptureGuard;
   friend struct detail::OptimizerAccess;  // amp's checkpoint formats, gradient tools and training features
-  friend void detail::count_host_sync();
 
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.

@@ -38,7 +38,7 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "casting/fp8_recipes.h"
 #include "options/exception_message.h"
 #include "interception/interception.h"

@@ -38,7 +38,7 @@
 #include <mutex>
 
 #include "amp/batchnorm.h"
-#include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "options/format.h"
 #include "casting/fp8.h"
 #include "interception/interception.h"

@@ -21,6 +21,7 @@
 #include <iostream>
 
 #include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "casting/fp8.h"
 #include "casting/precision_policy.h"
 #include "interop/python_values.h"

@@ -5,7 +5,7 @@
 #include <c10/core/GradMode.h>
 
 #include "amp/python_checkpoint.h"
-#include "amp/torchscript.h"
+#include "amp/torchscript_model.h"
 #include "casting/jit_mirror.h"
 #include "optim/fp32_values.h"
 

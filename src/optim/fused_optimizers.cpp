@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "optim/cpu_optimizer_kernels.h"
 #include "optim/fused_route.h"
 #include "optim/lean_masters.h"

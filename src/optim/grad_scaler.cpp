@@ -9,6 +9,7 @@
 #include "amp/clip_grad.h"
 #include "amp/fused_optimizers.h"
 #include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "options/format.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"

@@ -15,6 +15,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "amp/opt_level.h"
+#include "core/host_sync.h"
 #include "optim/feature.h"
 #include "optim/master_weights.h"
 #include "optim/optimizer_access.h"
@@ -73,19 +74,12 @@ OptimizerBase::~OptimizerBase() = default;
 // amp optimizer it steps. The counting is the same on every device, so the CPU's count is the GPU's
 // (CudaSyncTest checks them against CUDA's own count).
 namespace detail {
-namespace {
-thread_local std::vector<const OptimizerBase*> sync_scope;
-}  // namespace
-
-HostSyncScope::HostSyncScope(std::vector<const OptimizerBase*> optimizers) : previous_(std::move(sync_scope)) {
-  sync_scope = std::move(optimizers);
+HostSyncScope::HostSyncScope(std::vector<const OptimizerBase*> optimizers) {
+  std::vector<int64_t*> counters;
+  for (const OptimizerBase* o : optimizers) counters.push_back(&OptimizerAccess::host_syncs(*o));
+  previous_ = exchange_host_sync_counters(std::move(counters));
 }
-HostSyncScope::~HostSyncScope() { sync_scope = std::move(previous_); }
-
-void count_host_sync() {
-  count_process_host_sync();
-  for (const OptimizerBase* o : sync_scope) ++o->host_syncs_;
-}
+HostSyncScope::~HostSyncScope() { exchange_host_sync_counters(std::move(previous_)); }
 }  // namespace detail
 
 int64_t host_sync_count(const OptimizerBase& optimizer) { return optimizer.host_sync_count(); }

@@ -26,6 +26,8 @@ struct OptimizerAccess {
   /// Adopts param groups added since initialize.
   static void sync_param_groups(OptimizerBase& o) { o.sync_param_groups(); }
   static ParamIndex& index(const OptimizerBase& o) { return *o.index_; }
+  /// The optimizer's host-sync count (NOTE [Counting host syncs]), counted while a HostSyncScope holds it.
+  static int64_t& host_syncs(const OptimizerBase& o) { return o.host_syncs_; }
   static const std::shared_ptr<ParamIndex>& index_pointer(const OptimizerBase& o) { return o.index_; }
   /// Names of the tensors param_groups hold, by TensorImpl (fp32 masters carry their model parameter's name).
   static std::unordered_map<const c10::TensorImpl*, std::string> param_group_names(const OptimizerBase& o);

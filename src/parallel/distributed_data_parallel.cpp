@@ -25,6 +25,7 @@
 #include <unordered_set>
 
 #include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "casting/precision_policy.h"
 #include "collectives.h"
 #include "optim/feature.h"

@@ -16,6 +16,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "amp/optimizer.h"
+#include "core/host_sync.h"
 #include "collectives.h"
 #include "group_state.h"
 #include "optim/master_weights.h"

@@ -8,7 +8,7 @@
 #include <algorithm>
 
 #include "amp/loss_scaler.h"
-#include "amp/optimizer.h"
+#include "core/host_sync.h"
 
 namespace amp::detail {
 namespace {

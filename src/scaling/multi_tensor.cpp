@@ -17,8 +17,7 @@
 #include <mutex>
 #include <optional>
 
-#include "amp/optimizer.h"
-
+#include "core/host_sync.h"
 #include "scaling/cpu_kernels.h"
 
 namespace amp::detail {
@@ -72,13 +71,6 @@ at::Tensor& FoundInf::on(const c10::Device& device) {
   flags_.emplace_back(device, at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device)));
   return flags_.back().second;
 }
-
-namespace {
-std::atomic<int64_t> host_syncs{0};
-}  // namespace
-
-int64_t host_sync_count() { return host_syncs.load(); }
-void count_process_host_sync() { host_syncs.fetch_add(1, std::memory_order_relaxed); }
 
 bool FoundInf::any() const {
   // Counted whether or not a flag exists: amp's CPU loops create one only when they find a non-finite value, a

@@ -70,12 +70,6 @@ at::Tensor total_norm(const std::vector<at::Tensor>& tensors, double norm_type);
 /// tensor's dtype, as ATen's mul_), without a host sync.
 void mul_(const std::vector<at::Tensor>& tensors, const at::Tensor& factor);
 
-/// Returns how many host syncs amp made in this process (detail::count_host_sync; benchmarks count host syncs per
-/// step with it).
-int64_t host_sync_count();
-/// Adds one to host_sync_count() (detail::count_host_sync, which also counts for the optimizers in charge).
-void count_process_host_sync();
-
 /// Returns whether the build has ATen's fused unscale kernel for `device`.
 bool has_aten_unscale_kernel(c10::DeviceType device);
 
