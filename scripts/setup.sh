@@ -46,4 +46,11 @@ if ! python3 -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("t
   echo "setup: installing torchao==0.18.0 (the 8-bit optimizer state reference, for the tests)"
   python3 -m pip install --quiet --no-deps torchao==0.18.0
 fi
+# torchvision's resnet18, mobilenet_v3_small and VisionTransformer are the real architectures examples/finetune_torchvision
+# fine-tunes and compares with Python. --no-deps: 0.28.0 matches the torch wheel, which must stay as it is (this
+# torchvision wheel is built for CUDA; its classification models run on the CPU torch: torchvision_models.py).
+if ! python3 -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("torchvision") == "0.28.0" else 1)' 2>/dev/null; then
+  echo "setup: installing torchvision==0.28.0 (the real models of examples/finetune_torchvision, for the tests)"
+  python3 -m pip install --quiet --no-deps torchvision==0.28.0
+fi
 echo "setup: done"

@@ -121,6 +121,15 @@ std::vector<OptimizerCase> optimizer_cases() {
 }
 
 // A fused optimizer and LibTorch's on equal copies of make_params(dtype, device).
+// Steps LibTorch's optimizer as amp::Optimizer does: Python's arithmetic on bf16 / fp16 parameters (NOTE [LibTorch's
+// optimizers on low-precision parameters] in src/optim/python_steps.cpp), LibTorch's own step on fp32.
+void step_as_amp_does(torch::optim::Optimizer& o) {
+  if (dynamic_cast<torch::optim::SGD*>(&o) != nullptr && amp::detail::step_sgd_as_python(o)) return;
+  if (dynamic_cast<torch::optim::AdamW*>(&o) != nullptr && amp::detail::step_adam_as_python(o, true)) return;
+  if (dynamic_cast<torch::optim::Adam*>(&o) != nullptr && amp::detail::step_adam_as_python(o, false)) return;
+  o.step();
+}
+
 struct Pair {
   std::vector<torch::Tensor> a, b;
   std::unique_ptr<torch::optim::Optimizer> fused, reference;
@@ -129,7 +138,7 @@ struct Pair {
   void step(int s) {
     set_grads(s, a, b);
     fused->step();
-    reference->step();
+    step_as_amp_does(*reference);
   }
 };
 
@@ -202,8 +211,8 @@ TEST(FusedOptimizersCpuTest, AdamMomentsAreLibTorchsBitForBit) {
   }
 }
 
-// The per-op route is LibTorch's algorithm itself: bitwise, in fp32 and in the low precision O3 keeps
-// parameters in (where amp's loop does not apply).
+// The per-op route is LibTorch's algorithm itself in fp32 and, in the low precision O3 keeps parameters in (where
+// amp's loop does not apply), the Python arithmetic amp::Optimizer steps LibTorch's optimizers with: bitwise both.
 TEST_P(FusedOptimizersTest, PerOpRouteIsBitwiseLibTorch) {
   for (const auto& c : optimizer_cases()) {
     {
@@ -435,7 +444,8 @@ void run_level_case(const amp::Options& amp_options, const Options& optimizer_op
 // Every level and dtype: amp with a fused optimizer trains as amp with LibTorch's.
 //  - The CPU: amp's loop and LibTorch's round differently by an ulp (NOTE [Fused step arithmetic]), which a
 //    low-precision model copy can show as one ulp of its dtype; fp32 parameters stay within 1e-5 relative, fp32
-//    masters within 1e-4. At O3 bit for bit: the low-precision parameters take LibTorch's own per-op route.
+//    masters within 1e-4. At O3 bit for bit: the low-precision parameters take the per-op route, which steps them
+//    with Python's arithmetic as amp steps LibTorch's optimizers there (src/optim/python_steps.cpp).
 //  - CUDA: ATen's kernels, fp32 within fused_tolerance(kCUDA), a low-precision model copy within one ulp. At O3
 //    the low-precision parameters take ATen's kernels too, which compute a step in fp32 where LibTorch's per-op
 //    algorithm rounds every intermediate to float16/bfloat16 (float16 Adam's 0.001 g^2 underflows to 0 for

@@ -252,3 +252,92 @@ TEST(OptimizerTestCpu, TheSameModelTwiceInOneInitializeIsRefused) {
 }
 
 AMP_INSTANTIATE_FOR_DEVICES(OptimizerTest);
+
+// ---- LibTorch's optimizers on bf16 / fp16 parameters step as Python's torch.optim ---------------------------
+// NOTE [LibTorch's optimizers on low-precision parameters]: at O3 amp steps torch::optim::SGD / Adam / AdamW with
+// Python's arithmetic (LibTorch's own would multiply the bf16 momentum by 0.8984375 and Adam's second moment by 1.0).
+// tests/python/python_optimizers.py runs torch.optim on the same parameters and gradients at test time.
+namespace {
+
+const amp::PythonCheckpoint* python_optimizers_reference() {
+  static const std::optional<amp::PythonCheckpoint> reference = []() -> std::optional<amp::PythonCheckpoint> {
+    if (!amp_test::python_has_torch()) return std::nullopt;
+    const auto dir = amp_test::run_python_reference(AMP_SOURCE_DIR "/tests/python/python_optimizers.py",
+                                                    "python_optimizers");
+    if (dir.empty()) return std::nullopt;
+    return amp::PythonCheckpoint::load((dir / "python_optimizers.pt").string());
+  }();
+  return reference ? &*reference : nullptr;
+}
+
+struct TwoParameters : torch::nn::Module {
+  TwoParameters() {
+    torch::manual_seed(0);
+    weight = register_parameter("weight", torch::randn({64, 32}));
+    bias = register_parameter("bias", torch::randn({32}));
+  }
+  torch::Tensor weight, bias;
+};
+
+// Five steps of `optimizer` at O3 in `dtype` on tests/python/python_optimizers.py's parameters and gradients.
+template <class Opt, class Options>
+std::vector<torch::Tensor> five_o3_steps(c10::ScalarType dtype, const Options& options, torch::Tensor* state_out,
+                                         const char* state_key) {
+  auto net = std::make_shared<TwoParameters>();
+  Opt raw(net->parameters(), options);
+  auto [model, optimizer] =
+      amp::initialize(net, std::move(raw), amp::Options("O3").low_precision_dtype(dtype).verbosity(0));
+  for (int k = 0; k < 5; ++k) {
+    torch::manual_seed(100 + k);
+    for (auto& p : net->parameters()) p.mutable_grad() = (torch::randn(p.sizes()) * 0.01).to(dtype);
+    optimizer.step();
+  }
+  const auto& state = optimizer.state().at(net->weight.unsafeGetTensorImpl());
+  if constexpr (std::is_same_v<Opt, torch::optim::SGD>) {
+    *state_out = static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer();
+  } else {
+    using State = std::conditional_t<std::is_same_v<Opt, torch::optim::Adam>, torch::optim::AdamParamState,
+                                     torch::optim::AdamWParamState>;
+    const auto& s = static_cast<State&>(*state);
+    *state_out = std::string(state_key) == "exp_avg" ? s.exp_avg() : s.exp_avg_sq();
+  }
+  return {net->weight.detach(), net->bias.detach()};
+}
+
+}  // namespace
+
+TEST(PythonOptimizersTest, LibTorchsOptimizersStepLowPrecisionParametersAsTorchOptim) {
+  const amp::PythonCheckpoint* reference = python_optimizers_reference();
+  if (reference == nullptr) GTEST_SKIP() << "needs Python with the torch wheel (AMP_PYTHON)";
+  const std::string version = reference->get("torch_version").toStringRef();
+  if (version.substr(0, version.find('+')) != TORCH_VERSION) GTEST_SKIP() << "Python's torch " << version << " is not this build's";
+  using torch::optim::AdamOptions, torch::optim::AdamWOptions, torch::optim::SGDOptions;
+  for (const auto dtype : amp_test::low_precision_dtypes()) {
+    if (!amp_test::cpu_computes(dtype)) continue;
+    const std::string d = dtype == torch::kBFloat16 ? "bfloat16" : "float16";
+    auto check = [&](const std::string& name, const std::vector<torch::Tensor>& params, const torch::Tensor& state,
+                     const std::string& state_key) {
+      SCOPED_TRACE(name);
+      EXPECT_TRUE(amp_test::bitwise_equal(params[0], reference->get(name + "_p0").toTensor()));
+      EXPECT_TRUE(amp_test::bitwise_equal(params[1], reference->get(name + "_p1").toTensor()));
+      EXPECT_TRUE(amp_test::bitwise_equal(state, reference->get(name + "_" + state_key).toTensor()));
+    };
+    torch::Tensor state;
+    auto p = five_o3_steps<torch::optim::SGD>(dtype, SGDOptions(0.1).momentum(0.9), &state, "");
+    check("sgd_" + d, p, state, "momentum_buffer");
+    p = five_o3_steps<torch::optim::SGD>(dtype, SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01), &state, "");
+    check("sgd_nesterov_decay_" + d, p, state, "momentum_buffer");
+    p = five_o3_steps<torch::optim::SGD>(dtype, SGDOptions(0.1).momentum(0.9).dampening(0.1), &state, "");
+    check("sgd_dampening_" + d, p, state, "momentum_buffer");
+    for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+      p = five_o3_steps<torch::optim::Adam>(dtype, AdamOptions(0.01).eps(1e-3), &state, key);
+      check("adam_" + d, p, state, key);
+      p = five_o3_steps<torch::optim::Adam>(dtype, AdamOptions(0.01).eps(1e-3).weight_decay(0.01).amsgrad(true), &state, key);
+      check("adam_decay_amsgrad_" + d, p, state, key);
+      p = five_o3_steps<torch::optim::AdamW>(dtype, AdamWOptions(0.01).eps(1e-3), &state, key);
+      check("adamw_" + d, p, state, key);
+      p = five_o3_steps<torch::optim::AdamW>(dtype, AdamWOptions(0.01).eps(1e-3).amsgrad(true), &state, key);
+      check("adamw_amsgrad_" + d, p, state, key);
+    }
+  }
+}

@@ -5,7 +5,7 @@ optimizer, fine-tuned by the C++ program at an opt level and by Python doing wha
 equally valid order of the same sums, so the two Python runs measure how far rounding alone moves a run.
 
   compare.py BINARY WORK_DIR [--steps 50] [--models resnet18,mobilenet_v3_small,vit] [--configs ...]
-             [--timing-rounds 5] [--markdown table.md] [--curves curves.dat]
+             [--timing-rounds 5] [--markdown table.md] [--plot curves.png]
 
 Checks, for each model and configuration (exit 1 on the first failure, after the table):
 - O0 with SGD runs the same ATen ops on both sides: every loss and every final weight bitwise equal;
@@ -18,6 +18,7 @@ import argparse
 import csv
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -71,6 +72,32 @@ def run_cpp(binary, work, model, level, dtype, optimizer, steps, tag):
     return prefix, fields
 
 
+def plot(curves, png):
+    """One panel per model: each AdamW run's loss per step, C++ as lines and Python as points."""
+    data, script = png + ".dat", png + ".gp"
+    models = []
+    with open(data, "w") as f:
+        for block, (name, cpp_loss, py_loss) in enumerate(curves):
+            f.write(f"# {name}\n" + "".join(f"{k} {a!r} {b!r}\n" for k, (a, b) in enumerate(zip(cpp_loss, py_loss))))
+            f.write("\n\n")
+            if name.split()[0] not in models:
+                models.append(name.split()[0])
+    with open(script, "w") as f:
+        f.write(f"set terminal pngcairo size 1500,480 noenhanced\nset output '{png}'\n"
+                f"set multiplot layout 1,{len(models)}\nset xlabel 'step'\nset ylabel 'cross-entropy'\n"
+                "set key top right font ',8'\n")
+        for model in models:
+            runs = [(i, name) for i, (name, _, _) in enumerate(curves) if name.startswith(model + " ") and
+                    name.endswith(" adamw")]
+            f.write(f"set title '{model}: AdamW, C++ (lines) and Python (points)'\nplot " + ", ".join(
+                f"'{data}' index {i} using 1:2 with lines lc {k + 1} title '{' '.join(name.split()[1:3])}', "
+                f"'{data}' index {i} using 1:3 with points pt 7 ps 0.4 lc {k + 1} notitle"
+                for k, (i, name) in enumerate(runs)) + "\n")
+        f.write("unset multiplot\n")
+    ok = subprocess.run(["gnuplot", script]).returncode == 0 if shutil.which("gnuplot") else False
+    print(f"loss curves: {png}" if ok else f"gnuplot failed or is missing; the curves are in {data}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("binary")
@@ -80,7 +107,7 @@ def main():
     parser.add_argument("--configs", default="all", help='all, or comma-separated LEVEL:DTYPE:OPTIMIZER')
     parser.add_argument("--timing-rounds", type=int, default=1, help="alternating C++ / Python runs timed (median)")
     parser.add_argument("--markdown", help="write the table here")
-    parser.add_argument("--curves", help="write step and every run's loss here (gnuplot data, one block per run)")
+    parser.add_argument("--plot", help="draw the AdamW runs' loss curves, C++ against Python, into this PNG (gnuplot)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.makedirs(args.work, exist_ok=True)
@@ -139,32 +166,28 @@ def main():
                     problems.append(f"running statistics '{k}' changed (C++ or Python)")
                     break
             py_skipped = sum(1 for i in range(1, len(py_scale)) if py_scale[i] < py_scale[i - 1])
-            rows.append((name, cpp_loss[-1], py_loss[-1], gap, spread, statistics.median(cpp_ms),
+            bitwise = all(torch.equal(cpp_weights[k], v) for k, v in py_weights.items())
+            rows.append((name, cpp_loss[-1], py_loss[-1], gap, spread, bitwise, statistics.median(cpp_ms),
                          statistics.median(py_ms), cpp["mib"], cpp["skipped"], py_skipped))
             curves.append((name, cpp_loss, py_loss))
             status = "ok" if not problems else "FAIL: " + "; ".join(problems)
             print(f"{name}: C++ {cpp_loss[-1]:.6f} Python {py_loss[-1]:.6f} after {args.steps} steps, gap {gap:.3g} "
                   f"(Python's own spread {spread:.3g}), {cpp['skipped']} skipped: {status}", flush=True)
             failures += [f"{name}: {p}" for p in problems]
-    table = ["| model, level, dtype, optimizer | C++ loss | Python loss | max gap C++ - Python | max gap Python - Python "
-             "(halves) | C++ ms/step | Python ms/step | C++ / Python | C++ peak tensor MiB | skipped C++ / Python |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, cl, pl, gap, spread, cms, pms, mib, cs, ps in rows:
-        table.append(f"| {name} | {cl:.4f} | {pl:.4f} | {gap:.2g} | {spread:.2g} | {cms:.1f} | {pms:.1f} | "
-                     f"{cms / pms:.2f} | {mib:.1f} | {cs} / {ps} |")
+    table = [f"| model, level, dtype, optimizer | C++ loss | Python loss | max gap C++ - Python | max gap Python - Python "
+             f"(halves) | weights bitwise Python's | C++ ms/step | Python ms/step | C++ / Python | C++ peak tensor MiB | "
+             f"skipped C++ / Python |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, cl, pl, gap, spread, bitwise, cms, pms, mib, cs, ps in rows:
+        table.append(f"| {name} | {cl:.4f} | {pl:.4f} | {gap:.2g} | {spread:.2g} | {'yes' if bitwise else 'no'} | "
+                     f"{cms:.1f} | {pms:.1f} | {cms / pms:.2f} | {mib:.1f} | {cs} / {ps} |")
     if refusals:
         table += ["", "Refused by amp, with the reason it gives:", ""] + [f"- {r}" for r in refusals]
     print("\n" + "\n".join(table))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(table) + "\n")
-    if args.curves:
-        with open(args.curves, "w") as f:
-            for name, cpp_loss, py_loss in curves:
-                f.write(f'# "{name}"\n')
-                for step, (a, b) in enumerate(zip(cpp_loss, py_loss)):
-                    f.write(f"{step} {a!r} {b!r}\n")
-                f.write("\n\n")
+    if args.plot:
+        plot(curves, args.plot)
     if failures:
         print("\n" + "\n".join("FAIL: " + f for f in failures))
         return 1

@@ -8,7 +8,8 @@ torch.jit.script for the C++ program to fine-tune, and the Python runs it is com
   torchvision_models.py reference DIR MODEL LEVEL DTYPE OPTIMIZER STEPS OUT_PREFIX [--micro-batches 2]
       trains DIR/MODEL.pt's weights in Python as the C++ program does (the same data, batches and optimizer, BatchNorm
       frozen) at LEVEL: O0 (fp32), O1 (torch.autocast + GradScaler), O2 (Apex's O2: the model in DTYPE but BatchNorm,
-      fp32 master weights, dynamic loss scaling) or O3 (everything in DTYPE, torch.optim on it); writes
+      fp32 master weights, dynamic loss scaling) or O3 (the model in DTYPE but its frozen BatchNorm, which amp keeps
+      in fp32 at every level, torch.optim on it); writes
       OUT_PREFIX.csv (step,loss,loss_scale) and OUT_PREFIX.pt (the final fp32 weights, torch.save of a state dict).
       --micro-batches 2: each batch as two halves whose gradients add up (the same sum, another order of operations:
       how far two equally valid Python runs drift apart).
@@ -147,6 +148,19 @@ def batch_of(step, n):
     return torch.arange(step * BATCH, step * BATCH + BATCH) % n
 
 
+def cast_all_but_batchnorm(model, dtype):
+    """Every floating parameter and buffer to `dtype` but BatchNorm's (the same Parameter objects, as an optimizer
+    built on them expects)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            continue
+        for p in m.parameters(recurse=False):
+            p.data = p.data.to(dtype)
+        for name, b in m.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(m, name, b.to(dtype))
+
+
 class ApexO2:
     """Apex's O2 in a few lines: the model in `dtype` but BatchNorm, fp32 masters the optimizer steps, inputs cast,
     the loss scaled dynamically (init 2^16, halved on an overflow and the step skipped, doubled after 2000 clean
@@ -156,13 +170,7 @@ class ApexO2:
     def __init__(self, model, dtype, make_optimizer):
         self.model, self.dtype = model, dtype
         originals = {id(p): p.detach().clone() for p in model.parameters()}
-        for m in model.modules():
-            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
-                for p in m.parameters(recurse=False):
-                    p.data = p.data.to(dtype)
-                for b_name, b in m.named_buffers(recurse=False):
-                    if b.is_floating_point():
-                        setattr(m, b_name, b.to(dtype))
+        cast_all_but_batchnorm(model, dtype)
         self.pairs = [(p, originals[id(p)]) for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer([master for _, master in self.pairs])
         self.scale, self.clean = 65536.0, 0
@@ -208,7 +216,7 @@ def reference(args):
     if args.level == "O2":
         apex = ApexO2(model, dtype, make_optimizer)
     elif args.level == "O3":
-        model.to(dtype)
+        cast_all_but_batchnorm(model, dtype)  # frozen BatchNorm stays fp32 at every level in amp (docs/batchnorm.md)
         optimizer = make_optimizer(trainable)
     else:
         optimizer = make_optimizer(trainable)

@@ -11,12 +11,19 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "amp/loss_scaler.h"
 #include "amp/overflow_report.h"
 #include "amp/properties.h"
+
+namespace torch::optim {
+class Adam;
+class AdamW;
+class SGD;
+}  // namespace torch::optim
 
 namespace amp::detail {
 class FoundInf;
@@ -35,6 +42,12 @@ class OptimizerBase;
 class GraphCaptureGuard;
 
 namespace detail {
+/// torch::optim::SGD's / Adam's / AdamW's (decoupled) step as Python's torch.optim computes it, where some parameter
+/// is bf16 or fp16 (NOTE [LibTorch's optimizers on low-precision parameters] in src/optim/python_steps.cpp); false,
+/// stepping nothing, where all are fp32.
+bool step_sgd_as_python(torch::optim::Optimizer& sgd);
+bool step_adam_as_python(torch::optim::Optimizer& adam, bool decoupled);
+
 /// Gives `optimizer` its training features (NOTE [Training features], src/features/registry.cpp), once it has
 /// attached to `modules`.
 void attach_features(OptimizerBase& optimizer, const std::vector<torch::nn::Module*>& modules);
@@ -231,7 +244,14 @@ class Optimizer : public Opt, public OptimizerBase {
     const StepPlan plan = begin_step();
     if (plan == StepPlan::kSkip) return {};
     torch::Tensor loss;
-    run_own(OwnCall::kStep, [&] { loss = Opt::step(nullptr); });
+    run_own(OwnCall::kStep, [&] {
+      if constexpr (std::is_same_v<Opt, torch::optim::SGD>) {
+        if (detail::step_sgd_as_python(*this)) return;
+      } else if constexpr (std::is_same_v<Opt, torch::optim::Adam> || std::is_same_v<Opt, torch::optim::AdamW>) {
+        if (detail::step_adam_as_python(*this, std::is_same_v<Opt, torch::optim::AdamW>)) return;
+      }
+      loss = Opt::step(nullptr);
+    });
     if (plan == StepPlan::kSkipInside) {
       end_skipped_step();
       return {};

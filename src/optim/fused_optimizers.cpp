@@ -21,6 +21,7 @@
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
 #include "optim/optimizer_state_key.h"
+#include "optim/python_steps.h"
 
 // ATen's fused optimizer kernels with CPU implementations (and _fused_sgd_) arrived in LibTorch 2.4.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
@@ -184,12 +185,20 @@ void check_adam_options(const Options& o, const char* name, size_t group) {
               group, "; use weight_decay >= 0.");
 }
 
-// LibTorch's Adam / AdamW step for one parameter, op for op (the route for what amp's loop does not take).
+// LibTorch's Adam / AdamW step for one parameter, op for op (the route for what amp's loop does not take); on bf16 /
+// fp16 parameters Python's, as amp::Optimizer steps LibTorch's Adam there (NOTE [LibTorch's optimizers on
+// low-precision parameters] in python_steps.cpp).
 template <class Options, class State>
 void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o, bool decoupled,
                  const std::optional<double>& grad_scale) {
   if (grad_scale) grad.mul_(inverse_scale(grad_scale));  // unscaled in place, as ATen's fused kernels leave it
   const auto [beta1, beta2] = o.betas();
+  if (p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf) {
+    auto exp_avg = state.exp_avg(), exp_avg_sq = state.exp_avg_sq(), max_exp_avg_sq = state.max_exp_avg_sq();
+    amp::detail::adam_step_as_python(p, grad, exp_avg, exp_avg_sq, o.amsgrad() ? &max_exp_avg_sq : nullptr,
+                                     state.step(), {o.lr(), beta1, beta2, o.weight_decay(), o.eps(), decoupled});
+    return;
+  }
   const double bias_correction1 = 1 - std::pow(beta1, state.step());
   const double bias_correction2 = 1 - std::pow(beta2, state.step());
   if (decoupled && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
@@ -468,7 +477,8 @@ void check_sgd_options(const torch::optim::SGDOptions& o, size_t group) {
               "; Nesterov momentum requires a momentum and zero dampening.");
 }
 
-// LibTorch's SGD step for one parameter, op for op.
+// LibTorch's SGD step for one parameter, op for op, but for the momentum multiplied as Python does (the same bits on
+// fp32; on bf16 / fp16 Python's: NOTE [LibTorch's optimizers on low-precision parameters] in python_steps.cpp).
 void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamState* state, bool first,
                 const torch::optim::SGDOptions& o, const std::optional<double>& grad_scale) {
   if (grad_scale) grad.mul_(inverse_scale(grad_scale));  // unscaled in place, as ATen's fused kernels leave it
@@ -481,7 +491,7 @@ void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamSta
       state->momentum_buffer(buf);
     } else {
       buf = state->momentum_buffer();
-      buf.mul_(o.momentum()).add_(d_p, 1 - o.dampening());
+      buf.mul_(amp::detail::python_number(o.momentum())).add_(d_p, 1 - o.dampening());
     }
     d_p = o.nesterov() ? d_p.add(buf, o.momentum()) : buf;
   }

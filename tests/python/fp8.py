@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpp_sgd import CppSGD
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAXIMA = {E4M3: 448.0, E5M2: 57344.0}
@@ -222,13 +221,13 @@ TRAIN_CASES = {
 
 
 def train_o2(model, forward, xs, ys, steps, end_step):
-    """amp's O2 with bfloat16 as amp_test::train_step takes it: fp32 masters stepped by LibTorch's SGD, a dynamic
+    """amp's O2 with bfloat16 as amp_test::train_step takes it: fp32 masters stepped by SGD (LibTorch's and Python's agree on fp32), a dynamic
     loss scale starting at SCALE; `end_step(taken)` after each step. Returns the losses and the masters."""
     params = list(model.named_parameters())
     masters = {n: p.detach().clone().requires_grad_(True) for n, p in params}
     for _, p in params:
         p.data = p.data.to(BF16)
-    opt = CppSGD([masters[n] for n, _ in params], LR, MOMENTUM)
+    opt = torch.optim.SGD([masters[n] for n, _ in params], lr=LR, momentum=MOMENTUM)
     losses = []
     scale = SCALE
     for step in range(steps):

@@ -17,7 +17,8 @@ after STEPS steps (Python state_dict order; O2's fp32 masters) and the losses, o
 Python scripted, with BatchNorm frozen, each level written out as its own loop: O0 fp32; O1 torch.autocast + a
 dynamic loss scale (65536, halved and the step skipped on inf/NaN); O2 model in low precision but BatchNorm, fp32
 master weights, inputs cast, logits cast to fp32; O3 everything in low precision but the frozen BatchNorm, loss
-scale 1. The optimizer is LibTorch's SGD written op for op (CppSGD), since Python's differs at O3.
+scale 1. The optimizer is Python's torch.optim.SGD: amp steps LibTorch's SGD as Python's on bf16/fp16 parameters
+(NOTE [LibTorch's optimizers on low-precision parameters] in src/optim/python_steps.cpp).
 """
 import copy
 import os
@@ -27,7 +28,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpp_sgd import CppSGD
 
 STEPS = 4
 LR = 0.05
@@ -145,7 +145,7 @@ def train_reference(model, x, y, level, dtype, bn_params):
         step_params = [p for _, p in params]
     else:
         step_params = [p for _, p in params]
-    opt = CppSGD(step_params, LR, MOMENTUM)
+    opt = torch.optim.SGD(step_params, lr=LR, momentum=MOMENTUM)
     for _ in range(STEPS):
         opt.zero_grad()
         for _, p in params:
