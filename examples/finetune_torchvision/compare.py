@@ -31,6 +31,7 @@ import torchvision_models as tvm  # noqa: E402
 # (level, dtype, optimizer): what the C++ program runs and Python emulates
 ALL_CONFIGS = [(level, dtype, optimizer) for level in ("O0", "O1", "O2", "O3") for dtype in ("bfloat16", "float16")
                for optimizer in ("sgd", "adamw") if not (level == "O0" and dtype == "float16")]
+ALL_CONFIGS = [(level, "float32" if level == "O0" else dtype, optimizer) for level, dtype, optimizer in ALL_CONFIGS]
 
 
 def parse_config(text):
@@ -62,6 +63,8 @@ def run_cpp(binary, work, model, level, dtype, optimizer, steps, tag):
         raise SystemExit(f"FAIL: {' '.join(command)} exited {out.returncode}:\n{out.stdout}{out.stderr}")
     fields = {}
     for line in out.stdout.splitlines():
+        if ", LibTorch " in line:
+            fields["libtorch"] = line.split(", LibTorch ")[-1].strip()
         if line.startswith("fine-tuned at"):
             fields["ms"] = float(line.split(" ms/step")[0].split()[-1])
             fields["mib"] = float(line.split(" MiB")[0].split()[-1])
@@ -105,6 +108,7 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--models", default=",".join(tvm.MODELS))
     parser.add_argument("--configs", default="all", help='all, or comma-separated LEVEL:DTYPE:OPTIMIZER')
+    parser.add_argument("--pretrain-steps", type=int, default=30, help="Python's pretraining, when WORK_DIR has no models")
     parser.add_argument("--timing-rounds", type=int, default=1, help="alternating C++ / Python runs timed (median)")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--plot", help="draw the AdamW runs' loss curves, C++ against Python, into this PNG (gnuplot)")
@@ -112,7 +116,7 @@ def main():
     torch.set_num_threads(1)
     os.makedirs(args.work, exist_ok=True)
     if not all(os.path.exists(os.path.join(args.work, f)) for f in ("data.pt", *(f"{m}.pt" for m in tvm.MODELS))):
-        tvm.prepare(argparse.Namespace(dir=args.work, pretrain_steps=30))
+        tvm.prepare(argparse.Namespace(dir=args.work, pretrain_steps=args.pretrain_steps))
     configs = ALL_CONFIGS if args.configs == "all" else [parse_config(c) for c in args.configs.split(",")]
     failures, rows, curves, refusals = [], [], [], []
     for model in args.models.split(","):
@@ -124,6 +128,10 @@ def main():
             ref = os.path.join(args.work, f"py_{model}_{level}_{dtype}_{optimizer}")
             for r in range(args.timing_rounds):
                 prefix, cpp = run_cpp(args.binary, args.work, model, level, dtype, optimizer, args.steps, "")
+                if cpp.get("libtorch", torch.__version__).split("+")[0] != torch.__version__.split("+")[0]:
+                    print(f"skipped: the program runs LibTorch {cpp['libtorch']}, Python torch {torch.__version__}: "
+                          "the same ops need the same build")
+                    return 77
                 py_ms.append(tvm.reference(argparse.Namespace(dir=args.work, model=model, level=level, dtype=dtype,
                                                               optimizer=optimizer, steps=args.steps, out=ref,
                                                               micro_batches=1)))

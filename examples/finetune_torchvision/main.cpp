@@ -12,6 +12,7 @@
 #include <amp/amp.h>
 #include <torch/script.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <cstdio>
@@ -119,8 +120,8 @@ int main(int argc, char** argv) {
     torch::jit::Module net = torch::jit::load(model_path);
     amp::freeze_batchnorm(net);  // eval mode, no gradients; amp::Model::train() keeps them so
     if (lr == 0.0) lr = optimizer_name.find("sgd") != std::string::npos ? 0.002 : 3e-4;
-    std::printf("%s: %lld images, %s (lr %g)\n", model_path.c_str(), static_cast<long long>(images.size(0)),
-                optimizer_name.c_str(), lr);
+    std::printf("%s: %lld images, %s (lr %g), LibTorch %s\n", model_path.c_str(),
+                static_cast<long long>(images.size(0)), optimizer_name.c_str(), lr, TORCH_VERSION);
     return with_optimizer(optimizer_name, amp::parameters(net), lr, [&](auto optimizer) {
       return fine_tune(net, std::move(optimizer), *options, images, labels, steps, batch, loss_log, out_path);
     });

@@ -204,7 +204,7 @@ def reference(args):
     model = load(args.dir, args.model)
     model.train()
     frozen_batchnorm(model)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
 
     def make_optimizer(params):
         if args.optimizer == "sgd":
