@@ -2,6 +2,7 @@
 // (test_grad_scaling_autocast with SGD/Adam/AdamW, _clipping, _accumulation, _multiple) in Apex's terms
 // (init 2^16, halve on overflow) and Apex's test_multiple_models_optimizers_losses for one model,
 // two losses and one optimizer.
+#include "optim/optimizer_state_key.h"
 #include "support/models.h"
 #include "support/support.h"
 
@@ -292,7 +293,7 @@ std::vector<torch::Tensor> five_o3_steps(c10::ScalarType dtype, const Options& o
     for (auto& p : net->parameters()) p.mutable_grad() = (torch::randn(p.sizes()) * 0.01).to(dtype);
     optimizer.step();
   }
-  const auto& state = optimizer.state().at(net->weight.unsafeGetTensorImpl());
+  const auto& state = optimizer.state().at(amp::detail::state_key(optimizer.state(), net->weight));
   if constexpr (std::is_same_v<Opt, torch::optim::SGD>) {
     *state_out = static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer();
   } else {

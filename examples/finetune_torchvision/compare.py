@@ -16,6 +16,7 @@ Checks, for each model and configuration (exit 1 on the first failure, after the
 """
 import argparse
 import csv
+import math
 import os
 import statistics
 import shutil
@@ -32,6 +33,19 @@ import torchvision_models as tvm  # noqa: E402
 ALL_CONFIGS = [(level, dtype, optimizer) for level in ("O0", "O1", "O2", "O3") for dtype in ("bfloat16", "float16")
                for optimizer in ("sgd", "adamw") if not (level == "O0" and dtype == "float16")]
 ALL_CONFIGS = [(level, "float32" if level == "O0" else dtype, optimizer) for level, dtype, optimizer in ALL_CONFIGS]
+
+
+def loss_gap(a, b):
+    """The largest |a[k] - b[k]|; steps where both are NaN agree (a run that diverged on both sides alike), a NaN on
+    one side only is an infinite gap."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if math.isnan(x) or math.isnan(y):
+            if not (math.isnan(x) and math.isnan(y)):
+                return math.inf
+            continue
+        worst = max(worst, abs(x - y))
+    return worst
 
 
 def parse_config(text):
@@ -149,13 +163,12 @@ def main():
             cpp_loss, cpp_scale = read_log(prefix + ".csv")
             py_loss, py_scale = read_log(ref + ".csv")
             py2_loss, _ = read_log(ref + "_halves.csv")
-            gap = max(abs(a - b) for a, b in zip(cpp_loss, py_loss))
-            spread = max(abs(a - b) for a, b in zip(py_loss, py2_loss))
+            gap, spread = loss_gap(cpp_loss, py_loss), loss_gap(py_loss, py2_loss)
             cpp_weights = torch.jit.load(prefix + ".pt").state_dict()
             py_weights = torch.load(ref + ".pt")
             problems = []
             if level == "O0" and optimizer == "sgd":
-                if cpp_loss != py_loss:
+                if gap != 0:
                     problems.append(f"losses differ from Python's (O0 SGD runs the same ops): largest gap {gap:.3g}")
                 differing = [k for k, v in py_weights.items() if not torch.equal(cpp_weights[k], v)]
                 if differing:

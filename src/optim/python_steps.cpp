@@ -19,6 +19,7 @@
 #include <cmath>
 
 #include "amp/optimizer.h"
+#include "optim/optimizer_state_key.h"
 #include "optim/python_steps.h"
 
 namespace amp::detail {
@@ -72,7 +73,7 @@ void adam_as_python(torch::optim::Optimizer& optimizer, bool decoupled) {
                                       options.weight_decay(), options.eps(), decoupled};
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      auto& slot = optimizer.state()[p.unsafeGetTensorImpl()];
+      auto& slot = optimizer.state()[state_key(optimizer.state(), p)];
       if (!slot) {
         auto state = std::make_unique<State>();
         state->step(0);
@@ -115,7 +116,7 @@ bool step_sgd_as_python(torch::optim::Optimizer& optimizer) {
       if (options.weight_decay() != 0) d_p = d_p.add(p.data(), options.weight_decay());
       if (options.momentum() != 0) {
         at::Tensor buf;
-        auto& slot = sgd.state()[p.unsafeGetTensorImpl()];
+        auto& slot = sgd.state()[state_key(sgd.state(), p)];
         if (!slot) {
           buf = d_p.clone().detach();
           auto state = std::make_unique<torch::optim::SGDParamState>();
