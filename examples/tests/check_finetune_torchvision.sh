@@ -17,5 +17,16 @@ rm -rf "$2" && mkdir -p "$2"
 # float16 convolutions take a slow path on CPUs (docs/real-models.md): resnet18 runs in bfloat16 only.
 "$python" -W ignore "$here/compare.py" "$1" "$2" --steps 3 --pretrain-steps 10 --models resnet18 \
   --configs O0:float32:sgd,O1:bfloat16:adamw,O2:bfloat16:sgd,O3:bfloat16:adamw
+# A mistyped optimizer, a missing --model or a step count of 0 is an error naming it and what to give instead.
+expect_error() {  # expect_error MESSAGE ARGS...
+  local message=$1 out
+  shift
+  if out=$("$@" 2>&1); then echo "FAIL: $* succeeded"; exit 1; fi
+  echo "$out" | grep -qF -- "$message" || { echo "FAIL: $* said: $out"; exit 1; }
+}
+expect_error "--optimizer 'adam' is not one of sgd, adamw, fused_sgd, fused_adamw" \
+  "$1" --model "$2/vit.pt" --data "$2/data.pt" --optimizer adam
+expect_error "give --model and --data" "$1" --data "$2/data.pt"
+expect_error "--steps (0) and --batch (16) must be at least 1" "$1" --model "$2/vit.pt" --data "$2/data.pt" --steps 0
 "$python" -W ignore "$here/compare.py" "$1" "$2" --steps 3 --models mobilenet_v3_small,vit \
   --configs O0:float32:sgd,O1:bfloat16:adamw,O2:float16:sgd,O3:bfloat16:adamw,O3:float16:adamw
