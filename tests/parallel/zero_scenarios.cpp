@@ -198,8 +198,10 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
         norms_close = norms_close && (finite ? std::abs(norms[0] - norms[1]) <= norm_bound * std::abs(norms[1]) + 1e-30
                                              : !std::isfinite(norms[0]));
       }
-      // O3 steps bf16 parameters with LibTorch's per-op arithmetic, whose vector body fuses multiply-adds that its
-      // scalar tail does not: where a slice ends decides which elements round which way (within a bf16 ulp).
+      // O3 steps bf16 parameters with per-op arithmetic (Python's: src/optim/python_steps.cpp), and ATen's
+      // p.add_(buf, alpha) fuses the multiply-add in its vector body but not in its scalar tail: where a slice ends
+      // decides which elements round which way, by a bf16 ulp, which relative to a tensor's largest value (what
+      // relative_diff measures) is at most 2^-7.
       const bool o3 = config.label.rfind("O3", 0) == 0;
       // FusedLAMB's norms are sums over the ranks' pieces in double (NOTE [Sharded LAMB]): equal to 1e-6, not bitwise.
       const bool lamb = config.optimizer == 4;
@@ -211,7 +213,7 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
       if (!o3 && (n == 2 || !fp32_grads)) {
         report(same, label + ": the sharded replica equals the unsharded one bit for bit after every step");
       }
-      const double bound = o3 ? 1.0 / 256 : n == 2 || !fp32_grads ? 0.0 : std::max(2.0 * spread, 1e-6);
+      const double bound = o3 ? 1.0 / 128 : n == 2 || !fp32_grads ? 0.0 : std::max(2.0 * spread, 1e-6);
       report(worst <= bound, label + ": parameters against the unsharded run",
              "worst relative " + str(worst) + ", the unsharded run reordered " + str(spread));
       report(same_scale && same_skips, label + ": the same loss scale and skipped steps",
