@@ -34,8 +34,8 @@ std::function<void()> OptimizerStateFeature::load(OptimizerBase& optimizer, torc
   const auto& opt = OptimizerAccess::torch_optimizer(optimizer);
   TORCH_CHECK(dynamic_cast<const optim::FusedOptimizer*>(&opt) && !dynamic_cast<const optim::FusedSGD*>(&opt), where,
               ": the checkpoint holds Adam's moments in optimizer_state_format ", to_string(saved), ", which only "
-              "amp's fused Adam, AdamW and LAMB read; this optimizer is ", c10::demangle(typeid(opt).name()),
-              ". Resume with amp::optim::FusedAdam, FusedAdamW or FusedLAMB.");
+              "amp's fused Adam, AdamW, LAMB and Muon read; this optimizer is ", c10::demangle(typeid(opt).name()),
+              ". Resume with amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon.");
   const std::shared_ptr<StateFormat> mine = OptimizerAccess::index(optimizer).state_format();
   if (!mine || mine->format() != saved) return nullptr;  // the moments convert at the next step (rounded to nearest)
   return [mine, seed = static_cast<uint64_t>(seed.toInt()), counter = static_cast<uint64_t>(counter.toInt())] {

@@ -204,6 +204,46 @@ OptimizerFormat fused_lamb() {
   return f;
 }
 
+// torch.optim.Muon (amp::optim::FusedMuon). flatten is amp's (torch refuses weights of more than 2 dimensions), not in
+// Python's state_dict: loading keeps the C++ optimizer's.
+OptimizerFormat muon() {
+  using amp::optim::FusedMuonOptions;
+  OptimizerFormat f;
+  f.python_class = "Muon";
+  f.marker_keys = {"ns_coefficients", "ns_steps"};
+  f.group_keys = {{"lr", GroupValue::kNumber}, {"weight_decay", GroupValue::kNumber},
+                  {"momentum", GroupValue::kNumber}, {"nesterov", GroupValue::kBool},
+                  {"ns_coefficients", GroupValue::kTriple}, {"eps", GroupValue::kNumber},
+                  {"ns_steps", GroupValue::kInt}, {"adjust_lr_fn", GroupValue::kName}};
+  f.names = {"original", "match_rms_adamw"};
+  f.state_fields = {{"momentum_buffer", ""}};
+  f.is = is<amp::optim::FusedMuon>;
+  f.read_group = [](const GroupOptions& o) -> Hyperparameters {
+    const auto& s = as<FusedMuonOptions>(o);
+    const auto& abc = s.ns_coefficients();
+    return {{"lr", s.lr()}, {"weight_decay", s.weight_decay()}, {"momentum", s.momentum()}, {"nesterov", s.nesterov()},
+            {"ns_coefficients0", abc.at(0)}, {"ns_coefficients1", abc.at(1)}, {"ns_coefficients2", abc.at(2)},
+            {"eps", s.eps()}, {"ns_steps", static_cast<double>(s.ns_steps())},
+            {"adjust_lr_fn", s.adjust_lr_fn() == "match_rms_adamw" ? 1.0 : 0.0}};
+  };
+  f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
+    as<FusedMuonOptions>(o).lr(h.at("lr")).weight_decay(h.at("weight_decay")).momentum(h.at("momentum"))
+        .nesterov(h.at("nesterov") != 0.0)
+        .ns_coefficients({h.at("ns_coefficients0"), h.at("ns_coefficients1"), h.at("ns_coefficients2")})
+        .eps(h.at("eps")).ns_steps(static_cast<int64_t>(h.at("ns_steps")))
+        .adjust_lr_fn(h.at("adjust_lr_fn") != 0.0 ? "match_rms_adamw" : "original");
+  };
+  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
+    return {{"momentum_buffer", as<amp::optim::FusedMuonParamState>(s).momentum_buffer()}};
+  };
+  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
+    auto state = std::make_unique<amp::optim::FusedMuonParamState>();
+    state->momentum_buffer(t.at("momentum_buffer"));
+    return state;
+  };
+  return f;
+}
+
 bool has(const c10::impl::GenericDict& group, const char* key) { return group.contains(c10::IValue(std::string(key))); }
 
 }  // namespace
@@ -216,6 +256,7 @@ const std::vector<OptimizerFormat>& optimizer_formats() {
       rmsprop(),
       adagrad(),
       fused_lamb(),
+      muon(),
   };
   return rows;
 }

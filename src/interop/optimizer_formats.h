@@ -17,13 +17,16 @@
 
 namespace amp::detail {
 
-/// A param group's hyperparameters by Python key: bools as 0/1, `betas` as "beta1" and "beta2".
+/// A param group's hyperparameters by Python key: bools as 0/1, `betas` as "beta1" and "beta2", a triple's as key0..2,
+/// a name as its index in OptimizerFormat::names.
 using Hyperparameters = std::map<std::string, double>;
 /// One parameter's state tensors by Python name (an undefined tensor: absent).
 using StateTensors = std::map<std::string, at::Tensor>;
 
-// A float, a bool, betas' (float, float), or a count written as an int once it is above 0 (Apex's per-group 'step').
-enum class GroupValue { kNumber, kBool, kPair, kCount };
+// A float, a bool, betas' (float, float), a count written as an int once it is above 0 (Apex's per-group 'step'),
+// three floats (Muon's ns_coefficients), an int always written (Muon's ns_steps), or one of OptimizerFormat::names
+// (None: the first; Muon's adjust_lr_fn).
+enum class GroupValue { kNumber, kBool, kPair, kCount, kTriple, kInt, kName };
 
 struct GroupField {
   const char* name;
@@ -49,6 +52,8 @@ struct OptimizerFormat {
   /// Keys Python writes that LibTorch has no option for, with the values amp writes (Python's defaults).
   std::vector<std::pair<const char*, c10::IValue>> python_only_keys;
   bool has_step = false;
+  /// The names a kName key takes (the first is what Python's None means).
+  std::vector<const char*> names;
   std::vector<StateField> state_fields;
 
   bool (*is)(const torch::optim::Optimizer&);

@@ -413,7 +413,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
 
   const detail::OptimizerFormat* format = detail::format_of(opt);
   TORCH_CHECK(format, m, "this optimizer is not one whose Python state_dict amp reads; amp reads ",
-              detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's).");
+              detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's, FusedMuon as torch.optim.Muon).");
   const std::string type_name = format->python_class;
   auto& groups = opt.param_groups();
   TORCH_CHECK(py_groups.size() == groups.size(), m, what, " has ", py_groups.size(), " param group(s), this optimizer has ",
@@ -446,24 +446,43 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
       }
       TORCH_CHECK(group.contains(c10::IValue(k)), m, group_what, " has no '", k, "', which ", type_name, " needs.");
       const c10::IValue& v = group.at(c10::IValue(k));
-      if (kind == detail::GroupValue::kPair) {
-        TORCH_CHECK(v.isTuple() || v.isList(), m, group_what, "['betas'] is ", type_of(v), ", not a pair of floats.");
+      if (kind == detail::GroupValue::kPair || kind == detail::GroupValue::kTriple) {
+        const size_t n = kind == detail::GroupValue::kPair ? 2 : 3;
+        const char* what_it_is = n == 2 ? "a pair of floats" : "a tuple of three floats";
+        TORCH_CHECK(v.isTuple() || v.isList(), m, group_what, "['", k, "'] is ", type_of(v), ", not ", what_it_is, ".");
         std::vector<c10::IValue> items;
         if (v.isTuple()) {
           items = v.toTupleRef().elements().vec();
         } else {
           for (const auto& x : v.toList()) items.push_back(x);
         }
-        TORCH_CHECK(items.size() == 2 && as_number(items[0]) && as_number(items[1]), m, group_what,
-                    "['betas'] is not a pair of floats.");
-        hyper[g]["beta1"] = *as_number(items[0]);  // the names read_group and write_group use
-        hyper[g]["beta2"] = *as_number(items[1]);
+        bool numbers = items.size() == n;
+        for (const auto& x : items) numbers = numbers && as_number(x).has_value();
+        TORCH_CHECK(numbers, m, group_what, "['", k, "'] is not ", what_it_is, ".");
+        for (size_t j = 0; j < n; ++j) {  // the names read_group and write_group use
+          hyper[g][n == 2 ? "beta" + std::to_string(j + 1) : k + std::to_string(j)] = *as_number(items[j]);
+        }
+      } else if (kind == detail::GroupValue::kName) {
+        std::string choices;
+        for (size_t j = 0; j < format->names.size(); ++j) choices += (j ? ", '" : "'") + std::string(format->names[j]) + "'";
+        if (v.isNone()) {
+          hyper[g][k] = 0.0;
+          continue;
+        }
+        TORCH_CHECK(v.isString(), m, group_what, "['", k, "'] is ", type_of(v), ", not None or one of ", choices, ".");
+        const auto it = std::find_if(format->names.begin(), format->names.end(),
+                                     [&](const char* name) { return v.toStringRef() == name; });
+        TORCH_CHECK(it != format->names.end(), m, group_what, "['", k, "'] is '", v.toStringRef(), "', which ",
+                    type_name, " does not have; it takes None or one of ", choices, ".");
+        hyper[g][k] = static_cast<double>(it - format->names.begin());
       } else {
         const auto number = as_number(v);
         TORCH_CHECK(number.has_value(), m, group_what, "['", k, "'] is ", type_of(v), ", not a number.");
         TORCH_CHECK(kind != detail::GroupValue::kCount ||
                         (*number >= 0 && std::floor(*number) == *number && *number < 9.2e18),
                     m, group_what, "['", k, "'] is ", detail::format_float(*number), ", not a step count.");
+        TORCH_CHECK(kind != detail::GroupValue::kInt || (std::floor(*number) == *number && std::abs(*number) < 9.2e18),
+                    m, group_what, "['", k, "'] is ", detail::format_float(*number), ", not an integer.");
         hyper[g][k] = *number;
       }
     }
@@ -587,7 +606,7 @@ void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimiz
 void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::Optimizer& opt) {
   const detail::OptimizerFormat* format = detail::format_of(opt);
   TORCH_CHECK(format, "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python state_dict amp "
-              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's).");
+              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's, FusedMuon as torch.optim.Muon).");
   auto& state = opt.state();
   c10::impl::GenericDict py_state(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList py_groups(c10::AnyType::get());
@@ -606,6 +625,13 @@ void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::O
         case detail::GroupValue::kPair:
           g.insert(key, c10::ivalue::Tuple::create(std::vector<c10::IValue>{h.at("beta1"), h.at("beta2")}));
           break;
+        case detail::GroupValue::kTriple: {
+          const std::string k = key;
+          g.insert(key, c10::ivalue::Tuple::create(std::vector<c10::IValue>{h.at(k + "0"), h.at(k + "1"), h.at(k + "2")}));
+          break;
+        }
+        case detail::GroupValue::kInt: g.insert(key, static_cast<int64_t>(h.at(key))); break;
+        case detail::GroupValue::kName: g.insert(key, std::string(format->names.at(static_cast<size_t>(h.at(key))))); break;
       }
     }
     for (const auto& [key, value] : format->python_only_keys) g.insert(key, value);

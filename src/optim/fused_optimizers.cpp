@@ -15,6 +15,7 @@
 #include "core/host_sync.h"
 #include "optim/cpu_optimizer_kernels.h"
 #include "optim/fused_route.h"
+#include "optim/fused_step.h"
 #include "optim/lean_masters.h"
 #include "optim/state_format.h"
 #include "scaling/device_scale.h"
@@ -50,6 +51,15 @@ namespace {
 
 using amp::detail::state_key;
 using detail::FusedRoute;
+using detail::bump;
+using detail::check_all;
+using detail::evaluate;
+using detail::format_for;
+using detail::LeanTable;
+using detail::StoredMoment;
+using detail::through_fp32;
+using detail::Work;
+using detail::work_for;
 namespace cpu = amp::detail::cpu;
 
 bool is_cpu_f32(const at::Tensor& t) {
@@ -99,55 +109,6 @@ void split(int64_t n, Update update) {
 cpu::ModelCopy offset(cpu::ModelCopy copy, int64_t begin) {
   if (copy.data) copy.data = static_cast<char*>(copy.data) + begin * (copy.dtype == cpu::Dtype::Float ? 4 : 2);
   return copy;
-}
-
-// A raw-pointer update is a write like any in-place op: version counters must say so (amp's masters,
-// autograd's saved-tensor checks and weight caches read them).
-void bump(at::TensorList written) {
-  for (const auto& t : written) {
-    if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
-  }
-}
-
-void check_dense(const at::Tensor& grad, const char* name, size_t group, size_t index) {
-  TORCH_CHECK(!grad.is_sparse(), name, " does not support sparse gradients (parameter ", index, " of param group ",
-              group, "). Build the layer with dense gradients (e.g. Embedding without sparse(true)).");
-}
-
-// Checks every group's options and every gradient before anything is updated, so an error leaves the
-// optimizer and the parameters as they were.
-template <class CheckOptions>
-void check_all(const torch::optim::Optimizer& opt, const char* name, CheckOptions check_options) {
-  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
-    const auto& group = opt.param_groups()[g];
-    check_options(group.options(), g);
-    for (size_t i = 0; i < group.params().size(); ++i) {
-      const at::Tensor& grad = group.params()[i].grad();
-      if (grad.defined()) check_dense(grad, name, g, i);
-    }
-  }
-}
-
-// What one parameter's update reads and writes: the parameter and its gradient, or, for a bfloat16 parameter with a
-// lean master, its rebuilt fp32 value and its gradient in fp32, stored back by finish() (NOTE [Lean masters]).
-// Optimizer state stays keyed by the parameter itself and is created like the fp32 value (fp32).
-struct Work {
-  at::Tensor param, grad;
-  std::shared_ptr<amp::detail::LeanMasters> lean;
-  size_t index = 0;
-  void finish() const {
-    if (lean) lean->store(index, param);
-  }
-};
-using LeanTable = std::shared_ptr<amp::detail::LeanMasters>;
-
-Work work_for(const at::Tensor& p, const LeanTable& lean) {
-  if (lean) {
-    if (auto found = amp::detail::find_lean(p); found && found->first == lean) {
-      return {lean->value(found->second), p.grad().to(at::kFloat), lean, found->second};
-    }
-  }
-  return {p, p.grad(), nullptr, 0};
 }
 
 // ATen's fused kernels take whole lists: parameters of one group are batched per (device, dtype, flag).
@@ -220,17 +181,6 @@ void adam_per_op(at::Tensor& p, at::Tensor grad, State& state, const Options& o,
 using amp::detail::Moment;
 using amp::detail::StateFormat;
 
-// The format a step stores moments in: the optimizer's, or LibTorch's fp32 for one used without amp::initialize.
-std::shared_ptr<StateFormat> format_for(const std::shared_ptr<StateFormat>& format) {
-  return format ? format : std::make_shared<StateFormat>(amp::OptimizerStateFormat::kFp32, 0);
-}
-
-struct StoredMoment {
-  at::Tensor* stored;
-  Moment moment;
-  int slot;  // its draws (StateFormat::draws)
-};
-
 // The CPU loops' views of `moments`, or nullopt where one is not on the CPU loop's route.
 std::optional<std::vector<cpu::StateView>> cpu_views(const std::vector<StoredMoment>& moments, const StateFormat& format,
                                                      const StateFormat::Place& place) {
@@ -250,18 +200,6 @@ void split_chunks(int64_t n, Update update) {
   at::parallel_for(0, chunks, 16, [&](int64_t c0, int64_t c1) {
     update(c0 * cpu::kStoredChunk, std::min(n, c1 * cpu::kStoredChunk));
   });
-}
-
-// Any other route: the moments decoded to fp32, `step` on them (the fp32 route's per-op arithmetic), encoded back.
-template <class Step>
-void through_fp32(const std::vector<StoredMoment>& moments, const at::Tensor& like, const StateFormat& format,
-                  const StateFormat::Place& place, Step step) {
-  std::vector<at::Tensor> values;
-  for (const auto& m : moments) values.push_back(amp::detail::decode_moment(*m.stored, like.sizes(), m.moment));
-  step(values);
-  for (size_t i = 0; i < moments.size(); ++i) {
-    amp::detail::encode_moment(values[i], *moments[i].stored, moments[i].moment, format.draws(place, moments[i].slot));
-  }
 }
 
 template <class Options, class State>
@@ -615,13 +553,6 @@ void lamb_stage1_any(const at::Tensor& p, const at::Tensor& grad, FusedLAMBParam
     float* vp = state.exp_avg_sq().data_ptr<float>();
     split(p.numel(), [&](int64_t b, int64_t n) { cpu::lamb_stage1(pp + b, gp + b, mp + b, vp + b, up + b, n, s); });
   }
-}
-
-// LibTorch's optimizers evaluate a closure with gradients on before stepping.
-torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
-  if (!closure) return {};
-  at::AutoGradMode enable_grad(true);
-  return closure();
 }
 
 }  // namespace

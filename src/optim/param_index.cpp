@@ -120,18 +120,19 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
   TORCH_CHECK(!lean_format || fused, where, ": master_weights_format ", to_string(properties.master_weights_format),
               " rebuilds each bf16 parameter's fp32 value inside the optimizer's step, which only amp's fused "
               "optimizers do; this optimizer is ", c10::demangle(typeid(opt).name()), ". Use "
-              "amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's), or "
-              "master_weights_format copy.");
+              "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon (same options as torch::optim's), "
+              "or master_weights_format copy.");
   const amp::OptimizerStateFormat state_format = properties.optimizer_state_format;
   if (state_format != amp::OptimizerStateFormat::kFp32) {
-    const bool adam_family = dynamic_cast<optim::FusedAdam*>(&opt) || dynamic_cast<optim::FusedAdamW*>(&opt) ||
-                             dynamic_cast<optim::FusedLAMB*>(&opt);
+    const bool stores_formats = dynamic_cast<optim::FusedAdam*>(&opt) || dynamic_cast<optim::FusedAdamW*>(&opt) ||
+                                dynamic_cast<optim::FusedLAMB*>(&opt) || dynamic_cast<optim::FusedMuon*>(&opt);
     TORCH_CHECK(!dynamic_cast<optim::FusedSGD*>(&opt), where, ": optimizer_state_format ", to_string(state_format),
                 " stores Adam's two moments; amp::optim::FusedSGD keeps one momentum buffer, which stays in the "
-                "parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW or FusedLAMB, or optimizer_state_format fp32.");
-    TORCH_CHECK(adam_family, where, ": optimizer_state_format ", to_string(state_format), " stores Adam's moments "
+                "parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or optimizer_state_format "
+                "fp32.");
+    TORCH_CHECK(stores_formats, where, ": optimizer_state_format ", to_string(state_format), " stores Adam's moments "
                 "inside amp's fused step; this optimizer is ", c10::demangle(typeid(opt).name()), ", whose step keeps "
-                "them in fp32. Use amp::optim::FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's "
+                "them in fp32. Use amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon (same options as torch::optim's "
                 "Adam and AdamW), or optimizer_state_format fp32.");
   }
 

@@ -34,6 +34,8 @@ void cast_state_to_float(torch::optim::OptimizerParamState& state, const std::st
     s->sum(to_float(s->sum()));
   } else if (auto* s = dynamic_cast<optim::FusedLAMBParamState*>(&state)) {
     s->exp_avg(to_float(s->exp_avg())).exp_avg_sq(to_float(s->exp_avg_sq()));
+  } else if (auto* s = dynamic_cast<optim::FusedMuonParamState*>(&state)) {
+    s->momentum_buffer(to_float(s->momentum_buffer()));
   } else {
     TORCH_CHECK(false, "amp::Optimizer: auto_fp32 moves parameter '", param, "' to fp32, but its optimizer state is a ",
                 c10::demangle(typeid(state).name()), ", which amp cannot cast with it. Use one of torch::optim's SGD, "

@@ -1,5 +1,5 @@
 #pragma once
-// How amp's fused Adam, AdamW and LAMB store Adam's moments (Options::optimizer_state_format).
+// How amp's fused Adam, AdamW, LAMB and Muon store their moments (Options::optimizer_state_format).
 //
 // NOTE [Optimizer state formats]
 // A moment is one tensor in the optimizer's state, whatever its format, so torch::save / torch::load, ZeRO's shards
@@ -36,7 +36,8 @@ namespace amp::detail {
 
 /// Which map an 8-bit moment takes: exp_avg the signed one, the squares (exp_avg_sq, max_exp_avg_sq) the unsigned.
 enum class Moment { kSigned, kUnsigned };
-/// The map of field `f` of state_fields() (exp_avg first: Adam's, AdamW's and FusedLAMB's order).
+/// The map of field `f` of state_fields() (exp_avg first: Adam's, AdamW's and FusedLAMB's order; FusedMuon's one
+/// momentum buffer is signed too).
 inline Moment moment_of_field(size_t f) { return f == 0 ? Moment::kSigned : Moment::kUnsigned; }
 
 /// torchao's create_dynamic_map(signed) as float32, computed with the same ATen ops (so the same values).

@@ -22,6 +22,8 @@ StateFields state_fields(torch::optim::OptimizerParamState& state) {
     f.step = &s->step();
   } else if (auto* s = dynamic_cast<amp::optim::FusedLAMBParamState*>(&state)) {
     f.tensors = {&s->exp_avg(), &s->exp_avg_sq()};
+  } else if (auto* s = dynamic_cast<amp::optim::FusedMuonParamState*>(&state)) {
+    f.tensors = {&s->momentum_buffer()};
   } else if (auto* s = dynamic_cast<torch::optim::AdagradParamState*>(&state)) {
     f.tensors = {&s->sum()};
     f.step = &s->step();
@@ -37,6 +39,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state_for(const torch::op
   if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return std::make_unique<torch::optim::AdamParamState>();
   if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return std::make_unique<torch::optim::AdamWParamState>();
   if (dynamic_cast<const amp::optim::FusedLAMB*>(&optimizer)) return std::make_unique<amp::optim::FusedLAMBParamState>();
+  if (dynamic_cast<const amp::optim::FusedMuon*>(&optimizer)) return std::make_unique<amp::optim::FusedMuonParamState>();
   return nullptr;
 }
 

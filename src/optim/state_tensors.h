@@ -1,6 +1,6 @@
 #pragma once
 // The tensors inside one parameter's optimizer state, for the state types amp knows (LibTorch's SGD, Adam, AdamW,
-// Adagrad, RMSprop and amp's FusedLAMB): what amp::state_bytes counts and what ZeRO slices and gathers.
+// Adagrad, RMSprop and amp's FusedLAMB and FusedMuon): what amp::state_bytes counts and what ZeRO slices and gathers.
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>

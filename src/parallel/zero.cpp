@@ -1089,6 +1089,9 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   TORCH_CHECK(amp::detail::new_state_for(opt), kShard, ": this optimizer type can't be sharded (its per-parameter "
               "state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB, or "
               "LibTorch's SGD, Adam or AdamW.");
+  TORCH_CHECK(!dynamic_cast<const amp::optim::FusedMuon*>(&opt), kShard, ": amp::optim::FusedMuon orthogonalizes "
+              "each whole gradient matrix, and ZeRO steps pieces of flattened tensors on each rank. Shard the other "
+              "optimizer of a Muon + AdamW pair and keep FusedMuon unsharded, or train without ZeRO.");
   TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": master_weights_format ",
               to_string(p.master_weights_format), " keeps each master's low bits beside its bfloat16 parameter; ZeRO "
               "shards fp32 masters (master_weights_format = copy).");

@@ -1,0 +1,98 @@
+#pragma once
+// What every fused optimizer's step does the same way (fused_optimizers.cpp, fused_muon.cpp): check everything
+// before writing anything, evaluate a closure, find what one parameter's update reads and writes (the parameter,
+// or a lean master's fp32 value), and run an update on moments held in a state format through fp32.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+#include "optim/lean_masters.h"
+#include "optim/state_format.h"
+
+namespace amp::optim::detail {
+
+inline void check_dense(const at::Tensor& grad, const char* name, size_t group, size_t index) {
+  TORCH_CHECK(!grad.is_sparse(), name, " does not support sparse gradients (parameter ", index, " of param group ",
+              group, "). Build the layer with dense gradients (e.g. Embedding without sparse(true)).");
+}
+
+// Checks every group's options and every gradient before anything is updated, so an error leaves the
+// optimizer and the parameters as they were.
+template <class CheckOptions>
+void check_all(const torch::optim::Optimizer& opt, const char* name, CheckOptions check_options) {
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    const auto& group = opt.param_groups()[g];
+    check_options(group.options(), g);
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& grad = group.params()[i].grad();
+      if (grad.defined()) check_dense(grad, name, g, i);
+    }
+  }
+}
+
+// LibTorch's optimizers evaluate a closure with gradients on before stepping.
+inline torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+// A raw-pointer update is a write like any in-place op: version counters must say so (amp's masters,
+// autograd's saved-tensor checks and weight caches read them).
+inline void bump(at::TensorList written) {
+  for (const auto& t : written) {
+    if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+// What one parameter's update reads and writes: the parameter and its gradient, or, for a bfloat16 parameter with a
+// lean master, its rebuilt fp32 value and its gradient in fp32, stored back by finish() (NOTE [Lean masters]).
+// Optimizer state stays keyed by the parameter itself and is created like the fp32 value (fp32).
+struct Work {
+  at::Tensor param, grad;
+  std::shared_ptr<amp::detail::LeanMasters> lean;
+  size_t index = 0;
+  void finish() const {
+    if (lean) lean->store(index, param);
+  }
+};
+using LeanTable = std::shared_ptr<amp::detail::LeanMasters>;
+
+inline Work work_for(const at::Tensor& p, const LeanTable& lean) {
+  if (lean) {
+    if (auto found = amp::detail::find_lean(p); found && found->first == lean) {
+      return {lean->value(found->second), p.grad().to(at::kFloat), lean, found->second};
+    }
+  }
+  return {p, p.grad(), nullptr, 0};
+}
+
+// The format a step stores moments in: the optimizer's, or LibTorch's fp32 for one used without amp::initialize.
+inline std::shared_ptr<amp::detail::StateFormat> format_for(const std::shared_ptr<amp::detail::StateFormat>& format) {
+  return format ? format : std::make_shared<amp::detail::StateFormat>(amp::OptimizerStateFormat::kFp32, 0);
+}
+
+struct StoredMoment {
+  at::Tensor* stored;
+  amp::detail::Moment moment;
+  int slot;  // its draws (StateFormat::draws)
+};
+
+// Any route but the CPU loops': the moments decoded to fp32, `step` on them (the fp32 route's per-op arithmetic),
+// encoded back.
+template <class Step>
+void through_fp32(const std::vector<StoredMoment>& moments, const at::Tensor& like, const amp::detail::StateFormat& format,
+                  const amp::detail::StateFormat::Place& place, Step step) {
+  std::vector<at::Tensor> values;
+  for (const auto& m : moments) values.push_back(amp::detail::decode_moment(*m.stored, like.sizes(), m.moment));
+  step(values);
+  for (size_t i = 0; i < moments.size(); ++i) {
+    amp::detail::encode_moment(values[i], *moments[i].stored, moments[i].moment, format.draws(place, moments[i].slot));
+  }
+}
+
+}  // namespace amp::optim::detail
