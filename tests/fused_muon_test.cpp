@@ -473,3 +473,44 @@ TEST(FusedMuonTest, ASkipOnlyTheDeviceKnowsChangesNothingAndWaitsForNothing) {
   const auto device_path = run(true), host_path = run(false);
   for (size_t i = 0; i < device_path.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(device_path[i], host_path[i])) << i;
 }
+
+TEST(FusedMuonTest, StepsUnderGraphCaptureGuardGiveTheHostPathsBits) {
+  // Under the guard (without a capture: the host code a capture records) the flag and the scale stay on the device
+  // and the host reads nothing; the result is the host path's, bit for bit (as GraphCaptureGuardTest for FusedAdamW).
+  struct Outcome {
+    std::vector<torch::Tensor> params;
+    double loss_scale = 0;
+    int64_t skipped = 0, syncs = -1;
+  };
+  auto run = [](bool guarded) {
+    auto pair = muon_pair();
+    auto [models, optimizers] = amp::initialize(
+        std::make_tuple(pair.net), std::make_tuple(std::move(pair.muon)),
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).growth_interval(3).verbosity(0));
+    auto& model = std::get<0>(models);
+    auto& muon = std::get<0>(optimizers);
+    const auto [x, y] = amp_test::blobs(32, 8, 4, 4);
+    amp_test::train_step(model, muon, x, y);  // the warm-up
+    Outcome out;
+    {
+      std::optional<amp::GraphCaptureGuard> capture;
+      if (guarded) capture.emplace(muon);
+      const int64_t before = amp::host_sync_count(muon);
+      for (const double factor : {1.0, std::numeric_limits<double>::infinity(), 1.0, 1.0, 1.0,
+                                  std::numeric_limits<double>::infinity(), 1.0}) {
+        amp_test::train_step(model, muon, x, y, amp_test::StepOptions().loss_factor(factor));
+      }
+      out.syncs = amp::host_sync_count(muon) - before;
+    }
+    for (const auto& p : model->parameters()) out.params.push_back(p.detach().clone());
+    out.loss_scale = amp::loss_scale(muon);
+    out.skipped = muon.skipped_steps();
+    return out;
+  };
+  const Outcome host = run(false), graph = run(true);
+  EXPECT_EQ(graph.syncs, 0);
+  EXPECT_EQ(host.skipped, 2);
+  EXPECT_EQ(graph.skipped, host.skipped);
+  EXPECT_EQ(graph.loss_scale, host.loss_scale);
+  for (size_t i = 0; i < host.params.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << i;
+}

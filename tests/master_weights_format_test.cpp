@@ -580,7 +580,7 @@ TEST(LeanFormatErrorsTest, InitializeRefusesOptimizersThatCannotRebuildTheValue)
   ASSERT_THROWS_WITH(amp::initialize(net, torch::optim::Adam(net->parameters()), lean_options(MasterWeights::kSplit)),
                      "amp::initialize: master_weights_format split rebuilds each bf16 parameter's fp32 value inside the "
                      "optimizer's step, which only amp's fused optimizers do; this optimizer is "
-                     "amp::Optimizer<torch::optim::Adam>. Use amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB");
+                     "amp::Optimizer<torch::optim::Adam>. Use amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon");
   EXPECT_EQ(net->parameters().front().scalar_type(), torch::kFloat) << "a refused initialize leaves the model as it was";
 }
 

@@ -772,7 +772,7 @@ TEST(PythonCheckpointTest, PlainOptimizersOfEveryKindRoundTrip) {
   PyNet net;
   torch::optim::LBFGS lbfgs(net->parameters());
   amp::PythonCheckpoint out;
-  ASSERT_THROWS_WITH(out.put_optimizer("optimizer", lbfgs), "amp writes SGD, Adam, AdamW, RMSprop and Adagrad");
+  ASSERT_THROWS_WITH(out.put_optimizer("optimizer", lbfgs), "amp writes SGD, Adam, AdamW, RMSprop, Adagrad and Muon");
   // Apex's amp.state_dict() is not a GradScaler's.
   PyNet apex_net;
   auto [apex_model, apex_optimizer] = amp::initialize(

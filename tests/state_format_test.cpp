@@ -786,14 +786,14 @@ TEST(StateFormatErrorsTest, OptimizersThatKeepFp32MomentsAreRefused) {
   ASSERT_THROWS_WITH(amp::initialize(net, torch::optim::Adam(net->parameters()), sf_options("O2", torch::kBFloat16, OptimizerStateFormat::k8Bit)),
                      "amp::initialize: optimizer_state_format 8bit stores Adam's moments inside amp's fused step; this "
                      "optimizer is amp::Optimizer<torch::optim::Adam>, whose step keeps them in fp32. Use "
-                     "amp::optim::FusedAdam, FusedAdamW or FusedLAMB (same options as torch::optim's Adam and AdamW), or "
-                     "optimizer_state_format fp32.");
+                     "amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon (same options as torch::optim's Adam and "
+                     "AdamW), or optimizer_state_format fp32.");
   EXPECT_EQ(net->parameters().front().scalar_type(), torch::kFloat) << "a refused initialize leaves the model as it was";
   ASSERT_THROWS_WITH(amp::initialize(net, amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.1)),
                                      sf_options("O0", torch::kBFloat16, OptimizerStateFormat::kBf16)),
                      "amp::initialize: optimizer_state_format bf16 stores Adam's two moments; amp::optim::FusedSGD keeps "
-                     "one momentum buffer, which stays in the parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW or "
-                     "FusedLAMB, or optimizer_state_format fp32.");
+                     "one momentum buffer, which stays in the parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW, "
+                     "FusedLAMB or FusedMuon, or optimizer_state_format fp32.");
 }
 
 TEST(StateFormatErrorsTest, ConfigKeyAndItsBadValue) {
@@ -826,8 +826,8 @@ TEST(StateFormatErrorsTest, EightBitArchivesNeedAFusedOptimizer) {
   std::stringstream copy(bytes.str());
   ASSERT_THROWS_WITH(torch::load(plain, copy),
                      "amp::Optimizer::load: the checkpoint holds Adam's moments in optimizer_state_format 8bit, which "
-                     "only amp's fused Adam, AdamW and LAMB read; this optimizer is amp::Optimizer<torch::optim::AdamW>. "
-                     "Resume with amp::optim::FusedAdam, FusedAdamW or FusedLAMB.");
+                     "only amp's fused Adam, AdamW, LAMB and Muon read; this optimizer is amp::Optimizer<torch::optim::AdamW>. "
+                     "Resume with amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon.");
   auto net3 = sf_net();
   auto [model3, fp32] = amp::initialize(net3, amp::optim::FusedAdamW(net3->parameters()), sf_options("O0", torch::kBFloat16, OptimizerStateFormat::kFp32));
   std::stringstream again(bytes.str());

@@ -14,9 +14,9 @@ namespace amp {
 /// torch::save read it there, each read waiting once (counted: amp::host_sync_count).
 ///
 /// It needs what capture needs, and throws naming what is missing: amp's fused optimizers with fp32 state and
-/// masters in the default format (FusedSGD, FusedAdam, FusedAdamW: FusedLAMB's step counts are host numbers), no
-/// feature that must see each overflow on the host (fp8, auto_fp32), no ZeRO sharding, and one eager step already
-/// taken (the warm-up creates the optimizer state and the loss scale on the device).
+/// masters in the default format (FusedSGD, FusedAdam, FusedAdamW, FusedMuon: FusedLAMB's step counts are host
+/// numbers), no feature that must see each overflow on the host (fp8, auto_fp32), no ZeRO sharding, and one eager step
+/// already taken (the warm-up creates the optimizer state and the loss scale on the device).
 ///
 /// Example:
 ///   for (int i = 0; i < 3; ++i) train_step();                   // warm-up, on a side stream

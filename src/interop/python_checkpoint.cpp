@@ -413,7 +413,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
 
   const detail::OptimizerFormat* format = detail::format_of(opt);
   TORCH_CHECK(format, m, "this optimizer is not one whose Python state_dict amp reads; amp reads ",
-              detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's, FusedMuon as torch.optim.Muon).");
+              detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's).");
   const std::string type_name = format->python_class;
   auto& groups = opt.param_groups();
   TORCH_CHECK(py_groups.size() == groups.size(), m, what, " has ", py_groups.size(), " param group(s), this optimizer has ",
@@ -606,7 +606,7 @@ void PythonCheckpoint::put_optimizer(std::string_view key, torch::optim::Optimiz
 void PythonCheckpoint::put_optimizer_state(std::string_view key, torch::optim::Optimizer& opt) {
   const detail::OptimizerFormat* format = detail::format_of(opt);
   TORCH_CHECK(format, "amp::PythonCheckpoint::put_optimizer: this optimizer is not one whose Python state_dict amp "
-              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's, FusedMuon as torch.optim.Muon).");
+              "writes; amp writes ", detail::optimizer_format_names(), " (and amp::optim's fused ones, FusedLAMB as Apex's).");
   auto& state = opt.state();
   c10::impl::GenericDict py_state(c10::IntType::get(), c10::AnyType::get());
   c10::impl::GenericList py_groups(c10::AnyType::get());

@@ -74,7 +74,7 @@ at::Tensor zeropower_via_newtonschulz(const at::Tensor& grad, const std::vector<
   at::Tensor x = grad.scalar_type() == at::kBFloat16 ? grad.clone() : grad.to(at::kBFloat16);
   const bool tall = grad.size(0) > grad.size(1);
   if (tall) x = x.t();
-  x.div_(at::clamp(at::linalg_vector_norm(x, 2), eps, std::nullopt));  // spectral norm at most 1
+  x.div_(at::clamp_min(at::linalg_vector_norm(x, 2), eps));  // spectral norm at most 1 (clamp(min=eps)'s kernel)
   for (int64_t i = 0; i < steps; ++i) {
     const at::Tensor gram = at::matmul(x, x.t());
     const at::Tensor gram_update = at::addmm(gram, gram, gram, /*beta=*/b, /*alpha=*/c);

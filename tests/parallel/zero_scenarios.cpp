@@ -569,6 +569,19 @@ void misuse(const ProcessGroup& group) {
   m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer3); });
   report(m.find("can't be sharded") != std::string::npos, "an optimizer type amp can't slice is refused", m);
 
+  // FusedMuon orthogonalizes whole matrices: refused, naming the Muon + AdamW split.
+  auto net_muon = make_mlp(3);
+  std::vector<torch::Tensor> matrices;
+  for (const auto& p : net_muon->parameters()) {
+    if (p.dim() == 2) matrices.push_back(p);
+  }
+  auto [model_muon, optimizer_muon] = amp::initialize(net_muon, amp::optim::FusedMuon(matrices), options);
+  auto ddp_muon = amp::parallel::make_distributed(model_muon, group);
+  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp_muon, optimizer_muon); });
+  report(m.find("FusedMuon orthogonalizes each whole gradient matrix") != std::string::npos &&
+             m.find("keep FusedMuon unsharded") != std::string::npos,
+         "FusedMuon is refused, naming the fix", m);
+
   // An optimizer that trains another model than the wrapper's.
   auto net4 = make_mlp(3);
   auto [model4, optimizer4] = amp::initialize(net4, amp::optim::FusedAdam(net4->parameters()), options);
