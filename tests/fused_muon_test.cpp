@@ -5,6 +5,7 @@
 // Ported from PyTorch's test/optim (test_optim.py's OptimizerInfo for Muon: the error inputs of
 // optim_error_inputs_func_muon, and the 2-D-only constraint); the numerics are compared with torch.optim.Muon itself.
 
+#include <ATen/Parallel.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
@@ -79,6 +80,18 @@ const torch::Tensor& momentum_of(FusedMuon& muon, const torch::Tensor& p) {
   return static_cast<FusedMuonParamState&>(*muon.state().at(amp::detail::state_key(muon.state(), p))).momentum_buffer();
 }
 
+// muon.py runs on one thread; the C++ side does too while alive (and gives the others theirs back).
+class OneThreadGuard {
+ public:
+  OneThreadGuard() : before_(at::get_num_threads()) { at::set_num_threads(1); }
+  ~OneThreadGuard() { at::set_num_threads(before_); }
+  OneThreadGuard(const OneThreadGuard&) = delete;
+  OneThreadGuard& operator=(const OneThreadGuard&) = delete;
+
+ private:
+  int before_;
+};
+
 bool muon_reference_usable(const amp::PythonCheckpoint& reference) {
   const std::string version = reference.get("torch_version").toStringRef();
   return version.substr(0, version.find('+')) == TORCH_VERSION;
@@ -90,7 +103,7 @@ TEST(FusedMuonPythonTest, EveryOptionIsTorchOptimMuonBitwise) {
   const amp::PythonCheckpoint* reference = muon_reference();
   if (reference == nullptr) GTEST_SKIP() << "needs Python with the torch wheel (AMP_PYTHON)";
   if (!muon_reference_usable(*reference)) GTEST_SKIP() << "Python's torch is not this build's";
-  at::set_num_threads(1);  // muon.py's
+  const OneThreadGuard one_thread;
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
     for (const std::string name : {"default", "plain_momentum", "match_rms_adamw", "custom", "holes", "groups"}) {
       // torch divides a bf16 parameter's buffer in place without nesterov (BufferOfBf16ParametersWithoutNesterov).
@@ -130,7 +143,7 @@ TEST(FusedMuonPythonTest, StateDictLoadsIntoTorchOptimMuonAndBack) {
   const amp::PythonCheckpoint* reference = muon_reference();
   ASSERT_NE(reference, nullptr);
   if (!muon_reference_usable(*reference)) GTEST_SKIP() << "Python's torch is not this build's";
-  at::set_num_threads(1);
+  const OneThreadGuard one_thread;
   // C++ takes 2 steps of the two-group case and writes torch.optim.Muon's state_dict; Python loads it and takes
   // steps 2-4; C++ reads Python's state_dict back. Every value equals the C++ run that never stopped.
   auto params = muon_params(torch::kFloat);
