@@ -86,6 +86,8 @@ int main(int argc, char** argv) {
   std::string tensorboard;
   bool resume = false;
   bool fused = false;
+  std::string optimizer_name = "sgd";
+  double muon_lr = 0.02;
   double clip_grad_norm = 0.0;
   int64_t hidden = 0;
   std::string resume_python;
@@ -100,6 +102,10 @@ int main(int argc, char** argv) {
       .add("resume", &resume, "load --checkpoint and continue from its epoch")
       .add("fused", &fused, "step with amp::optim::FusedSGD (Apex's FusedSGD: one pass per tensor) instead of "
            "torch::optim::SGD; the same numbers, faster")
+      .add("optimizer", &optimizer_name, "sgd (torch::optim::SGD), fused_sgd (amp::optim::FusedSGD, as --fused true) or "
+           "muon: amp::optim::FusedMuon on the conv and hidden weights (flattened to [out, rest]) with "
+           "amp::optim::FusedAdamW (lr --lr / 10) on BatchNorm, biases and the classifier, one loss")
+      .add("muon_lr", &muon_lr, "FusedMuon's initial learning rate with --optimizer muon, halved with --lr")
       .add("clip_grad_norm", &clip_grad_norm, "clip the gradients' total norm to this value after amp unscaled them "
            "(amp::clip_grad_norm_; the fp32 masters' at O2); 0: no clipping")
       .add("hidden", &hidden, "width of a hidden Linear layer before the classifier (0: none); fp8 needs one, a "
@@ -117,6 +123,19 @@ int main(int argc, char** argv) {
       std::ostringstream message;
       message << "train: --clip-grad-norm must be positive (or 0: no clipping), got " << clip_grad_norm;
       throw std::invalid_argument(message.str());
+    }
+    if (optimizer_name != "sgd" && optimizer_name != "fused_sgd" && optimizer_name != "muon") {
+      throw std::invalid_argument("train: --optimizer must be sgd, fused_sgd or muon, got '" + optimizer_name + "'");
+    }
+    if (fused && optimizer_name != "sgd" && optimizer_name != "fused_sgd") {
+      throw std::invalid_argument("train: --fused true steps FusedSGD, and --optimizer " + optimizer_name +
+                                  " asks for another; give one of them");
+    }
+    if (fused) optimizer_name = "fused_sgd";
+    if (optimizer_name == "muon" && clip_grad_norm > 0.0) {
+      throw std::invalid_argument("train: --clip-grad-norm clips one optimizer's gradients, and --optimizer muon "
+                                  "steps two (FusedMuon and FusedAdamW) on one loss; FusedMuon normalizes its update "
+                                  "anyway. Leave --clip-grad-norm 0 with muon");
     }
     if (resume && checkpoint.empty()) throw std::invalid_argument("train: --resume true needs --checkpoint FILE");
     if (resume && !resume_python.empty()) {
@@ -142,17 +161,39 @@ int main(int argc, char** argv) {
     if (hidden < 0) throw std::invalid_argument("train: --hidden must be 0 (no hidden layer) or a width, got " + std::to_string(hidden));
     DigitsNet net(hidden);
     const auto sgd_options = torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(1e-4);
-    // The rest is written once for either optimizer type (amp::initialize keeps the type).
-    auto train = [&](auto sgd) {
-      auto [model, optimizer] = amp::initialize(net, std::move(sgd), *options);
+    // The rest is written once for every optimizer choice (amp::initialize keeps the types): one optimizer, or
+    // Muon's two on one loss, which share the loss scale. The first is the checkpoints' "optimizer", the second
+    // "optimizer_1".
+    auto train = [&](auto... optimizers_in) {
+      auto [models, optimizers] = amp::initialize(std::make_tuple(net), std::make_tuple(std::move(optimizers_in)...),
+                                                  *options);
+      auto& model = std::get<0>(models);
+      auto& optimizer = std::get<0>(optimizers);
+      const std::vector<amp::OptimizerBase*> all =
+          std::apply([](auto&... o) { return std::vector<amp::OptimizerBase*>{&o...}; }, optimizers);
+      auto key_of = [](size_t i) { return i == 0 ? std::string("optimizer") : "optimizer_" + std::to_string(i); };
+      // Each group's initial learning rate, which the schedule halves every 2 epochs.
+      std::vector<std::vector<double>> initial_lr;
+      std::apply([&](auto&... o) {
+        (initial_lr.push_back([&] {
+          std::vector<double> out;
+          for (const auto& group : o.param_groups()) out.push_back(group.options().get_lr());
+          return out;
+        }()), ...);
+      }, optimizers);
       int start_epoch = 0;
       if (resume) {
-        torch::serialize::InputArchive archive, model_archive, optimizer_archive;
+        torch::serialize::InputArchive archive, model_archive;
         archive.load_from(checkpoint);
         archive.read("model", model_archive);
-        archive.read("optimizer", optimizer_archive);
         net->load(model_archive);
-        optimizer.load(optimizer_archive);  // state, fp32 masters and loss scalers
+        size_t i = 0;
+        auto load = [&](auto& o) {  // state, fp32 masters and loss scalers
+          torch::serialize::InputArchive one;
+          archive.read(key_of(i++), one);
+          o.load(one);
+        };
+        std::apply([&](auto&... o) { (load(o), ...); }, optimizers);
         c10::IValue epoch;
         archive.read("epoch", epoch);
         start_epoch = static_cast<int>(epoch.toInt());
@@ -161,7 +202,8 @@ int main(int argc, char** argv) {
       if (!resume_python.empty()) {  // the keys of torch.save({'model': ..., 'optimizer': ..., 'amp': ..., 'epoch': ...})
         const auto python = amp::PythonCheckpoint::load(resume_python);
         python.load_model(*model);
-        python.load_optimizer(optimizer);  // state (into the fp32 masters at O2) and hyperparameters
+        size_t i = 0;  // state (into the fp32 masters at O2) and hyperparameters
+        std::apply([&](auto&... o) { (python.load_optimizer(o, key_of(i++)), ...); }, optimizers);
         if (python.contains("amp")) {
           python.load_amp(optimizer, "amp");  // Apex's amp.state_dict()
         } else if (python.contains("scaler")) {
@@ -185,8 +227,14 @@ int main(int argc, char** argv) {
       for (int epoch = start_epoch; epoch < epochs; ++epoch) {
         // Apex main_amp's adjust_learning_rate, as a pure function of the epoch so that resuming needs
         // no scheduler state; the shuffle is seeded per epoch for the same reason.
-        const double epoch_lr = lr * std::pow(0.5, epoch / 2);
-        for (auto& group : optimizer.param_groups()) static_cast<torch::optim::SGDOptions&>(group.options()).lr(epoch_lr);
+        const double decay = std::pow(0.5, epoch / 2), epoch_lr = lr * decay;
+        size_t index = 0;
+        std::apply([&](auto&... o) {
+          auto set_lr = [&](auto& opt, const std::vector<double>& initial) {
+            for (size_t g = 0; g < initial.size(); ++g) opt.param_groups()[g].options().set_lr(initial[g] * decay);
+          };
+          (set_lr(o, initial_lr[index++]), ...);
+        }, optimizers);
         torch::manual_seed(static_cast<uint64_t>(seed) * 1000 + static_cast<uint64_t>(epoch));
         model.train();
         ProgressBar progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs), steps_per_epoch);
@@ -194,10 +242,10 @@ int main(int argc, char** argv) {
         // tensors' device: reading each step's norm back would cost a host sync per step on a GPU.
         torch::Tensor norm_sum = torch::zeros({}), norm_steps = torch::zeros({});
         for (auto& batch : *loader) {
-          optimizer.zero_grad();
+          std::apply([](auto&... o) { (o.zero_grad(), ...); }, optimizers);
           const torch::Tensor loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
           {
-            auto scaled_loss = amp::scale_loss(loss, optimizer);
+            auto scaled_loss = amp::scale_loss(loss, all);
             scaled_loss.backward();
           }
           if (clip_grad_norm > 0.0) {  // inf after an overflow: the step is skipped and nothing was clipped
@@ -206,7 +254,7 @@ int main(int argc, char** argv) {
             norm_sum = norm_sum + torch::where(finite, norm, torch::zeros_like(norm));
             norm_steps = norm_steps + finite.to(torch::kFloat);
           }
-          optimizer.step();
+          std::apply([](auto&... o) { (o.step(), ...); }, optimizers);
           progress.step(batch.data.size(0), loss.item<double>());
         }
         progress.finish();
@@ -247,25 +295,40 @@ int main(int argc, char** argv) {
           writer->flush();
         }
         if (!checkpoint.empty()) {
-          torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
+          torch::serialize::OutputArchive archive, model_archive;
           net->save(model_archive);
-          optimizer.save(optimizer_archive);
           archive.write("model", model_archive);
-          archive.write("optimizer", optimizer_archive);
+          size_t i = 0;
+          auto save = [&](auto& o) {
+            torch::serialize::OutputArchive one;
+            o.save(one);
+            archive.write(key_of(i++), one);
+          };
+          std::apply([&](auto&... o) { (save(o), ...); }, optimizers);
           archive.write("epoch", c10::IValue(static_cast<int64_t>(epoch + 1)));
           archive.save_to(checkpoint);
         }
         if (!save_python.empty()) {
           amp::PythonCheckpoint python;
           python.put_model("model", *model);  // fp32: the masters' values at O2
-          python.put_optimizer("optimizer", optimizer);
-          python.put_amp("amp", optimizer);
+          size_t i = 0;
+          std::apply([&](auto&... o) { (python.put_optimizer(key_of(i++), o), ...); }, optimizers);
+          python.put_amp("amp", optimizer);  // the loss scalers the optimizers share
           python.put("epoch", static_cast<int64_t>(epoch + 1));
           python.save(save_python);
         }
       }
     };
-    if (fused) {
+    if (optimizer_name == "muon") {
+      // The usual split: Muon for the weights of the hidden layers, AdamW for the rest (and the classifier).
+      std::vector<torch::Tensor> hidden_weights, rest;
+      for (const auto& item : net->named_parameters()) {
+        const bool hidden_weight = item.value().dim() >= 2 && item.key().rfind("fc.", 0) != 0;
+        (hidden_weight ? hidden_weights : rest).push_back(item.value());
+      }
+      train(amp::optim::FusedMuon(hidden_weights, amp::optim::FusedMuonOptions(muon_lr).weight_decay(0).flatten(true)),
+            amp::optim::FusedAdamW(rest, torch::optim::AdamWOptions(lr / 10).weight_decay(1e-4)));
+    } else if (optimizer_name == "fused_sgd") {
       train(amp::optim::FusedSGD(net->parameters(), sgd_options));
     } else {
       train(torch::optim::SGD(net->parameters(), sgd_options));
