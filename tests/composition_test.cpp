@@ -41,7 +41,8 @@ struct ComposeNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(ComposeNet);
 
-enum class ComposeOptimizer { kSgd, kFusedSgd, kFusedAdamW, kFusedLamb };
+// kFusedMuon: Muon's recipe, FusedMuon on the two weight matrices and FusedAdamW on the rest, on one loss.
+enum class ComposeOptimizer { kSgd, kFusedSgd, kFusedAdamW, kFusedLamb, kFusedMuon };
 
 // What a cell runs: options, the optimizer, and the step's extras.
 struct ComposeSetup {
@@ -89,6 +90,7 @@ std::vector<ComposeFeature> compose_features() {
       {"FusedSGD", optimizer(ComposeOptimizer::kFusedSgd)},
       {"FusedAdamW", optimizer(ComposeOptimizer::kFusedAdamW)},
       {"FusedLAMB", optimizer(ComposeOptimizer::kFusedLamb)},
+      {"FusedMuon", optimizer(ComposeOptimizer::kFusedMuon)},
       {"amp::checkpoint", [](ComposeSetup& s) { s.activation_checkpoint = true; }},
       {"Python checkpoint", [](ComposeSetup& s) { s.python_checkpoint = true; }},
   };
@@ -125,6 +127,13 @@ class ComposeRun {
       case ComposeOptimizer::kFusedLamb:
         init(amp::optim::FusedLAMB(params, amp::optim::FusedLAMBOptions(1e-2).eps(1e-4)));
         break;
+      case ComposeOptimizer::kFusedMuon: {
+        std::vector<torch::Tensor> matrices, rest;
+        for (const auto& p : params) (p.dim() == 2 ? matrices : rest).push_back(p);
+        init(amp::optim::FusedMuon(matrices, amp::optim::FusedMuonOptions(0.02)),
+             amp::optim::FusedAdamW(rest, torch::optim::AdamWOptions(1e-2).eps(1e-4)));
+        break;
+      }
     }
   }
 
@@ -136,8 +145,10 @@ class ComposeRun {
     torch::Tensor loss = (forward_(x).to(torch::kFloat) - target).pow(2).mean();
     const torch::Tensor reported = loss.detach().clone();
     if (overflow) loss = loss * std::numeric_limits<float>::infinity();
-    amp::scale_loss(loss, *base_).backward();
-    if (setup_.clip) amp::clip_grad_norm_(*base_, 1.0);
+    amp::scale_loss(loss, all_).backward();
+    if (setup_.clip) {
+      for (auto* o : all_) amp::clip_grad_norm_(*o, 1.0);
+    }
     step_();
     return reported;
   }
@@ -146,7 +157,7 @@ class ComposeRun {
     if (setup_.python_checkpoint) {
       amp::PythonCheckpoint out;
       out.put_model("model", *net_);
-      out.put_optimizer("optimizer", *base_);
+      for (size_t i = 0; i < all_.size(); ++i) out.put_optimizer("optimizer" + std::to_string(i), *all_[i]);
       out.put_amp("amp", *base_);
       out.save(python_file.string());
       return;
@@ -159,7 +170,7 @@ class ComposeRun {
     if (setup_.python_checkpoint) {
       const auto in = amp::PythonCheckpoint::load(python_file.string());
       in.load_model(*net_);
-      in.load_optimizer(*base_);
+      for (size_t i = 0; i < all_.size(); ++i) in.load_optimizer(*all_[i], "optimizer" + std::to_string(i));
       in.load_amp(*base_);
       return;
     }
@@ -175,23 +186,49 @@ class ComposeRun {
   amp::OptimizerBase& optimizer() { return *base_; }
 
  private:
-  template <class Opt>
-  void init(Opt optimizer) {
-    auto initialized = std::make_shared<amp::Initialized<ComposeNet, Opt>>(
-        amp::initialize(net_, std::move(optimizer), setup_.options));
+  // One optimizer, or several on one loss (their archives side by side in one).
+  template <class... Opts>
+  void init(Opts... optimizers) {
+    auto initialized = std::make_shared<decltype(amp::initialize(std::make_tuple(net_), std::make_tuple(std::move(optimizers)...),
+                                                                 setup_.options))>(
+        amp::initialize(std::make_tuple(net_), std::make_tuple(std::move(optimizers)...), setup_.options));
     holder_ = initialized;
-    base_ = &initialized->optimizer;
-    forward_ = [initialized](const torch::Tensor& x) { return initialized->model(x); };
-    zero_grad_ = [initialized] { initialized->optimizer.zero_grad(); };
-    step_ = [initialized] { initialized->optimizer.step(); };
-    save_ = [initialized](std::stringstream& s) { torch::save(initialized->optimizer, s); };
-    load_ = [initialized](std::stringstream& s) { torch::load(initialized->optimizer, s); };
+    auto& models = initialized->models;
+    auto& opts = initialized->optimizers;
+    all_ = std::apply([](auto&... o) { return std::vector<amp::OptimizerBase*>{&o...}; }, opts);
+    base_ = all_.front();
+    forward_ = [&model = std::get<0>(models)](const torch::Tensor& x) { return model(x); };
+    zero_grad_ = [&opts] { std::apply([](auto&... o) { (o.zero_grad(), ...); }, opts); };
+    step_ = [&opts] { std::apply([](auto&... o) { (o.step(), ...); }, opts); };
+    save_ = [&opts](std::stringstream& s) {
+      torch::serialize::OutputArchive archive;
+      size_t i = 0;
+      auto save_one = [&](auto& o) {
+        torch::serialize::OutputArchive one;
+        o.save(one);
+        archive.write("optimizer" + std::to_string(i++), one);
+      };
+      std::apply([&](auto&... o) { (save_one(o), ...); }, opts);
+      archive.save_to(s);
+    };
+    load_ = [&opts](std::stringstream& s) {
+      torch::serialize::InputArchive archive;
+      archive.load_from(s);
+      size_t i = 0;
+      auto load_one = [&](auto& o) {
+        torch::serialize::InputArchive one;
+        archive.read("optimizer" + std::to_string(i++), one);
+        o.load(one);
+      };
+      std::apply([&](auto&... o) { (load_one(o), ...); }, opts);
+    };
   }
 
   ComposeSetup setup_;
   ComposeNet net_{nullptr};
   std::shared_ptr<void> holder_;
   amp::OptimizerBase* base_ = nullptr;
+  std::vector<amp::OptimizerBase*> all_;
   std::function<torch::Tensor(const torch::Tensor&)> forward_;
   std::function<void()> zero_grad_, step_;
   std::function<void(std::stringstream&)> save_, load_;

@@ -241,7 +241,14 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
       } else {
         const StateFormat::Place place = format->place(key);
         detail::through_fp32({{&state.momentum_buffer(), Moment::kSigned, 0}}, p, *format, place,
-                             [&](std::vector<at::Tensor>& fp32) { muon_update(p, work.grad, fp32[0], o, found_inf); });
+                             [&](std::vector<at::Tensor>& fp32) {
+                               if (p.scalar_type() == at::kFloat) return muon_update(p, work.grad, fp32[0], o, found_inf);
+                               // O3's bf16/fp16 parameters beside decoded fp32 momentum: the update in fp32, rounded
+                               // to the parameter once.
+                               at::Tensor p32 = p.to(at::kFloat);
+                               muon_update(p32, work.grad.to(at::kFloat), fp32[0], o, found_inf);
+                               p.copy_(p32);
+                             });
       }
       if (const at::Tensor* copy = model_copy(p)) copy->copy_(p);
       work.finish();
