@@ -527,3 +527,41 @@ TEST(FusedMuonTest, StepsUnderGraphCaptureGuardGiveTheHostPathsBits) {
   EXPECT_EQ(graph.loss_scale, host.loss_scale);
   for (size_t i = 0; i < host.params.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << i;
 }
+
+TEST(FusedMuonTest, MomentumFormatsTrainAndSkipAtO2AndO3) {
+  // bf16 and 8-bit momentum through amp::initialize (fc2's 64 x 64 = 4096 values take 8-bit blocks; fc1's 64 x 8 stays
+  // in fp32): the pair trains, the buffers have the format's representation, and an overflow leaves them as they were.
+  const auto [x, y] = amp_test::blobs(64, 8, 4, 5);
+  for (const char* level : {"O2", "O3"}) {
+    for (const auto format : {amp::OptimizerStateFormat::kBf16, amp::OptimizerStateFormat::k8Bit}) {
+      SCOPED_TRACE(std::string(level) + " " + amp::to_string(format));
+      auto pair = muon_pair();
+      auto [models, optimizers] = amp::initialize(
+          std::make_tuple(pair.net), std::make_tuple(std::move(pair.muon), std::move(pair.adamw)),
+          amp::Options(level).low_precision_dtype(torch::kBFloat16).loss_scale(amp::LossScale::dynamic())
+              .optimizer_state_format(format).verbosity(0));
+      auto& model = std::get<0>(models);
+      auto& muon = std::get<0>(optimizers);
+      auto& adamw = std::get<1>(optimizers);
+      const double first = pair_step(model, muon, adamw, x, y);
+      double last = first;
+      for (int s = 0; s < 30; ++s) last = pair_step(model, muon, adamw, x, y);
+      EXPECT_LT(last, first * 0.5);
+      const auto& fc2_key = muon.param_groups()[0].params()[1];
+      const torch::Tensor& stored = momentum_of(muon, fc2_key);
+      EXPECT_EQ(stored.scalar_type(), format == amp::OptimizerStateFormat::kBf16 ? torch::kBFloat16 : torch::kByte);
+      std::vector<torch::Tensor> buffers, weights;
+      for (const auto& p : muon.param_groups()[0].params()) {
+        buffers.push_back(momentum_of(muon, p).clone());
+        weights.push_back(p.detach().clone());
+      }
+      pair_step(model, muon, adamw, x, y, std::numeric_limits<double>::infinity());
+      EXPECT_EQ(muon.skipped_steps(), 1);
+      const auto& params = muon.param_groups()[0].params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(amp_test::bitwise_equal(momentum_of(muon, params[i]), buffers[i])) << i;
+        EXPECT_TRUE(amp_test::bitwise_equal(params[i].detach(), weights[i])) << i;
+      }
+    }
+  }
+}
