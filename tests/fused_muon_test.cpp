@@ -457,13 +457,13 @@ TEST(FusedMuonTest, Bf16And8BitMomentumStepFromTheDecodedBuffer) {
 }
 
 TEST(FusedMuonTest, ASkipOnlyTheDeviceKnowsChangesNothingAndWaitsForNothing) {
-  // fp16 O2 with a dynamic scale, steps 0-4 with step 3 overflowing: no host sync in any step (Muon keeps no step
+  // O2 bf16 with a dynamic scale, steps 0-4 with step 3 overflowing: no host sync in any step (Muon keeps no step
   // count), the same values whether the CPU behaves as a device that never finishes or as the host deciding.
   auto run = [](bool deferred) {
     auto pair = muon_pair();
     auto [models, optimizers] = amp::initialize(
         std::make_tuple(pair.net), std::make_tuple(std::move(pair.muon)),
-        amp::Options("O2").low_precision_dtype(torch::kHalf).loss_scale(amp::LossScale::dynamic()).verbosity(0));
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).loss_scale(amp::LossScale::dynamic()).verbosity(0));
     auto& model = std::get<0>(models);
     auto& muon = std::get<0>(optimizers);
     const auto [x, y] = amp_test::blobs(16, 8, 4, 3);

@@ -31,7 +31,7 @@
 #include "optim/optimizer_access.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/param_index.h"
-#include "optim/state_dtype.h"
+#include "optim/optimizer_kinds.h"
 
 namespace amp::detail {
 namespace {

@@ -9,6 +9,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "optim/optimizer_access.h"
+#include "optim/optimizer_kinds.h"
 #include "optim/param_index.h"
 #include "optim/state_format.h"
 
@@ -32,10 +33,11 @@ std::function<void()> OptimizerStateFeature::load(OptimizerBase& optimizer, torc
               where, ": the checkpoint's optimizer state format entries are incomplete; it is corrupt.");
   const auto saved = static_cast<OptimizerStateFormat>(format.toInt());
   const auto& opt = OptimizerAccess::torch_optimizer(optimizer);
-  TORCH_CHECK(dynamic_cast<const optim::FusedOptimizer*>(&opt) && !dynamic_cast<const optim::FusedSGD*>(&opt), where,
-              ": the checkpoint holds Adam's moments in optimizer_state_format ", to_string(saved), ", which only "
-              "amp's fused Adam, AdamW, LAMB and Muon read; this optimizer is ", c10::demangle(typeid(opt).name()),
-              ". Resume with amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon.");
+  const OptimizerKind* kind = kind_of(opt);  // NOTE [Optimizer kinds]
+  TORCH_CHECK(kind && kind->stores_formats, where, ": the checkpoint holds Adam's moments in optimizer_state_format ",
+              to_string(saved), ", which only amp's fused Adam, AdamW, LAMB and Muon read; this optimizer is ",
+              c10::demangle(typeid(opt).name()), ". Resume with amp::optim::", fused_kinds_with(&OptimizerKind::stores_formats),
+              ".");
   const std::shared_ptr<StateFormat> mine = OptimizerAccess::index(optimizer).state_format();
   if (!mine || mine->format() != saved) return nullptr;  // the moments convert at the next step (rounded to nearest)
   return [mine, seed = static_cast<uint64_t>(seed.toInt()), counter = static_cast<uint64_t>(counter.toInt())] {

@@ -11,6 +11,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "optim/fused_route.h"
+#include "optim/optimizer_kinds.h"
 #include "scaling/device_scale.h"
 
 namespace amp {
@@ -32,9 +33,10 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     TORCH_CHECK(fused != nullptr, where, ": optimizer ", i, " is a LibTorch optimizer, whose step can't skip on the "
                 "device (its skip is decided on the host, which a replayed graph never asks). Use amp::optim::FusedSGD, "
                 "FusedAdam, FusedAdamW or FusedMuon.");
-    TORCH_CHECK(dynamic_cast<const optim::FusedLAMB*>(&o->torch_optimizer()) == nullptr, where, ": optimizer ", i,
-                " is amp::optim::FusedLAMB, whose step counts and trust ratios are host numbers in its step. Capture "
-                "with FusedAdam, FusedAdamW or FusedMuon, or run FusedLAMB's steps eagerly (they never wait for the device).");
+    const detail::OptimizerKind* kind = detail::kind_of(o->torch_optimizer());  // NOTE [Optimizer kinds]
+    TORCH_CHECK(kind == nullptr || kind->uncapturable == nullptr, where, ": optimizer ", i, " ", kind->uncapturable,
+                ". Capture with FusedAdam, FusedAdamW or FusedMuon, or run its steps eagerly (they never wait for the "
+                "device).");
     TORCH_CHECK(p.optimizer_state_format == OptimizerStateFormat::kFp32, where, ": optimizer ", i, " keeps its state "
                 "as ", p.optimizer_state_format == OptimizerStateFormat::kBf16 ? "bf16" : "8bit", " (optimizer_state_format), "
                 "whose step runs per-op routes that decide the skip on the host. Capture with optimizer_state_format = "
@@ -44,8 +46,7 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
                 "default master_weights_format = copy.");
     TORCH_CHECK(o->skips_on_device(), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
                 "ZeRO sharding is on). Capture without them.");
-    const bool muon = dynamic_cast<const optim::FusedMuon*>(&o->torch_optimizer()) != nullptr;  // ATen ops only
-    TORCH_CHECK(muon || optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
+    TORCH_CHECK((kind != nullptr && kind->skips_without_fused_kernels) || optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
                 "fused optimizer kernels (they arrived in LibTorch 2.4), so a fused step runs per op and reads the overflow "
                 "flag on the host, which a replayed graph never does. Capture with LibTorch 2.4 or later.");
     // Whatever the host has not seen yet it learns now, before the capture (reads during one are errors).

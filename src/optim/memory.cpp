@@ -10,7 +10,7 @@
 #include "optim/optimizer_access.h"
 #include "optim/param_index.h"
 #include "optim/sharding.h"
-#include "optim/state_tensors.h"
+#include "optim/optimizer_kinds.h"
 
 namespace amp {
 

@@ -24,7 +24,7 @@
 #include "optim/master_weights.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/state_format.h"
-#include "optim/state_tensors.h"
+#include "optim/optimizer_kinds.h"
 #include "options/format.h"
 
 namespace amp::detail {
@@ -39,11 +39,12 @@ std::optional<double> denominator_eps(const torch::optim::OptimizerOptions& opti
   return std::nullopt;
 }
 
-// LibTorch's Adagrad builds its state in the constructor. Untouched (step 0), that state is what a
-// lazily built one in the parameter's dtype would be, so it may follow the parameter's cast.
-bool is_untouched_adagrad_state(const torch::optim::OptimizerParamState& state) {
-  const auto* adagrad = dynamic_cast<const torch::optim::AdagradParamState*>(&state);
-  return adagrad != nullptr && adagrad->step() == 0;
+// A state the optimizer's constructor built (LibTorch's Adagrad), untouched (step 0), is what a lazily built one in
+// the parameter's dtype would be, so it may follow the parameter's cast.
+bool is_untouched_initial_state(const torch::optim::Optimizer& opt, torch::optim::OptimizerParamState& state) {
+  const OptimizerKind* kind = kind_of(opt);
+  const StateFields fields = state_fields(state);
+  return kind != nullptr && kind->state_at_construction && fields.step != nullptr && *fields.step == 0;
 }
 
 using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
@@ -53,10 +54,6 @@ using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Opt
 void cast_initial_state(StateMap& state, const at::Tensor& p, c10::ScalarType dtype) {
   const auto it = state.find(state_key(state, p));
   if (it == state.end() || !it->second) return;
-  if (auto* adagrad = dynamic_cast<torch::optim::AdagradParamState*>(it->second.get())) {
-    adagrad->sum(adagrad->sum().to(dtype));
-    return;
-  }
   for (at::Tensor* t : state_fields(*it->second).tensors) {
     if (t->defined() && t->is_floating_point() && t->scalar_type() != dtype) *t = t->to(dtype);
   }
@@ -120,20 +117,21 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
   TORCH_CHECK(!lean_format || fused, where, ": master_weights_format ", to_string(properties.master_weights_format),
               " rebuilds each bf16 parameter's fp32 value inside the optimizer's step, which only amp's fused "
               "optimizers do; this optimizer is ", c10::demangle(typeid(opt).name()), ". Use "
-              "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon (same options as torch::optim's), "
-              "or master_weights_format copy.");
+              "amp::optim::", fused_kinds_with(&OptimizerKind::fused), " (same options as torch::optim's), or "
+              "master_weights_format copy.");
   const amp::OptimizerStateFormat state_format = properties.optimizer_state_format;
   if (state_format != amp::OptimizerStateFormat::kFp32) {
-    const bool stores_formats = dynamic_cast<optim::FusedAdam*>(&opt) || dynamic_cast<optim::FusedAdamW*>(&opt) ||
-                                dynamic_cast<optim::FusedLAMB*>(&opt) || dynamic_cast<optim::FusedMuon*>(&opt);
-    TORCH_CHECK(!dynamic_cast<optim::FusedSGD*>(&opt), where, ": optimizer_state_format ", to_string(state_format),
-                " stores Adam's two moments; amp::optim::FusedSGD keeps one momentum buffer, which stays in the "
-                "parameter's dtype. Use amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or optimizer_state_format "
-                "fp32.");
+    const OptimizerKind* kind = kind_of(opt);
+    const bool stores_formats = kind != nullptr && kind->stores_formats;
+    const std::string formats_kinds = fused_kinds_with(&OptimizerKind::stores_formats);
+    TORCH_CHECK(stores_formats || kind == nullptr || !kind->fused, where, ": optimizer_state_format ",
+                to_string(state_format), " stores Adam's two moments; ", kind ? kind->name : "", " keeps one momentum "
+                "buffer, which stays in the parameter's dtype. Use amp::optim::", formats_kinds, ", or "
+                "optimizer_state_format fp32.");
     TORCH_CHECK(stores_formats, where, ": optimizer_state_format ", to_string(state_format), " stores Adam's moments "
                 "inside amp's fused step; this optimizer is ", c10::demangle(typeid(opt).name()), ", whose step keeps "
-                "them in fp32. Use amp::optim::FusedAdam, FusedAdamW, FusedLAMB or FusedMuon (same options as torch::optim's "
-                "Adam and AdamW), or optimizer_state_format fp32.");
+                "them in fp32. Use amp::optim::", formats_kinds, " (same options as torch::optim's Adam and AdamW), or "
+                "optimizer_state_format fp32.");
   }
 
   // What the optimizer already has, found through the tensors param_groups hold (masters at O2).
@@ -294,7 +292,7 @@ void ParamIndex::check_state_without_master(const torch::optim::Optimizer& opt, 
   const auto it = state.find(state_key(state, p));
   // A group added later may hold state a torch::load after initialize gave it (a resumed script adds its groups, then
   // loads): that state was saved for the cast parameter.
-  TORCH_CHECK(!at_initialize || it == state.end() || is_untouched_adagrad_state(*it->second), "amp::initialize: the optimizer already "
+  TORCH_CHECK(!at_initialize || it == state.end() || is_untouched_initial_state(opt, *it->second), "amp::initialize: the optimizer already "
               "has state for parameter '", name, "', which opt_level ", to_string(properties.opt_level), " casts to ",
               dtype_name(lp), " without master weights; that fp32 state would no longer match. Call amp::initialize "
               "first, then torch::load the optimizer (Apex's documented order).");

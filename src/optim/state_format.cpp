@@ -6,7 +6,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "optim/optimizer_state_key.h"
-#include "optim/state_tensors.h"
+#include "optim/optimizer_kinds.h"
 
 #include <algorithm>
 #include <cmath>

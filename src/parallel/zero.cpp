@@ -25,7 +25,7 @@
 #include "optim/param_index.h"
 #include "optim/sharding.h"
 #include "optim/state_format.h"
-#include "optim/state_tensors.h"
+#include "optim/optimizer_kinds.h"
 #include "scaling/multi_tensor.h"
 
 // NOTE [ZeRO layout]
@@ -1086,12 +1086,12 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   TORCH_CHECK(p.enabled, kShard, ": amp is disabled for this optimizer (enabled = false); ZeRO shards amp's optimizer "
               "state. Enable amp, or use torch's own data parallelism.");
   torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
-  TORCH_CHECK(amp::detail::new_state_for(opt), kShard, ": this optimizer type can't be sharded (its per-parameter "
-              "state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam, FusedAdamW or FusedLAMB, or "
-              "LibTorch's SGD, Adam or AdamW.");
-  TORCH_CHECK(!dynamic_cast<const amp::optim::FusedMuon*>(&opt), kShard, ": amp::optim::FusedMuon orthogonalizes "
-              "each whole gradient matrix, and ZeRO steps pieces of flattened tensors on each rank. Shard the other "
-              "optimizer of a Muon + AdamW pair and keep FusedMuon unsharded, or train without ZeRO.");
+  // NOTE [Optimizer kinds]: the table says which types ZeRO can slice, and why not.
+  const amp::detail::OptimizerKind* kind = amp::detail::kind_of(opt);
+  TORCH_CHECK(kind && (!kind->unshardable || kind->fused), kShard, ": this optimizer type can't be sharded (its "
+              "per-parameter state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam, FusedAdamW "
+              "or FusedLAMB, or LibTorch's SGD, Adam or AdamW.");
+  TORCH_CHECK(!kind->unshardable, kShard, ": ", kind->name, " ", kind->unshardable, ".");
   TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": master_weights_format ",
               to_string(p.master_weights_format), " keeps each master's low bits beside its bfloat16 parameter; ZeRO "
               "shards fp32 masters (master_weights_format = copy).");

@@ -28,7 +28,7 @@
 #include "amp/amp.h"
 #include "casting/fp8.h"
 #include "optim/optimizer_state_key.h"
-#include "optim/state_tensors.h"
+#include "optim/optimizer_kinds.h"
 #include "options/exception_message.h"
 #include "scenarios.h"
 #include "worker_support.h"
