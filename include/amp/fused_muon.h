@@ -79,6 +79,8 @@ class FusedMuon : public torch::optim::Optimizer, public FusedOptimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
+  // The shape Muon sees for `p`: its own, or under ZeRO its whole tensor's (each rank steps whole tensors, flattened).
+  std::vector<int64_t> shape_of(const at::Tensor& p) const;
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive) {
     torch::optim::serialize<FusedMuonParamState, FusedMuonOptions>(archive, self);

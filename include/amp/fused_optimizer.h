@@ -63,10 +63,13 @@ class FusedOptimizer {
   /// Set by amp::parallel::shard_optimizer (ZeRO) around a sharded step, whose param_groups hold pieces of whole
   /// tensors: `over_ranks` sums a value over every rank; `per_tensor` turns each piece's partial sum (one per
   /// parameter of param_groups, in order) into the sum over every piece of its whole tensor, on every rank. FusedLAMB
-  /// takes its global gradient norm and its per-tensor norms through them.
+  /// takes its global gradient norm and its per-tensor norms through them. `whole_shape` gives a piece's tensor's
+  /// shape where the piece is that whole tensor (flattened), nullopt where it is a part: FusedMuon, which ZeRO shards
+  /// by whole tensors, orthogonalizes each piece as its matrix.
   struct ShardSums {
     std::function<double(double)> over_ranks;
     std::function<void(std::vector<double>&)> per_tensor;
+    std::function<std::optional<std::vector<int64_t>>(const at::Tensor&)> whole_shape;
   };
   void set_shard_sums(const ShardSums* sums) noexcept { shard_sums_ = sums; }
 

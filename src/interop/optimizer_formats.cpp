@@ -1,6 +1,7 @@
 #include "interop/optimizer_formats.h"
 
 #include "amp/fused_optimizers.h"
+#include "optim/optimizer_kinds.h"
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -15,7 +16,6 @@ namespace amp::detail {
 namespace {
 
 using GroupOptions = torch::optim::OptimizerOptions;
-using ParamStateBase = torch::optim::OptimizerParamState;
 
 template <class T, class Base>
 const T& as(const Base& base) {
@@ -25,11 +25,6 @@ template <class T, class Base>
 T& as(Base& base) {
   return static_cast<T&>(base);
 }
-template <class Opt>
-bool is(const torch::optim::Optimizer& o) {
-  return dynamic_cast<const Opt*>(&o) != nullptr;
-}
-
 const c10::IValue kNone;
 
 OptimizerFormat sgd() {
@@ -40,7 +35,7 @@ OptimizerFormat sgd() {
                   {"weight_decay", GroupValue::kNumber}, {"nesterov", GroupValue::kBool}};
   f.python_only_keys = {{"maximize", false}, {"foreach", kNone}, {"differentiable", false}, {"fused", kNone}};
   f.state_fields = {{"momentum_buffer", nullptr}};
-  f.is = is<torch::optim::SGD>;
+  f.kinds = {"torch::optim::SGD", "amp::optim::FusedSGD"};
   f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<torch::optim::SGDOptions>(o);
     return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"dampening", s.dampening()},
@@ -50,21 +45,12 @@ OptimizerFormat sgd() {
     as<torch::optim::SGDOptions>(o).lr(h.at("lr")).momentum(h.at("momentum")).dampening(h.at("dampening"))
         .weight_decay(h.at("weight_decay")).nesterov(h.at("nesterov") != 0.0);
   };
-  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
-    return {{"momentum_buffer", as<torch::optim::SGDParamState>(s).momentum_buffer()}};
-  };
-  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
-    if (!t.at("momentum_buffer").defined()) return nullptr;
-    auto state = std::make_unique<torch::optim::SGDParamState>();
-    state->momentum_buffer(t.at("momentum_buffer"));
-    return state;
-  };
   return f;
 }
 
 // Adam and AdamW: the same keys and state, different C++ types.
-template <class Opt, class OptOptions, class State>
-OptimizerFormat adam(const char* name, bool decoupled) {
+template <class OptOptions>
+OptimizerFormat adam(const char* name, bool decoupled, std::vector<const char*> kinds) {
   OptimizerFormat f;
   f.python_class = name;
   f.marker_keys = {"betas"};
@@ -75,7 +61,7 @@ OptimizerFormat adam(const char* name, bool decoupled) {
                         {"fused", kNone}, {"decoupled_weight_decay", decoupled}};
   f.has_step = true;
   f.state_fields = {{"exp_avg", ""}, {"exp_avg_sq", ""}, {"max_exp_avg_sq", "amsgrad", true}};
-  f.is = is<Opt>;
+  f.kinds = kinds;
   f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<OptOptions>(o);
     return {{"lr", s.lr()}, {"beta1", std::get<0>(s.betas())}, {"beta2", std::get<1>(s.betas())}, {"eps", s.eps()},
@@ -84,17 +70,6 @@ OptimizerFormat adam(const char* name, bool decoupled) {
   f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
     as<OptOptions>(o).lr(h.at("lr")).betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps"))
         .weight_decay(h.at("weight_decay")).amsgrad(h.at("amsgrad") != 0.0);
-  };
-  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
-    const auto& a = as<State>(s);
-    *step = a.step();
-    return {{"exp_avg", a.exp_avg()}, {"exp_avg_sq", a.exp_avg_sq()}, {"max_exp_avg_sq", a.max_exp_avg_sq()}};
-  };
-  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
-    auto state = std::make_unique<State>();
-    state->step(step), state->exp_avg(t.at("exp_avg")), state->exp_avg_sq(t.at("exp_avg_sq"));
-    if (t.at("max_exp_avg_sq").defined()) state->max_exp_avg_sq(t.at("max_exp_avg_sq"));
-    return state;
   };
   return f;
 }
@@ -108,7 +83,7 @@ OptimizerFormat rmsprop() {
   f.python_only_keys = {{"capturable", false}, {"foreach", kNone}, {"maximize", false}, {"differentiable", false}};
   f.has_step = true;
   f.state_fields = {{"square_avg", ""}, {"momentum_buffer", "momentum"}, {"grad_avg", "centered"}};
-  f.is = is<torch::optim::RMSprop>;
+  f.kinds = {"torch::optim::RMSprop"};
   f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<torch::optim::RMSpropOptions>(o);
     return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"alpha", s.alpha()}, {"eps", s.eps()},
@@ -117,18 +92,6 @@ OptimizerFormat rmsprop() {
   f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
     as<torch::optim::RMSpropOptions>(o).lr(h.at("lr")).alpha(h.at("alpha")).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
         .momentum(h.at("momentum")).centered(h.at("centered") != 0.0);
-  };
-  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
-    const auto& r = as<torch::optim::RMSpropParamState>(s);
-    *step = r.step();
-    return {{"square_avg", r.square_avg()}, {"momentum_buffer", r.momentum_buffer()}, {"grad_avg", r.grad_avg()}};
-  };
-  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
-    auto state = std::make_unique<torch::optim::RMSpropParamState>();
-    state->step(step), state->square_avg(t.at("square_avg"));
-    if (t.at("momentum_buffer").defined()) state->momentum_buffer(t.at("momentum_buffer"));
-    if (t.at("grad_avg").defined()) state->grad_avg(t.at("grad_avg"));
-    return state;
   };
   return f;
 }
@@ -142,7 +105,7 @@ OptimizerFormat adagrad() {
   f.python_only_keys = {{"foreach", kNone}, {"maximize", false}, {"differentiable", false}, {"fused", kNone}};
   f.has_step = true;
   f.state_fields = {{"sum", ""}};
-  f.is = is<torch::optim::Adagrad>;
+  f.kinds = {"torch::optim::Adagrad"};
   f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<torch::optim::AdagradOptions>(o);
     return {{"lr", s.lr()}, {"lr_decay", s.lr_decay()}, {"eps", s.eps()}, {"weight_decay", s.weight_decay()},
@@ -151,16 +114,6 @@ OptimizerFormat adagrad() {
   f.write_group = [](const Hyperparameters& h, GroupOptions& o) {
     as<torch::optim::AdagradOptions>(o).lr(h.at("lr")).lr_decay(h.at("lr_decay")).weight_decay(h.at("weight_decay"))
         .initial_accumulator_value(h.at("initial_accumulator_value")).eps(h.at("eps"));
-  };
-  f.read_state = [](const ParamStateBase& s, int64_t* step) -> StateTensors {
-    const auto& a = as<torch::optim::AdagradParamState>(s);
-    *step = a.step();
-    return {{"sum", a.sum()}};
-  };
-  f.make_state = [](const StateTensors& t, int64_t step) -> std::unique_ptr<ParamStateBase> {
-    auto state = std::make_unique<torch::optim::AdagradParamState>();
-    state->step(step), state->sum(t.at("sum"));
-    return state;
   };
   return f;
 }
@@ -178,7 +131,7 @@ OptimizerFormat fused_lamb() {
                   {"grad_averaging", GroupValue::kBool}, {"max_grad_norm", GroupValue::kNumber},
                   {"step", GroupValue::kCount}};
   f.state_fields = {{"exp_avg", ""}, {"exp_avg_sq", ""}};
-  f.is = is<amp::optim::FusedLAMB>;
+  f.kinds = {"amp::optim::FusedLAMB"};
   f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<FusedLAMBOptions>(o);
     return {{"lr", s.lr()}, {"bias_correction", s.bias_correction()}, {"beta1", std::get<0>(s.betas())},
@@ -191,15 +144,6 @@ OptimizerFormat fused_lamb() {
         .betas({h.at("beta1"), h.at("beta2")}).eps(h.at("eps")).weight_decay(h.at("weight_decay"))
         .grad_averaging(h.at("grad_averaging") != 0.0).max_grad_norm(h.at("max_grad_norm"))
         .step(static_cast<int64_t>(h.at("step")));
-  };
-  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
-    const auto& l = as<amp::optim::FusedLAMBParamState>(s);
-    return {{"exp_avg", l.exp_avg()}, {"exp_avg_sq", l.exp_avg_sq()}};
-  };
-  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
-    auto state = std::make_unique<amp::optim::FusedLAMBParamState>();
-    state->exp_avg(t.at("exp_avg")), state->exp_avg_sq(t.at("exp_avg_sq"));
-    return state;
   };
   return f;
 }
@@ -217,7 +161,7 @@ OptimizerFormat muon() {
                   {"ns_steps", GroupValue::kInt}, {"adjust_lr_fn", GroupValue::kName}};
   f.names = {"original", "match_rms_adamw"};
   f.state_fields = {{"momentum_buffer", ""}};
-  f.is = is<amp::optim::FusedMuon>;
+  f.kinds = {"amp::optim::FusedMuon"};
   f.read_group = [](const GroupOptions& o) -> Hyperparameters {
     const auto& s = as<FusedMuonOptions>(o);
     const auto& abc = s.ns_coefficients();
@@ -233,14 +177,6 @@ OptimizerFormat muon() {
         .eps(h.at("eps")).ns_steps(static_cast<int64_t>(h.at("ns_steps")))
         .adjust_lr_fn(h.at("adjust_lr_fn") != 0.0 ? "match_rms_adamw" : "original");
   };
-  f.read_state = [](const ParamStateBase& s, int64_t*) -> StateTensors {
-    return {{"momentum_buffer", as<amp::optim::FusedMuonParamState>(s).momentum_buffer()}};
-  };
-  f.make_state = [](const StateTensors& t, int64_t) -> std::unique_ptr<ParamStateBase> {
-    auto state = std::make_unique<amp::optim::FusedMuonParamState>();
-    state->momentum_buffer(t.at("momentum_buffer"));
-    return state;
-  };
   return f;
 }
 
@@ -251,8 +187,8 @@ bool has(const c10::impl::GenericDict& group, const char* key) { return group.co
 const std::vector<OptimizerFormat>& optimizer_formats() {
   static const std::vector<OptimizerFormat> rows = {
       sgd(),
-      adam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>("Adam", false),
-      adam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>("AdamW", true),
+      adam<torch::optim::AdamOptions>("Adam", false, {"torch::optim::Adam", "amp::optim::FusedAdam"}),
+      adam<torch::optim::AdamWOptions>("AdamW", true, {"torch::optim::AdamW", "amp::optim::FusedAdamW"}),
       rmsprop(),
       adagrad(),
       fused_lamb(),
@@ -281,10 +217,40 @@ bool OptimizerFormat::needs(const StateField& field, const Hyperparameters& h) c
 }
 
 const OptimizerFormat* format_of(const torch::optim::Optimizer& optimizer) {
+  const OptimizerKind* kind = kind_of(optimizer);
+  if (kind == nullptr) return nullptr;
   for (const auto& row : optimizer_formats()) {
-    if (row.is(optimizer)) return &row;
+    for (const char* name : row.kinds) {
+      if (std::strcmp(name, kind->name) == 0) return &row;
+    }
   }
   return nullptr;
+}
+
+StateTensors OptimizerFormat::read_state(torch::optim::OptimizerParamState& state, int64_t* step) const {
+  const StateFields fields = amp::detail::state_fields(state);
+  TORCH_INTERNAL_ASSERT(fields.tensors.size() == state_fields.size(), "amp: ", python_class, "'s Python state names and "
+                        "its C++ state's fields differ in number");
+  StateTensors out;
+  for (size_t i = 0; i < state_fields.size(); ++i) out[state_fields[i].name] = *fields.tensors[i];
+  *step = fields.step ? *fields.step : 0;
+  return out;
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> OptimizerFormat::make_state(const torch::optim::Optimizer& optimizer,
+                                                                               const StateTensors& tensors,
+                                                                               int64_t step) const {
+  auto state = new_state_for(optimizer);
+  const StateFields fields = amp::detail::state_fields(*state);
+  TORCH_INTERNAL_ASSERT(fields.tensors.size() == state_fields.size(), "amp: ", python_class, "'s Python state names and "
+                        "its C++ state's fields differ in number");
+  bool any = fields.step != nullptr;
+  for (size_t i = 0; i < state_fields.size(); ++i) {
+    *fields.tensors[i] = tensors.at(state_fields[i].name);
+    any = any || fields.tensors[i]->defined();
+  }
+  if (fields.step) *fields.step = step;
+  return any ? std::move(state) : nullptr;
 }
 
 const OptimizerFormat* python_format_of(const c10::impl::GenericDict& group) {

@@ -1,8 +1,9 @@
 #pragma once
 
-// The Python state_dict format of each torch.optim optimizer amp reads and writes, one row per optimizer:
-// PythonCheckpoint::load_optimizer and put_optimizer both read these rows, so adding an optimizer is one row
-// (optimizer_formats.cpp).
+// The Python state_dict format of each torch.optim optimizer amp reads and writes, one row per optimizer: Python's
+// class, group keys and state names, and how the hyperparameters map to the C++ options. PythonCheckpoint::load_optimizer
+// and put_optimizer both read these rows, so adding an optimizer is one row (optimizer_formats.cpp); the state's C++
+// fields come from the optimizer kinds table (optim/optimizer_kinds.h).
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
@@ -54,15 +55,19 @@ struct OptimizerFormat {
   bool has_step = false;
   /// The names a kName key takes (the first is what Python's None means).
   std::vector<const char*> names;
+  /// Python's names of the state's tensors, in the order of the C++ state's fields (NOTE [Optimizer kinds]).
   std::vector<StateField> state_fields;
+  /// The C++ types this row reads and writes, as the optimizer kinds table names them.
+  std::vector<const char*> kinds;
 
-  bool (*is)(const torch::optim::Optimizer&);
   Hyperparameters (*read_group)(const torch::optim::OptimizerOptions&);
   void (*write_group)(const Hyperparameters&, torch::optim::OptimizerOptions&);
   /// The state's tensors by name; sets *step where the optimizer counts steps.
-  StateTensors (*read_state)(const torch::optim::OptimizerParamState&, int64_t* step);
-  /// A state from tensors that were read and checked; null where there is none (SGD without momentum).
-  std::unique_ptr<torch::optim::OptimizerParamState> (*make_state)(const StateTensors&, int64_t step);
+  StateTensors read_state(torch::optim::OptimizerParamState& state, int64_t* step) const;
+  /// A state of `optimizer`'s type from tensors that were read and checked; null where there is none (SGD without
+  /// momentum).
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state(const torch::optim::Optimizer& optimizer,
+                                                                const StateTensors& tensors, int64_t step) const;
 
   /// Whether a Python param group may have been written by this class.
   bool accepts(const c10::impl::GenericDict& group) const;

@@ -544,7 +544,7 @@ void PythonCheckpoint::load_optimizer_state(torch::optim::Optimizer& opt, std::s
       const int64_t steps = format->has_step ? step() : 0;
       detail::StateTensors tensors;
       for (const auto& f : format->state_fields) tensors[f.name] = field(f.name, format->needs(f, hyper[g]));
-      entry.state = format->make_state(tensors, steps);
+      entry.state = format->make_state(opt, tensors, steps);
       pending.push_back(std::move(entry));
     }
   }

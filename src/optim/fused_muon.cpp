@@ -51,20 +51,24 @@ void check_muon_options(const FusedMuonOptions& o, size_t group) {
               "divided by max(norm, eps)).");
 }
 
-// What Muon orthogonalizes and what it refuses, for one parameter (torch refuses all but 2-D weights).
-void check_param(const at::Tensor& p, const FusedMuonOptions& o, size_t group, size_t index) {
+// What Muon orthogonalizes and what it refuses, for one parameter of `shape` (torch refuses all but 2-D weights).
+void check_param(const at::Tensor& p, at::IntArrayRef shape, const FusedMuonOptions& o, size_t group, size_t index) {
   TORCH_CHECK(!p.is_complex(), kName, ": Muon does not support complex parameters (parameter ", index,
               " of param group ", group, ", ", p.scalar_type(), ").");
-  if (p.dim() == 2) return;
-  TORCH_CHECK(o.flatten() && p.dim() > 2, kName, ": Muon only supports 2D parameters whereas we found a parameter with "
-              "size: ", shape_text(p.sizes()), " (parameter ", index, " of param group ", group, "). ",
-              p.dim() > 2 ? "Set FusedMuonOptions::flatten(true) to orthogonalize it as [out, rest], or give it to "
-                            "AdamW."
-                          : "Give biases, norms' weights and other vectors to AdamW (Muon is for hidden 2-D weights).");
+  if (shape.size() == 2) return;
+  TORCH_CHECK(o.flatten() && shape.size() > 2, kName, ": Muon only supports 2D parameters whereas we found a parameter "
+              "with size: ", shape_text(shape), " (parameter ", index, " of param group ", group, "). ",
+              shape.size() > 2 ? "Set FusedMuonOptions::flatten(true) to orthogonalize it as [out, rest], or give it to "
+                                 "AdamW."
+                               : "Give biases, norms' weights and other vectors to AdamW (Muon is for hidden 2-D "
+                                 "weights).");
 }
 
-// The [out, rest] matrix Muon sees (the tensor itself when 2-D).
-at::Tensor as_matrix(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({t.size(0), -1}); }
+// The [out, rest] matrix Muon sees of a tensor whose parameter has `shape` (a ZeRO piece is its flattened whole): a
+// view, so in-place updates reach the tensor.
+at::Tensor as_matrix(const at::Tensor& t, at::IntArrayRef shape) {
+  return t.dim() == 2 && t.size(0) == shape[0] ? t : t.view({shape[0], -1});
+}
 
 // torch.optim._muon._zeropower_via_newtonschulz, op for op. torch's `grad.bfloat16()` returns a bfloat16 input
 // itself, and the div_ below then divides it in place (a bf16 parameter's momentum buffer, without nesterov): amp
@@ -108,16 +112,19 @@ FusedMuonParamState& muon_state(States& states, const at::Tensor& key, const at:
 
 // One parameter's step on `buffer` (its momentum in fp32 or the parameter's dtype). With `found_inf` (a step whose
 // skip only the device knows) every write keeps the old value where the flag is set.
-void muon_update(at::Tensor& p, const at::Tensor& grad, at::Tensor& buffer, const FusedMuonOptions& o,
-                 const at::Tensor& found_inf) {
-  const at::Tensor g = as_matrix(grad);
-  at::Tensor buf = as_matrix(buffer);
+void muon_update(at::Tensor& param, at::IntArrayRef shape, const at::Tensor& grad, at::Tensor& buffer,
+                 const FusedMuonOptions& o, const at::Tensor& found_inf) {
+  // A ZeRO piece (flattened) is updated through a view of its tensor's shape: the same strides, so the same kernels
+  // and roundings, as the unsharded step.
+  at::Tensor p = param.sizes() == shape ? param : param.view(shape);
+  const at::Tensor g = as_matrix(grad, shape);
+  at::Tensor buf = as_matrix(buffer, shape);
   const bool blend = found_inf.defined();
   const at::Tensor stepped = blend ? buf.lerp(g, 1 - o.momentum()) : buf.lerp_(g, 1 - o.momentum());
   const at::Tensor mixed = o.nesterov() ? g.lerp(stepped, o.momentum()) : stepped;
   const at::Tensor update = zeropower_via_newtonschulz(mixed, o.ns_coefficients(), o.ns_steps(), o.eps());
   const double lr = adjust_lr(o.lr(), o.adjust_lr_fn(), g.size(0), g.size(1));
-  const at::Tensor step = p.dim() == 2 ? update : update.reshape(p.sizes());
+  const at::Tensor step = p.sizes() == update.sizes() ? update : update.reshape(p.sizes());
   if (!blend) {
     p.mul_(python_number(1 - o.lr() * o.weight_decay()));
     p.add_(step, -lr);
@@ -176,7 +183,7 @@ void FusedMuon::add_param_group(const torch::optim::OptimizerParamGroup& param_g
                                                   : static_cast<const FusedMuonOptions&>(defaults());
   check_muon_options(options, param_groups_.size());
   for (size_t i = 0; i < param_group.params().size(); ++i) {
-    check_param(param_group.params()[i], options, param_groups_.size(), i);
+    check_param(param_group.params()[i], param_group.params()[i].sizes(), options, param_groups_.size(), i);
   }
   torch::optim::Optimizer::add_param_group(param_group);
   // LibTorch 2.13's add_param_group merges options only of the types it knows: keep this group's own.
@@ -199,6 +206,15 @@ void FusedMuon::load(torch::serialize::InputArchive& archive) {
 #endif
 }
 
+std::vector<int64_t> FusedMuon::shape_of(const at::Tensor& p) const {
+  if (shard_sums() == nullptr || !shard_sums()->whole_shape) return p.sizes().vec();
+  // NOTE [ZeRO layout]: ZeRO gives each rank whole tensors of Muon's, flattened; Muon orthogonalizes their matrices.
+  const auto shape = shard_sums()->whole_shape(p);
+  TORCH_INTERNAL_ASSERT(shape.has_value(), kName, ": ZeRO handed the step a part of a tensor; it shards Muon's by "
+                        "whole tensors");
+  return *shape;
+}
+
 torch::Tensor FusedMuon::step(LossClosure closure) {
   torch::Tensor loss = detail::evaluate(closure);
   detail::check_all(*this, kName, [this](const torch::optim::OptimizerOptions& options, size_t g) {
@@ -206,7 +222,7 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
     check_muon_options(o, g);
     const auto& params = param_groups_[g].params();
     for (size_t i = 0; i < params.size(); ++i) {
-      if (params[i].grad().defined()) check_param(params[i], o, g, i);
+      if (params[i].grad().defined()) check_param(params[i], shape_of(params[i]), o, g, i);
     }
   });
   c10::NoGradGuard no_grad;
@@ -236,17 +252,20 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
       detail::Work work = detail::work_for(key, lean_masters());
       at::Tensor& p = work.param;
       FusedMuonParamState& state = muon_state(states, key, p, *format);
+      const std::vector<int64_t> shape = shape_of(key);
       if (format->format() == amp::OptimizerStateFormat::kFp32) {
-        muon_update(p, work.grad, state.momentum_buffer(), o, found_inf);
+        muon_update(p, shape, work.grad, state.momentum_buffer(), o, found_inf);
       } else {
         const StateFormat::Place place = format->place(key);
         detail::through_fp32({{&state.momentum_buffer(), Moment::kSigned, 0}}, p, *format, place,
                              [&](std::vector<at::Tensor>& fp32) {
-                               if (p.scalar_type() == at::kFloat) return muon_update(p, work.grad, fp32[0], o, found_inf);
+                               if (p.scalar_type() == at::kFloat) {
+                                 return muon_update(p, shape, work.grad, fp32[0], o, found_inf);
+                               }
                                // O3's bf16/fp16 parameters beside decoded fp32 momentum: the update in fp32, rounded
                                // to the parameter once.
                                at::Tensor p32 = p.to(at::kFloat);
-                               muon_update(p32, work.grad.to(at::kFloat), fp32[0], o, found_inf);
+                               muon_update(p32, shape, work.grad.to(at::kFloat), fp32[0], o, found_inf);
                                p.copy_(p32);
                              });
       }

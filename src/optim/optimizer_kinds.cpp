@@ -99,9 +99,7 @@ const std::vector<OptimizerKind>& kinds() {
     t.back().uncapturable = lamb_host;
     t.push_back(row<optim::FusedMuon, optim::FusedMuonParamState>("amp::optim::FusedMuon"));
     t.back().fused = t.back().stores_formats = t.back().skips_without_fused_kernels = true;
-    t.back().unshardable = "orthogonalizes each whole gradient matrix, and ZeRO steps pieces of flattened tensors on "
-                           "each rank. Shard the other optimizer of a Muon + AdamW pair and keep FusedMuon unsharded, or "
-                           "train without ZeRO";
+    t.back().shards_whole_tensors = true;
     t.push_back(row<torch::optim::SGD, torch::optim::SGDParamState>("torch::optim::SGD"));
     t.push_back(row<torch::optim::Adam, torch::optim::AdamParamState>("torch::optim::Adam"));
     t.push_back(row<torch::optim::AdamW, torch::optim::AdamWParamState>("torch::optim::AdamW"));

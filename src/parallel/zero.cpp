@@ -39,6 +39,9 @@
 // every rank's part at once, bucket by bucket. With 8-bit optimizer states (NOTE [Optimizer state formats]) each
 // quantized tensor starts at a multiple of 256 in the run and S is one too, so no piece splits a block of 256 values:
 // a piece's codes and scales are its whole tensor's, the step quantizes them as the unsharded step does.
+// An optimizer whose step needs each whole tensor (FusedMuon orthogonalizes each gradient matrix; NOTE [Optimizer
+// kinds]) gets slices that end between tensors instead: rank r's slice ends at the tensor end nearest (r + 1) T / N,
+// so its pieces are whole tensors (some ranks may hold none), which the step sees in their shapes (ShardSums::whole_shape).
 
 namespace amp::parallel::detail {
 namespace {
@@ -226,6 +229,7 @@ class Zero final : public amp::detail::Sharding,
   std::vector<int64_t> group_numel_;
   std::shared_ptr<amp::detail::StateFormat> format_;  // the optimizer's state format
   int64_t slice_multiple_ = 1;  // kShardBlock with 8-bit moments (NOTE [ZeRO layout])
+  bool whole_tensors_ = false;  // slices end between tensors (FusedMuon: NOTE [ZeRO layout])
   int64_t whole_numel_ = 0;     // every stepped tensor's values, the state format's numbering
   std::unordered_map<const c10::TensorImpl*, amp::detail::StateFormat::Place> piece_places_;  // by piece value
   std::vector<ShardPiece> pieces_;
@@ -248,6 +252,8 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   average_.predivide = core_->options().gradient_predivide_factor();
   format_ = OptimizerAccess::index(optimizer).state_format();
   if (format_ && format_->format() == amp::OptimizerStateFormat::k8Bit) slice_multiple_ = kShardBlock;
+  const amp::detail::OptimizerKind* kind = amp::detail::kind_of(OptimizerAccess::torch_optimizer(optimizer));
+  whole_tensors_ = kind != nullptr && kind->shards_whole_tensors;
   add_groups(optimizer);
 }
 
@@ -377,9 +383,30 @@ void Zero::check_groups(const torch::optim::Optimizer& opt) const {
 // NOTE [ZeRO layout]: the parts of group g's tensors inside rank r's slice, in group order (pos left 0).
 std::vector<ShardSpan> Zero::slice_spans(size_t g, int64_t r) const {
   const int64_t total = group_numel_[g];
-  const int64_t slice = ((total + state_.world_size - 1) / state_.world_size + slice_multiple_ - 1) / slice_multiple_ *
-                        slice_multiple_;
-  const int64_t lo = std::min(total, r * slice), hi = std::min(total, lo + slice);
+  int64_t lo = 0, hi = 0;
+  if (whole_tensors_) {
+    // Whole tensors: rank r's slice ends at the tensor end nearest r + 1 equal shares (never before the last rank's).
+    auto boundary = [&](int64_t rank) {
+      if (rank <= 0) return int64_t{0};
+      if (rank >= state_.world_size) return total;
+      const double target = static_cast<double>(total) * static_cast<double>(rank) / static_cast<double>(state_.world_size);
+      int64_t best = 0;
+      for (const ShardEntry& e : groups_[g]) {
+        const int64_t end = e.offset + e.numel;
+        if (std::abs(static_cast<double>(end) - target) < std::abs(static_cast<double>(best) - target)) best = end;
+      }
+      return best;
+    };
+    int64_t previous = 0;
+    for (int64_t k = 1; k <= r; ++k) previous = std::max(previous, boundary(k));
+    lo = previous;
+    hi = std::max(lo, boundary(r + 1));
+  } else {
+    const int64_t slice = ((total + state_.world_size - 1) / state_.world_size + slice_multiple_ - 1) / slice_multiple_ *
+                          slice_multiple_;
+    lo = std::min(total, r * slice);
+    hi = std::min(total, lo + slice);
+  }
   std::vector<ShardSpan> out;
   for (size_t i = 0; i < groups_[g].size(); ++i) {
     const ShardEntry& e = groups_[g][i];
@@ -745,8 +772,17 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
   }
   // NOTE [Sharded LAMB] in src/optim/fused_optimizers.cpp: its norms are summed over the ranks' pieces.
   auto* fused = use == Use::kStep ? dynamic_cast<amp::optim::FusedOptimizer*>(&opt) : nullptr;
-  const amp::optim::FusedOptimizer::ShardSums sums{[this](double v) { return sum_over_ranks(v); },
-                                                   [this](std::vector<double>& v) { sum_per_tensor(v); }};
+  const amp::optim::FusedOptimizer::ShardSums sums{
+      [this](double v) { return sum_over_ranks(v); }, [this](std::vector<double>& v) { sum_per_tensor(v); },
+      [this](const at::Tensor& piece) -> std::optional<std::vector<int64_t>> {
+        for (const auto& p : pieces_) {
+          if (!p.value.is_same(piece)) continue;
+          const ShardEntry& e = groups_[p.group][p.entry];
+          if (p.begin != 0 || p.length != e.numel) return std::nullopt;
+          return e.stepped.sizes().vec();
+        }
+        return std::nullopt;
+      }};
   if (fused) fused->set_shard_sums(&sums);
   // The state format numbers a piece's elements as its whole tensor's (NOTE [Optimizer state formats]).
   const bool placed = use == Use::kStep && format_ && format_->format() != amp::OptimizerStateFormat::kFp32;

@@ -27,7 +27,8 @@ PUBLIC = {
     # the backward protocol
     "loss_scaler.h": "scaling", "overflow_report.h": "scaling",
     # the optimizer and what it steps
-    "optimizer.h": "optim", "scale_loss.h": "optim", "fused_optimizers.h": "optim", "grad_scaler.h": "optim", "graph_capture.h": "optim",
+    "optimizer.h": "optim", "scale_loss.h": "optim", "fused_optimizers.h": "optim", "fused_optimizer.h": "optim",
+    "fused_muon.h": "optim", "grad_scaler.h": "optim", "graph_capture.h": "optim",
     "clip_grad.h": "optim", "memory.h": "optim",
     # formats shared with other programs
     "config.h": "interop", "load_weights.h": "interop", "python_checkpoint.h": "interop", "tensorboard.h": "interop",
