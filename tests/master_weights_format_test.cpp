@@ -14,6 +14,7 @@
 #include "../examples/common/memory_meter.h"
 #include "optim/fused_route.h"
 #include "optim/lean_masters.h"
+#include "optim/residual8.h"
 #include "support/support.h"
 
 namespace {
@@ -22,7 +23,7 @@ using amp::MasterWeights;
 using amp::optim::detail::FusedRoute;
 
 const std::vector<MasterWeights> kLeanFormats = {MasterWeights::kSplit, MasterWeights::kStochasticRounding,
-                                                 MasterWeights::kKahan};
+                                                 MasterWeights::kKahan, MasterWeights::kResidual8};
 
 amp::Options lean_options(MasterWeights format) {
   return amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(format).verbosity(0);
@@ -235,6 +236,44 @@ TEST(LeanMastersTest, StochasticRoundingIsUnbiasedAndReproducible) {
   EXPECT_EQ(w[1].item<float>(), -2.0f);
   EXPECT_TRUE(std::isinf(w[2].item<float>()));
   EXPECT_TRUE(std::isnan(w[3].item<float>()));
+}
+
+// residual8 against FlashOptim 0.1.4's compute_ecc_bits / reconstruct_fp32_param, re-expressed in torch ops and run at
+// test time (tests/python/residual8.py): the weight, the residual and the rebuilt value, bit for bit, over values of
+// every magnitude (bf16 subnormals, exact bf16 values, midpoints, the largest finite); and decoding alone over every
+// int8 residual and weights of every exponent.
+TEST(Residual8ReferenceTest, WeightResidualAndValueAreFlashOptimsBits) {
+  if (!amp_test::python_has_torch()) GTEST_SKIP() << "needs Python with the torch wheel (AMP_PYTHON)";
+  const auto dir = amp_test::run_python_reference(AMP_SOURCE_DIR "/tests/python/residual8.py", "residual8");
+  ASSERT_FALSE(dir.empty());
+  const auto reference = amp::PythonCheckpoint::load((dir / "residual8.pt").string());
+  const torch::Tensor x = reference.get("x").toTensor();
+  amp::detail::LeanMasters lean(MasterWeights::kResidual8, 0);
+  lean.add("x", x.clone());
+  lean.cast_from_float(0);  // initialize's cast: the fp32 value stored as weight + residual
+  EXPECT_TRUE(amp_test::bitwise_equal(lean.param(0), reference.get("weight").toTensor()));
+  EXPECT_TRUE(amp_test::bitwise_equal(lean.aux(0), reference.get("residual").toTensor()));
+  EXPECT_TRUE(amp_test::bitwise_equal(lean.value(0), reference.get("value").toTensor()));
+  const torch::Tensor w2 = reference.get("w2").toTensor().contiguous(), r2 = reference.get("r2").toTensor().contiguous();
+  torch::Tensor v2 = torch::empty(w2.sizes(), torch::kFloat);
+  amp::detail::residual8_decode(reinterpret_cast<const uint16_t*>(w2.data_ptr()), r2.data_ptr<int8_t>(),
+                                v2.data_ptr<float>(), w2.numel());
+  EXPECT_TRUE(amp_test::bitwise_equal(v2, reference.get("v2").toTensor()));
+}
+
+TEST(LeanMastersTest, Residual8KeepsTheValueTo1Over254OfAnUlp) {
+  torch::manual_seed(0);
+  const auto value = torch::randn({1000}) * 3;
+  amp::detail::LeanMasters lean(MasterWeights::kResidual8, 0);
+  lean.add("w", torch::zeros({1000}, torch::kBFloat16));
+  lean.store(0, value);
+  EXPECT_TRUE(amp_test::bitwise_equal(lean.param(0), value.to(torch::kBFloat16))) << "the weight is rounded to nearest";
+  EXPECT_EQ(lean.aux(0).scalar_type(), torch::kChar);
+  // |value() - value| <= half an ulp / 127 / 2 (the residual's own rounding) plus the float arithmetic's last bit.
+  const auto w = lean.param(0).to(torch::kFloat);
+  const auto ulp = torch::pow(2.0, torch::floor(torch::log2(w.abs())) - 7);
+  const auto error = (lean.value(0) - value).abs();
+  EXPECT_TRUE((error <= ulp / 2 / 127 / 2 + value.abs() * std::ldexp(1.0, -23)).all().item<bool>()) << error.max().item<double>();
 }
 
 // ---- training with each format ---------------------------------------------------------------------
@@ -506,7 +545,7 @@ TEST(LeanFormatQualityTest, UpdatesBelowHalfAnUlpStallO3ButNotTheLeanFormats) {
 // State bytes per parameter held between steps with Adam (weights, gradients, moments, masters / low bits), the
 // gradients kept (zero_grad(false)): kCopy 18 (bf16 weight 2, fp32 master 4 and its gradient 4, moments 8; amp
 // drops the bf16 gradient once it is unscaled into the master's, which Apex's count of 20 keeps), split and kahan
-// 14 (weight 2, bf16 gradient 2, moments 8, low bits / compensation 2), stochastic rounding 12.
+// 14 (weight 2, bf16 gradient 2, moments 8, low bits / compensation 2), stochastic rounding 12, residual8 13.
 TEST(LeanFormatMemoryTest, BytesPerParameterBetweenSteps) {
   SKIP_WITHOUT_CPU_KERNELS(torch::kBFloat16);
   MemoryMeter& meter = MemoryMeter::install();
@@ -536,12 +575,15 @@ TEST(LeanFormatMemoryTest, BytesPerParameterBetweenSteps) {
   const double split = bytes_per_param(lean_options(MasterWeights::kSplit));
   const double sr = bytes_per_param(lean_options(MasterWeights::kStochasticRounding));
   const double kahan = bytes_per_param(lean_options(MasterWeights::kKahan));
-  std::printf("[ B/param  ] copy %.2f, split %.2f, stochastic_rounding %.2f, kahan %.2f\n", copy, split, sr, kahan);
+  const double residual8 = bytes_per_param(lean_options(MasterWeights::kResidual8));
+  std::printf("[ B/param  ] copy %.2f, split %.2f, stochastic_rounding %.2f, kahan %.2f, residual8 %.2f\n", copy, split,
+              sr, kahan, residual8);
   // Within 0.1 B/param of the count (a few scalars and the loss scaler's tensors are the rest).
   EXPECT_NEAR(copy, 18.0, 0.1);
   EXPECT_NEAR(split, 14.0, 0.1);
   EXPECT_NEAR(sr, 12.0, 0.1);
   EXPECT_NEAR(kahan, 14.0, 0.1);
+  EXPECT_NEAR(residual8, 13.0, 0.1);
 }
 
 // ---- errors ----------------------------------------------------------------------------------------
@@ -572,7 +614,7 @@ TEST(LeanFormatErrorsTest, ConfigKeyAndItsBadValue) {
   EXPECT_EQ(options.resolve().master_weights_format, MasterWeights::kStochasticRounding);
   const std::string bad = config("opt_level = O2\nmaster_weights_format = fp32\n");
   ASSERT_THROWS_WITH(amp::load_options(bad), "master_weights_format");
-  ASSERT_THROWS_WITH(amp::load_options(bad), "expected copy, split, stochastic_rounding or kahan");
+  ASSERT_THROWS_WITH(amp::load_options(bad), "expected copy, split, stochastic_rounding, kahan or residual8");
 }
 
 TEST(LeanFormatErrorsTest, InitializeRefusesOptimizersThatCannotRebuildTheValue) {

@@ -30,7 +30,7 @@ namespace optim {
 ///     (torch's grad_scale for fused optimizers): the step multiplies each gradient by its inverse as it reads
 ///     it and stores it back, instead of a separate unscale pass. As in torch, the gradients are unscaled afterwards
 ///     (unless the step was skipped for inf/NaN: then they keep the scale);
-///   - at O2 with a lean master_weights_format (split, stochastic_rounding, kahan), the bfloat16 parameters whose
+///   - at O2 with a lean master_weights_format (split, stochastic_rounding, kahan, residual8), the bfloat16 parameters whose
 ///     fp32 value the step rebuilds, updates in fp32 with fp32 state, and stores back (NOTE [Lean masters] in
 ///     src/optim/lean_masters.h), one parameter at a time.
 class FusedOptimizer {

@@ -1,6 +1,6 @@
 #pragma once
 // How O2 keeps the fp32 value of each bfloat16 parameter (Options::master_weights_format): Apex's separate fp32
-// copy, or one of three leaner forms that need amp's fused optimizers (docs/master-weights.md).
+// copy, or one of four leaner forms that need amp's fused optimizers (docs/master-weights.md).
 
 namespace amp {
 
@@ -9,9 +9,10 @@ enum class MasterWeights {
   kSplit,               // the bf16 parameter is the high half of the fp32 master; amp keeps the low 16 bits (2 B)
   kStochasticRounding,  // no master: each update rounds stochastically into the bf16 parameter (0 B)
   kKahan,               // a bf16 compensation buffer carries what rounding lost (2 B)
+  kResidual8,           // FlashOptim's 24-bit master: the rounding error in one int8 per value (1 B)
 };
 
-/// "copy", "split", "stochastic_rounding" or "kahan": the config file's spelling.
+/// "copy", "split", "stochastic_rounding", "kahan" or "residual8": the config file's spelling.
 const char* to_string(MasterWeights format);
 
 }  // namespace amp

@@ -45,11 +45,13 @@
     "bn.eval().half(), which rounds their statistics); by default they stay fp32 (O2, O3; amp's extension)")     \
   X(bool, master_weights, false, "true | false: gives the optimizer fp32 master copies of low-precision parameters") \
   X(MasterWeights, master_weights_format, MasterWeights::kCopy,                                                 \
-    "copy | split | stochastic_rounding | kahan: how O2 keeps the fp32 value of bfloat16 parameters: Apex's "    \
-    "fp32 copy, or 2/0/2 bytes per parameter beside the bf16 weight (amp::optim::Fused* optimizers only)")      \
+    "copy | split | stochastic_rounding | kahan | residual8: how O2 keeps the fp32 value of bfloat16 "          \
+    "parameters: Apex's fp32 copy, or 2/0/2/1 bytes per parameter beside the bf16 weight (amp::optim::Fused* "  \
+    "optimizers only)")                                                                                          \
   X(OptimizerStateFormat, optimizer_state_format, OptimizerStateFormat::kFp32,                                  \
-    "fp32 | bf16 | 8bit: how amp's fused Adam, AdamW and LAMB keep Adam's two moments: as LibTorch, in bfloat16 " \
-    "(stochastic rounding), or in torchao's 8-bit blocks (amp::optim::FusedAdam, FusedAdamW, FusedLAMB only)")  \
+    "fp32 | bf16 | 8bit: how amp's fused Adam, AdamW, LAMB and Muon keep their moments: as LibTorch, in "        \
+    "bfloat16 (stochastic rounding), or in torchao's 8-bit blocks (amp::optim::FusedAdam, FusedAdamW, FusedLAMB, " \
+    "FusedMuon only)")                                                                                           \
   X(LossScale, loss_scale, LossScale::fixed(1.0), "dynamic | a positive number")                                 \
   X(c10::ScalarType, low_precision_dtype, c10::ScalarType::Half,                                                 \
     "float16 | bfloat16: what low precision means for this run")                                                 \

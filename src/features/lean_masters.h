@@ -1,5 +1,5 @@
 #pragma once
-// The lean master formats (master_weights_format split, kahan, stochastic_rounding) as a training feature.
+// The lean master formats (master_weights_format split, kahan, stochastic_rounding, residual8) as a training feature.
 
 #include <memory>
 

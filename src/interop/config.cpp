@@ -92,8 +92,9 @@ MasterWeights parse_value(const std::string& v, ValueOf<MasterWeights>) {
   if (v == "copy") return MasterWeights::kCopy;
   if (v == "split") return MasterWeights::kSplit;
   if (v == "stochastic_rounding") return MasterWeights::kStochasticRounding;
+  if (v == "residual8") return MasterWeights::kResidual8;
   if (v == "kahan") return MasterWeights::kKahan;
-  throw std::invalid_argument("expected copy, split, stochastic_rounding or kahan");
+  throw std::invalid_argument("expected copy, split, stochastic_rounding, kahan or residual8");
 }
 
 OptimizerStateFormat parse_value(const std::string& v, ValueOf<OptimizerStateFormat>) {

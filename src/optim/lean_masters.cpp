@@ -13,6 +13,7 @@
 
 #include "amp/properties.h"
 #include "optim/float32_bytes.h"
+#include "optim/residual8.h"
 #include "optim/stochastic_rounding.h"
 
 namespace amp::detail {
@@ -59,6 +60,7 @@ void LeanMasters::add(std::string name, at::Tensor param) {
   at::Tensor aux;
   if (format_ == amp::MasterWeights::kSplit) aux = at::zeros(param.sizes(), options.dtype(at::kShort));
   if (format_ == amp::MasterWeights::kKahan) aux = at::zeros(param.sizes(), options.dtype(at::kBFloat16));
+  if (format_ == amp::MasterWeights::kResidual8) aux = at::zeros(param.sizes(), options.dtype(at::kChar));
   names_.push_back(std::move(name));
   version_.push_back(param._version());
   storage_.push_back(lean_storage_of(param));
@@ -104,6 +106,11 @@ at::Tensor LeanMasters::value(size_t i) const {
       each_element(p.numel(), [&](int64_t k) { o[k] = float_of_bf16(w[k]) + float_of_bf16(c[k]); });
       break;
     }
+    case amp::MasterWeights::kResidual8: {
+      const at::Tensor r_t = lean_cpu_contiguous(aux_[i]);
+      residual8_decode(w, r_t.data_ptr<int8_t>(), o, p.numel());
+      break;
+    }
     default:
       each_element(p.numel(), [&](int64_t k) { o[k] = float_of_bf16(w[k]); });
       break;
@@ -136,6 +143,10 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
         w[k] = rounded;
         aux[k] = round_to_nearest(x[k] - float_of_bf16(rounded));  // exact in fp32: rounded is x's neighbour
       });
+      break;
+    case amp::MasterWeights::kResidual8:
+      each_element(v.numel(), [&](int64_t k) { w[k] = round_to_nearest(x[k]); });
+      residual8_encode(x, w, reinterpret_cast<int8_t*>(aux), v.numel());
       break;
     case amp::MasterWeights::kStochasticRounding: {
       const uint64_t seed = seed_, base = counter_;

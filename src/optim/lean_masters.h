@@ -1,6 +1,6 @@
 #pragma once
 // The bfloat16 parameters an O2 optimizer steps without a separate fp32 master (amp::MasterWeights kSplit,
-// kStochasticRounding, kKahan), and what each keeps beside its weight.
+// kStochasticRounding, kKahan, kResidual8), and what each keeps beside its weight.
 //
 // NOTE [Lean masters]
 // The parameter itself stays in param_groups (no fp32 copy, no fp32 master gradient). A fused optimizer's step
@@ -12,6 +12,9 @@
 //                        value() = weight + aux in fp32.
 //   kStochasticRounding  weight = the value rounded up or down with probability proportional to the distance
 //                        (16 random bits added below the kept ones, then truncated); no aux.
+//   kResidual8           weight = the value rounded to nearest, aux = the rounding error in 1/127ths of half the
+//                        weight's ulp (int8, FlashOptim's 24-bit master: NOTE [Residual8 masters] in residual8.h);
+//                        value() = weight + aux / 127 * ulp / 2.
 // The random bits come from a counter-based generator (splitmix64 of seed and element counter): reproducible
 // under a seed, independent of threading, and its whole state is two integers the optimizer archive keeps.
 // Writes into a weight from outside a step (load_weights aside, which stores the fp32 value itself) make its
@@ -48,7 +51,8 @@ class LeanMasters {
   amp::MasterWeights format() const noexcept { return format_; }
   size_t size() const noexcept { return params_.size(); }
   const at::Tensor& param(size_t i) const { return params_[i]; }
-  /// The low bits (kSplit, int16) or the compensation (kKahan, bf16); undefined for kStochasticRounding.
+  /// The low bits (kSplit, int16), the compensation (kKahan, bf16) or the residual (kResidual8, int8); undefined for
+  /// kStochasticRounding.
   const at::Tensor& aux(size_t i) const { return aux_[i]; }
   const std::string& name(size_t i) const { return names_[i]; }
 

@@ -35,6 +35,7 @@ const char* to_string(MasterWeights format) {
     case MasterWeights::kCopy: return "copy";
     case MasterWeights::kSplit: return "split";
     case MasterWeights::kStochasticRounding: return "stochastic_rounding";
+    case MasterWeights::kResidual8: return "residual8";
     case MasterWeights::kKahan: return "kahan";
   }
   return "copy";
