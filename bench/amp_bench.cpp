@@ -531,7 +531,8 @@ void state_bytes_for(const std::string& name) {
   torch::manual_seed(0);
   const auto x = bench::input_for(name);
   const auto y = torch::randint(10, {x.size(0)}, torch::kLong);
-  for (const auto master : {amp::MasterWeights::kCopy, amp::MasterWeights::kSplit, amp::MasterWeights::kStochasticRounding}) {
+  for (const auto master : {amp::MasterWeights::kCopy, amp::MasterWeights::kSplit, amp::MasterWeights::kStochasticRounding,
+                            amp::MasterWeights::kResidual8}) {
     for (const auto format : {amp::OptimizerStateFormat::kFp32, amp::OptimizerStateFormat::kBf16, amp::OptimizerStateFormat::k8Bit}) {
       torch::manual_seed(1);
       Net net;

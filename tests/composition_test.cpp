@@ -84,6 +84,7 @@ std::vector<ComposeFeature> compose_features() {
       {"master split", lean(MasterWeights::kSplit)},
       {"master kahan", lean(MasterWeights::kKahan)},
       {"master stochastic", lean(MasterWeights::kStochasticRounding)},
+      {"master residual8", lean(MasterWeights::kResidual8)},
       {"bf16 states", bf16_states},
       {"fp8", [](ComposeSetup& s) { s.options.fp8(); }},
       {"clip_grad_norm_", [](ComposeSetup& s) { s.clip = true; }},
@@ -282,11 +283,13 @@ std::string compose_cell(const ComposeBase& base, const std::vector<const Compos
     for (int i = 4; i < 6; ++i) expected.push_back(run->step(i));
     ComposeRun resumed(setup);
     resumed.load(model_bytes, optimizer_bytes, python_file);
-    // A Python checkpoint holds each parameter's fp32 value (what torch.load gives Python); Kahan's bf16 weight is
-    // rounded again from it, and stochastic rounding's generator starts afresh: close, not bitwise.
+    // A Python checkpoint holds each parameter's fp32 value (what torch.load gives Python); Kahan's and residual8's bf16
+    // weights are rounded again from it (a value halfway between two weights may take the other one), and stochastic
+    // rounding's generator starts afresh: close, not bitwise.
     const MasterWeights format = run->optimizer().properties().master_weights_format;
     const bool bitwise = !setup.python_checkpoint ||
-                         (format != MasterWeights::kKahan && format != MasterWeights::kStochasticRounding);
+                         (format != MasterWeights::kKahan && format != MasterWeights::kStochasticRounding &&
+                          format != MasterWeights::kResidual8);
     auto same = [&](const torch::Tensor& a, const torch::Tensor& b) {
       if (bitwise) return amp_test::bitwise_equal(a, b);
       // Each element within 4 bf16 ulps of its own magnitude (two steps, each rounded either way), or 1e-3.

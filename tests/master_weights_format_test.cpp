@@ -590,7 +590,7 @@ TEST(LeanFormatMemoryTest, BytesPerParameterBetweenSteps) {
 
 TEST(LeanFormatErrorsTest, OptionsRefuseWhatCannotHoldALeanMaster) {
   ASSERT_THROWS_WITH(amp::Options("O2").low_precision_dtype(torch::kHalf).master_weights_format(MasterWeights::kSplit).resolve(),
-                     "master_weights_format split keeps the fp32 value in a bfloat16 weight (plus 0 or 2 bytes), which "
+                     "master_weights_format split keeps the fp32 value in a bfloat16 weight (plus 0, 1 or 2 bytes), which "
                      "needs bfloat16's fp32-wide exponent; got torch.float16. float16's range needs a separate fp32 "
                      "master: use master_weights_format copy, or low_precision_dtype bfloat16.");
   ASSERT_THROWS_WITH(amp::Options("O3").low_precision_dtype(torch::kBFloat16).master_weights_format(MasterWeights::kKahan).resolve(),

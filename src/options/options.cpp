@@ -170,7 +170,7 @@ void Options::check_rules(const Properties& p) const {
              "remove master_weights_format.");
       }
       if (*p.cast_model_type != c10::ScalarType::BFloat16) {
-        fail("master_weights_format " + name + " keeps the fp32 value in a bfloat16 weight (plus 0 or 2 bytes), "
+        fail("master_weights_format " + name + " keeps the fp32 value in a bfloat16 weight (plus 0, 1 or 2 bytes), "
              "which needs bfloat16's fp32-wide exponent; got " + dtype_name(*p.cast_model_type) + ". float16's "
              "range needs a separate fp32 master: use master_weights_format copy, or low_precision_dtype bfloat16.");
       }
