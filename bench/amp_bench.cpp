@@ -23,6 +23,7 @@
 #include "fp8_task.h"
 #include "models.h"
 #include "op_profile.h"
+#include "timing.h"
 #include "training_steps.h"
 #include "optim/fused_route.h"
 #include "optim/state_format.h"
@@ -40,10 +41,7 @@ void record(const std::string& section, const std::string& name, const std::stri
   if (csv) csv << section << "," << name << "," << config << "," << metric << "," << value << "\n";
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using bench::median;
 
 // Seconds per call of `f`: warm-up, then `reps` repetitions of K calls (K sized to ~0.3 s), median.
 template <class F>
@@ -62,27 +60,9 @@ double time_per_call(F&& f, double rep_seconds = 0.3) {
   return median(samples);
 }
 
-// Callables timed in alternation (A B C A B C ...), so drift on a noisy VM hits them alike: seconds per call
-// of each, the median of `reps` repetitions of K calls (K sized to ~rep_seconds for the first).
+// bench/timing.h's, with --reps repetitions.
 std::vector<double> time_alternating(const std::vector<std::function<void()>>& fs, double rep_seconds = 0.3) {
-  for (int warm = 0; warm < 2; ++warm) {
-    for (const auto& f : fs) f();
-  }
-  auto start = Clock::now();
-  fs.front()();
-  const double once = std::chrono::duration<double>(Clock::now() - start).count();
-  const int k = std::max(1, std::min(2000, static_cast<int>(rep_seconds / std::max(once, 1e-7))));
-  std::vector<std::vector<double>> samples(fs.size());
-  for (int r = 0; r < reps; ++r) {
-    for (size_t j = 0; j < fs.size(); ++j) {
-      start = Clock::now();
-      for (int i = 0; i < k; ++i) fs[j]();
-      samples[j].push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
-    }
-  }
-  std::vector<double> out;
-  for (auto& s : samples) out.push_back(median(std::move(s)));
-  return out;
+  return bench::time_alternating(fs, reps, rep_seconds);
 }
 
 template <class A, class B>

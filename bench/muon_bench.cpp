@@ -19,38 +19,10 @@
 
 #include "models.h"
 #include "optim/state_format.h"
+#include "timing.h"
 #include "training_steps.h"
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-// Seconds per call of each callable, timed in alternation (A B A B ...): the median of `reps` repetitions of K calls.
-std::vector<double> time_alternating(const std::vector<std::function<void()>>& fs, int reps, double rep_seconds = 0.3) {
-  for (int warm = 0; warm < 2; ++warm) {
-    for (const auto& f : fs) f();
-  }
-  auto start = Clock::now();
-  fs.front()();
-  const double once = std::chrono::duration<double>(Clock::now() - start).count();
-  const int k = std::max(1, static_cast<int>(rep_seconds / std::max(once, 1e-7)));
-  std::vector<std::vector<double>> samples(fs.size());
-  for (int r = 0; r < reps; ++r) {
-    for (size_t j = 0; j < fs.size(); ++j) {
-      start = Clock::now();
-      for (int i = 0; i < k; ++i) fs[j]();
-      samples[j].push_back(std::chrono::duration<double>(Clock::now() - start).count() / k);
-    }
-  }
-  std::vector<double> out;
-  for (auto& s : samples) out.push_back(median(std::move(s)));
-  return out;
-}
 
 // The bench transformer's matrices for Muon (qkv, proj, ff1, ff2) and the rest for AdamW (LayerNorms, biases, head).
 void split_params(bench::Transformer& net, std::vector<torch::Tensor>& hidden, std::vector<torch::Tensor>& rest) {
@@ -58,6 +30,31 @@ void split_params(bench::Transformer& net, std::vector<torch::Tensor>& hidden, s
     const bool matrix = item.value().dim() == 2 && item.key().rfind("head.", 0) != 0;
     (matrix ? hidden : rest).push_back(item.value());
   }
+}
+
+// The bench transformer at `options` with Muon's recipe: FusedMuon on its matrices, FusedAdamW on the rest, one loss.
+// Calls body(muon, adamw, step), step(x, y) taking one step of both and returning the loss.
+template <class Body>
+void with_muon_pair(bench::Transformer& net, const amp::Options& options, Body body) {
+  std::vector<torch::Tensor> hidden, rest;
+  split_params(net, hidden, rest);
+  auto [models, optimizers] = amp::initialize(
+      std::make_tuple(net), std::make_tuple(amp::optim::FusedMuon(hidden, amp::optim::FusedMuonOptions(0.02)),
+                                            amp::optim::FusedAdamW(rest, torch::optim::AdamWOptions(1e-3))),
+      options);
+  auto& model = std::get<0>(models);
+  auto& muon = std::get<0>(optimizers);
+  auto& adamw = std::get<1>(optimizers);
+  auto step = [&](const torch::Tensor& x, const torch::Tensor& y) {
+    muon.zero_grad();
+    adamw.zero_grad();
+    const auto loss = torch::nn::functional::cross_entropy(model(x), y);
+    amp::scale_loss(loss, std::vector<amp::OptimizerBase*>{&muon, &adamw}).backward();
+    muon.step();
+    adamw.step();
+    return loss.item<double>();
+  };
+  body(muon, adamw, step);
 }
 
 // The shapes bench/muon.sh's Python side steps too (torch.optim.Muon), with the same seeds.
@@ -76,7 +73,7 @@ void step_section(int reps) {
   auto muon_params = matrices_with_grads(), adamw_params = matrices_with_grads();
   amp::optim::FusedMuon muon(muon_params, amp::optim::FusedMuonOptions(0.02));
   amp::optim::FusedAdamW adamw(adamw_params, torch::optim::AdamWOptions(1e-3));
-  const auto t = time_alternating({[&] { muon.step(); }, [&] { adamw.step(); }}, reps);
+  const auto t = bench::time_alternating({[&] { muon.step(); }, [&] { adamw.step(); }}, reps);
   std::printf("muon_step,transformer matrices,FusedMuon,ms_per_step,%.6f\n", 1e3 * t[0]);
   std::printf("muon_step,transformer matrices,FusedAdamW,ms_per_step,%.6f\n", 1e3 * t[1]);
 }
@@ -94,28 +91,17 @@ void bytes_section() {
     for (const auto& p : hidden) muon_numel += static_cast<double>(p.numel());
     for (const auto& p : net->parameters()) all_numel += static_cast<double>(p.numel());
     const auto options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).optimizer_state_format(format).verbosity(0);
-    auto [models, optimizers] = amp::initialize(
-        std::make_tuple(net), std::make_tuple(amp::optim::FusedMuon(hidden, amp::optim::FusedMuonOptions(0.02)),
-                                              amp::optim::FusedAdamW(rest, torch::optim::AdamWOptions(1e-3))),
-        options);
-    auto& model = std::get<0>(models);
-    auto& muon = std::get<0>(optimizers);
-    auto& adamw = std::get<1>(optimizers);
-    for (int i = 0; i < 3; ++i) {
-      muon.zero_grad();
-      adamw.zero_grad();
-      const auto loss = torch::nn::functional::cross_entropy(model(x), y);
-      amp::scale_loss(loss, std::vector<amp::OptimizerBase*>{&muon, &adamw}).backward();
-      muon.step();
-      adamw.step();
-    }
-    const amp::StateBytes m = amp::state_bytes(muon), a = amp::state_bytes(adamw);
-    const std::string config = amp::to_string(format);
-    std::printf("muon_bytes,transformer,%s,muon_state_bytes_per_muon_param,%.4f\n", config.c_str(), m.optimizer_state / muon_numel);
-    std::printf("muon_bytes,transformer,%s,muon_total_bytes_per_muon_param,%.4f\n", config.c_str(), m.total() / muon_numel);
-    std::printf("muon_bytes,transformer,%s,pair_total_bytes_per_param,%.4f\n", config.c_str(),
-                (m.total() + a.total()) / all_numel);
-    std::printf("muon_bytes,transformer,%s,muon_share_of_params,%.4f\n", config.c_str(), muon_numel / all_numel);
+    with_muon_pair(net, options, [&](auto& muon, auto& adamw, auto& step) {
+      for (int i = 0; i < 3; ++i) step(x, y);
+      const amp::StateBytes m = amp::state_bytes(muon), a = amp::state_bytes(adamw);
+      const std::string config = amp::to_string(format);
+      std::printf("muon_bytes,transformer,%s,muon_state_bytes_per_muon_param,%.4f\n", config.c_str(),
+                  m.optimizer_state / muon_numel);
+      std::printf("muon_bytes,transformer,%s,muon_total_bytes_per_muon_param,%.4f\n", config.c_str(), m.total() / muon_numel);
+      std::printf("muon_bytes,transformer,%s,pair_total_bytes_per_param,%.4f\n", config.c_str(),
+                  (m.total() + a.total()) / all_numel);
+      std::printf("muon_bytes,transformer,%s,muon_share_of_params,%.4f\n", config.c_str(), muon_numel / all_numel);
+    });
   }
 }
 
@@ -149,25 +135,12 @@ void train_section(int steps) {
   }
   torch::manual_seed(1);
   bench::Transformer net;
-  std::vector<torch::Tensor> hidden, rest;
-  split_params(net, hidden, rest);
-  auto [models, optimizers] = amp::initialize(
-      std::make_tuple(net), std::make_tuple(amp::optim::FusedMuon(hidden, amp::optim::FusedMuonOptions(0.02)),
-                                            amp::optim::FusedAdamW(rest, torch::optim::AdamWOptions(1e-3))),
-      options);
-  auto& model = std::get<0>(models);
-  auto& muon = std::get<0>(optimizers);
-  auto& adamw = std::get<1>(optimizers);
-  for (int s = 0; s < steps; ++s) {
-    const auto [x, y] = task.batch(s);
-    muon.zero_grad();
-    adamw.zero_grad();
-    const auto loss = torch::nn::functional::cross_entropy(model(x), y);
-    amp::scale_loss(loss, std::vector<amp::OptimizerBase*>{&muon, &adamw}).backward();
-    muon.step();
-    adamw.step();
-    std::printf("muon_train,transformer,Muon + AdamW,loss_step_%d,%.6f\n", s, loss.item<double>());
-  }
+  with_muon_pair(net, options, [&](auto&, auto&, auto& step) {
+    for (int s = 0; s < steps; ++s) {
+      const auto [x, y] = task.batch(s);
+      std::printf("muon_train,transformer,Muon + AdamW,loss_step_%d,%.6f\n", s, step(x, y));
+    }
+  });
 }
 
 }  // namespace

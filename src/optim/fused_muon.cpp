@@ -2,7 +2,6 @@
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -194,16 +193,7 @@ void FusedMuon::save(torch::serialize::OutputArchive& archive) const { serialize
 
 void FusedMuon::load(torch::serialize::InputArchive& archive) {
   serialize(*this, archive);
-#if TORCH_VERSION_MAJOR < 2
-  // LibTorch 1.13 reads the saved groups' options but does not install them (see FusedLAMB::load).
-  torch::serialize::InputArchive groups_archive;
-  archive.read("param_groups", groups_archive);
-  std::vector<std::pair<std::vector<std::string>, std::unique_ptr<torch::optim::OptimizerOptions>>> saved;
-  torch::optim::detail::serialize<FusedMuonOptions>(groups_archive, saved);
-  TORCH_CHECK(saved.size() == param_groups_.size(), kName, "::load: the archive has ", saved.size(),
-              " param groups, this optimizer ", param_groups_.size(), ".");
-  for (size_t i = 0; i < saved.size(); ++i) param_groups_[i].set_options(std::move(saved[i].second));
-#endif
+  detail::install_saved_group_options<FusedMuonOptions>(archive, param_groups_, "amp::optim::FusedMuon::load");
 }
 
 std::vector<int64_t> FusedMuon::shape_of(const at::Tensor& p) const {

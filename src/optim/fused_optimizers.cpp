@@ -710,17 +710,7 @@ void FusedLAMB::add_param_group(const torch::optim::OptimizerParamGroup& param_g
 void FusedLAMB::save(torch::serialize::OutputArchive& archive) const { serialize(*this, archive); }
 void FusedLAMB::load(torch::serialize::InputArchive& archive) {
   serialize(*this, archive);
-#if TORCH_VERSION_MAJOR < 2
-  // LibTorch 1.13 reads the saved groups' options but does not install them: the groups' step counts (and any
-  // changed lr) would restart. Install them here, as LibTorch 2.x does.
-  torch::serialize::InputArchive groups_archive;
-  archive.read("param_groups", groups_archive);
-  std::vector<std::pair<std::vector<std::string>, std::unique_ptr<torch::optim::OptimizerOptions>>> saved;
-  torch::optim::detail::serialize<FusedLAMBOptions>(groups_archive, saved);
-  TORCH_CHECK(saved.size() == param_groups_.size(), "amp::optim::FusedLAMB::load: the archive has ", saved.size(),
-              " param groups, this optimizer ", param_groups_.size(), ".");
-  for (size_t i = 0; i < saved.size(); ++i) param_groups_[i].set_options(std::move(saved[i].second));
-#endif
+  detail::install_saved_group_options<FusedLAMBOptions>(archive, param_groups_, "amp::optim::FusedLAMB::load");
 }
 
 torch::Tensor FusedLAMB::step(LossClosure closure) {

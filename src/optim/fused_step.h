@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/serialize.h>
+#include <torch/version.h>
 
 #include <memory>
 #include <vector>
@@ -47,6 +49,25 @@ inline void bump(at::TensorList written) {
   for (const auto& t : written) {
     if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
   }
+}
+
+// After an optimizer of amp's own options type loaded `archive`: LibTorch 1.13 reads the saved groups' options but does
+// not install them, so the groups' step counts (FusedLAMB) and changed hyperparameters would restart. Installs them, as
+// LibTorch 2.x does (a no-op there).
+template <class Options>
+void install_saved_group_options(torch::serialize::InputArchive& archive,
+                                 std::vector<torch::optim::OptimizerParamGroup>& groups, const char* where) {
+#if TORCH_VERSION_MAJOR < 2
+  torch::serialize::InputArchive groups_archive;
+  archive.read("param_groups", groups_archive);
+  std::vector<std::pair<std::vector<std::string>, std::unique_ptr<torch::optim::OptimizerOptions>>> saved;
+  torch::optim::detail::serialize<Options>(groups_archive, saved);
+  TORCH_CHECK(saved.size() == groups.size(), where, ": the archive has ", saved.size(), " param groups, this optimizer ",
+              groups.size(), ".");
+  for (size_t i = 0; i < saved.size(); ++i) groups[i].set_options(std::move(saved[i].second));
+#else
+  (void)archive, (void)groups, (void)where;
+#endif
 }
 
 // What one parameter's update reads and writes: the parameter and its gradient, or, for a bfloat16 parameter with a
