@@ -9,7 +9,6 @@
 #include "amp/properties.h"
 
 namespace amp {
-class GraphCaptureGuard;
 class OptimizerBase;
 class ScaledLoss;
 namespace detail {
@@ -74,7 +73,6 @@ class LossScaler {
   void load(double loss_scale, int64_t unskipped, std::optional<int64_t> hysteresis_left = std::nullopt);
 
  private:
-  friend class GraphCaptureGuard;
   friend class OptimizerBase;
   friend class ScaledLoss;
   friend struct detail::OptimizerAccess;

@@ -39,7 +39,6 @@ namespace amp {
 
 class ScaledLoss;
 class OptimizerBase;
-class GraphCaptureGuard;
 
 namespace detail {
 /// torch::optim::SGD's / Adam's / AdamW's (decoupled) step as Python's torch.optim computes it, where some parameter
@@ -138,8 +137,7 @@ class OptimizerBase {
 
  private:
   friend class ScaledLoss;
-  friend class GraphCaptureGuard;
-  friend struct detail::OptimizerAccess;  // amp's checkpoint formats, gradient tools and training features
+  friend struct detail::OptimizerAccess;  // amp's checkpoint formats, gradient tools, training features, graph capture
 
   // scale_loss protocol (Apex's _prepare_amp_backward / _post_amp_backward), split so that several
   // optimizers share one overflow decision and one scale update.

@@ -11,6 +11,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "optim/fused_route.h"
+#include "optim/optimizer_access.h"
 #include "optim/optimizer_kinds.h"
 #include "scaling/device_scale.h"
 
@@ -22,18 +23,20 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
   const char* where = "amp::GraphCaptureGuard";
   TORCH_CHECK(!optimizers_.empty(), where, ": the list of optimizers is empty; pass the amp optimizers the captured "
               "step steps.");
+  std::vector<c10::Device> devices;  // each one's loss scale's
   for (size_t i = 0; i < optimizers_.size(); ++i) {
     OptimizerBase* o = optimizers_[i];
     TORCH_CHECK(o != nullptr, where, ": optimizer ", i, " of the list is null.");
-    TORCH_CHECK(!o->graph_mode_, where, ": optimizer ", i, " is already under a GraphCaptureGuard.");
+    TORCH_CHECK(!detail::OptimizerAccess::graph_mode(*o), where, ": optimizer ", i, " is already under a GraphCaptureGuard.");
     const Properties& p = o->properties();
     TORCH_CHECK(p.enabled, where, ": optimizer ", i, " was initialized with enabled = false; amp does nothing a "
                 "capture needs to know of. Capture without the guard.");
-    const auto* fused = dynamic_cast<const optim::FusedOptimizer*>(&o->torch_optimizer());
+    const auto* fused = dynamic_cast<const optim::FusedOptimizer*>(&detail::OptimizerAccess::torch_optimizer(*o));
     TORCH_CHECK(fused != nullptr, where, ": optimizer ", i, " is a LibTorch optimizer, whose step can't skip on the "
                 "device (its skip is decided on the host, which a replayed graph never asks). Use amp::optim::FusedSGD, "
                 "FusedAdam, FusedAdamW or FusedMuon.");
-    const detail::OptimizerKind* kind = detail::kind_of(o->torch_optimizer());  // NOTE [Optimizer kinds]
+    // NOTE [Optimizer kinds]
+    const detail::OptimizerKind* kind = detail::kind_of(detail::OptimizerAccess::torch_optimizer(*o));
     TORCH_CHECK(kind == nullptr || kind->uncapturable == nullptr, where, ": optimizer ", i, " ", kind->uncapturable,
                 ". Capture with FusedAdam, FusedAdamW or FusedMuon, or run its steps eagerly (they never wait for the "
                 "device).");
@@ -44,33 +47,24 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     TORCH_CHECK(p.master_weights_format == MasterWeights::kCopy, where, ": optimizer ", i, " has master_weights_format "
                 "= ", to_string(p.master_weights_format), ", whose step decides the skip on the host. Capture with the "
                 "default master_weights_format = copy.");
-    TORCH_CHECK(o->skips_on_device(), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
+    TORCH_CHECK(detail::OptimizerAccess::skips_on_device(*o), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
                 "ZeRO sharding is on). Capture without them.");
     TORCH_CHECK((kind != nullptr && kind->skips_without_fused_kernels) || optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
                 "fused optimizer kernels (they arrived in LibTorch 2.4), so a fused step runs per op and reads the overflow "
                 "flag on the host, which a replayed graph never does. Capture with LibTorch 2.4 or later.");
     // Whatever the host has not seen yet it learns now, before the capture (reads during one are errors).
     const detail::HostSyncScope syncs({o});
-    o->settle(/*wait=*/true);
-    const detail::DeviceScale* scale = nullptr;
-    for (const LossScaler& s : *o->scalers_) {
-      if (s.device_) scale = s.device_.get();
-    }
+    const detail::DeviceScale* scale = detail::OptimizerAccess::settled_device_scale(*o);
     TORCH_CHECK(scale != nullptr, where, ": optimizer ", i, " has not taken a step with amp::scale_loss yet, so its "
                 "loss scale and optimizer state do not exist on the device, and a capture can't create them. Run the "
                 "recipe's warm-up steps first (docs/cuda.md, \"Capturing the whole step\").");
-    if (!o->device_skips_.defined()) {
-      o->device_skips_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(scale->device()));
-    }
+    devices.push_back(scale->device());
   }
-  for (OptimizerBase* o : optimizers_) {
-    o->graph_mode_ = true;
-    o->device_truth_ = true;
-  }
+  for (size_t i = 0; i < optimizers_.size(); ++i) detail::OptimizerAccess::enter_graph_mode(*optimizers_[i], devices[i]);
 }
 
 GraphCaptureGuard::~GraphCaptureGuard() {
-  for (OptimizerBase* o : optimizers_) o->graph_mode_ = false;
+  for (OptimizerBase* o : optimizers_) detail::OptimizerAccess::leave_graph_mode(*o);
 }
 
 }  // namespace amp

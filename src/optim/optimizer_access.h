@@ -16,6 +16,7 @@
 
 namespace amp::detail {
 
+class DeviceScale;
 class Feature;
 class ParamIndex;
 class Sharding;
@@ -53,6 +54,29 @@ struct OptimizerAccess {
   static int64_t steps(const OptimizerBase& o) { return o.steps_; }
   static torch::optim::Optimizer& torch_optimizer(OptimizerBase& o) { return o.torch_optimizer(); }
   static bool unscaled_fast_path(const OptimizerBase& o) { return o.unscaled_fast_path_; }
+
+  // amp::GraphCaptureGuard (src/optim/graph_capture.cpp).
+  /// Whether a GraphCaptureGuard holds the optimizer now.
+  static bool graph_mode(const OptimizerBase& o) { return o.graph_mode_; }
+  /// Whether the optimizer's fused step takes the overflow flag on the device (no fp8, auto_fp32 or ZeRO).
+  static bool skips_on_device(const OptimizerBase& o) { return o.skips_on_device(); }
+  /// Settles everything the host has not seen yet, then returns the device's loss scale (null before the first
+  /// scale_loss created it).
+  static const DeviceScale* settled_device_scale(const OptimizerBase& o) {
+    o.settle(/*wait=*/true);
+    const DeviceScale* scale = nullptr;
+    for (const LossScaler& s : *o.scalers_) {
+      if (s.device_) scale = s.device_.get();
+    }
+    return scale;
+  }
+  /// Enters graph mode: from now on the device holds the truth (skips counted in a device tensor on `device`).
+  static void enter_graph_mode(OptimizerBase& o, const c10::Device& device) {
+    if (!o.device_skips_.defined()) o.device_skips_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    o.graph_mode_ = true;
+    o.device_truth_ = true;
+  }
+  static void leave_graph_mode(OptimizerBase& o) { o.graph_mode_ = false; }
 };
 
 }  // namespace amp::detail
