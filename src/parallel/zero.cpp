@@ -1124,10 +1124,10 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
   // NOTE [Optimizer kinds]: the table says which types ZeRO can slice, and why not.
   const amp::detail::OptimizerKind* kind = amp::detail::kind_of(opt);
-  TORCH_CHECK(kind && (!kind->unshardable || kind->fused), kShard, ": this optimizer type can't be sharded (its "
-              "per-parameter state is not one amp knows how to slice). Use amp::optim::FusedSGD, FusedAdam, FusedAdamW "
-              "or FusedLAMB, or LibTorch's SGD, Adam or AdamW.");
-  TORCH_CHECK(!kind->unshardable, kShard, ": ", kind->name, " ", kind->unshardable, ".");
+  const std::string why = kind ? std::string(kind->name) + " " + (kind->unshardable ? kind->unshardable : "")
+                                : std::string("its per-parameter state is not one amp knows how to slice");
+  TORCH_CHECK(kind && !kind->unshardable, kShard, ": this optimizer type can't be sharded (", why, "). Use "
+              "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or LibTorch's SGD, Adam or AdamW.");
   TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": master_weights_format ",
               to_string(p.master_weights_format), " keeps each master's low bits beside its bfloat16 parameter; ZeRO "
               "shards fp32 masters (master_weights_format = copy).");
