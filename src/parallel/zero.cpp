@@ -772,16 +772,17 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
   }
   // NOTE [Sharded LAMB] in src/optim/fused_optimizers.cpp: its norms are summed over the ranks' pieces.
   auto* fused = use == Use::kStep ? dynamic_cast<amp::optim::FusedOptimizer*>(&opt) : nullptr;
+  std::unordered_map<const c10::TensorImpl*, const ShardPiece*> piece_of;  // ShardSums::whole_shape's lookup
+  for (const auto& p : pieces_) piece_of.emplace(p.value.unsafeGetTensorImpl(), &p);
   const amp::optim::FusedOptimizer::ShardSums sums{
       [this](double v) { return sum_over_ranks(v); }, [this](std::vector<double>& v) { sum_per_tensor(v); },
-      [this](const at::Tensor& piece) -> std::optional<std::vector<int64_t>> {
-        for (const auto& p : pieces_) {
-          if (!p.value.is_same(piece)) continue;
-          const ShardEntry& e = groups_[p.group][p.entry];
-          if (p.begin != 0 || p.length != e.numel) return std::nullopt;
-          return e.stepped.sizes().vec();
-        }
-        return std::nullopt;
+      [this, &piece_of](const at::Tensor& piece) -> std::optional<std::vector<int64_t>> {
+        const auto it = piece_of.find(piece.unsafeGetTensorImpl());
+        if (it == piece_of.end()) return std::nullopt;
+        const ShardPiece& p = *it->second;
+        const ShardEntry& e = groups_[p.group][p.entry];
+        if (p.begin != 0 || p.length != e.numel) return std::nullopt;
+        return e.stepped.sizes().vec();
       }};
   if (fused) fused->set_shard_sums(&sums);
   // The state format numbers a piece's elements as its whole tensor's (NOTE [Optimizer state formats]).
