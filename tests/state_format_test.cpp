@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "optim/fused_route.h"
@@ -419,6 +420,47 @@ TEST(StateFormatCodecTest, BucketTableGivesTheSearchsCodesAtEveryBoundary) {
       auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
       amp::detail::encode_moment(v, packed, moment);
       const auto expected = amp::detail::quantize_with_map(v.view({-1, 256}), moment).reshape({-1});
+      const auto mismatches = codes_of(packed, n).ne(expected).sum().item<int64_t>();
+      EXPECT_EQ(mismatches, 0) << (moment == Moment::kSigned ? "signed" : "unsigned") << " map, " << n << " values";
+    }
+  });
+}
+
+// NOTE [Dividing by the scale]: the vector loops' quotients by multiply-adds against ATen's division, where a wrong
+// quotient changes a code: each block's scale is an awkward one (all-ones mantissas, the powers of two at and beyond
+// the reciprocal route's limits, random ones) and its values are the scale times each rounding midpoint of the map,
+// with their float neighbours, so x / s lands on, just below and just above where codes change.
+TEST(StateFormatCodecTest, QuotientsByTheScaleAreTheDivisionsAtEveryBoundary) {
+  on_both_codecs([] {
+    std::vector<float> scales;
+    for (int e = -64; e <= 104; e += 4) {
+      scales.push_back(std::ldexp(1.0f, e));                              // a power of two
+      scales.push_back(std::nextafter(std::ldexp(1.0f, e + 1), 0.0f));  // an all-ones mantissa
+    }
+    for (float s : {0x1p-60f, 0x1p100f}) scales.insert(scales.end(), {std::nextafter(s, 0.0f), std::nextafter(s, 1e38f)});
+    std::mt19937 draw(7);
+    for (int k = 0; k < 40; ++k) scales.push_back(std::ldexp(1.0f + static_cast<float>(draw() % 8388608) / 8388608.0f, -40 + k * 3));
+    for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+      const auto& map = amp::detail::quantization_map(moment);
+      std::vector<float> blocks;
+      for (const float s : scales) {
+        std::vector<float> block;
+        for (int c = 0; c + 1 < 256 && block.size() < 255; c += 1 + static_cast<int>(draw() % 4)) {
+          const float x = (map[c] + (map[c + 1] - map[c]) * 0.5f) * s;
+          for (float v : {x, std::nextafter(x, 0.0f), std::nextafter(x, 2 * x + 1)}) {
+            if (block.size() < 255 && std::abs(v) < s) block.push_back(v);
+          }
+        }
+        block.resize(255, 0.0f);
+        block.push_back(s);  // the absmax
+        blocks.insert(blocks.end(), block.begin(), block.end());
+      }
+      const auto v = torch::tensor(blocks);
+      const int64_t n = v.numel();
+      auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
+      amp::detail::encode_moment(v, packed, moment);
+      const auto b = v.view({-1, 256});
+      const auto expected = amp::detail::quantize_with_map(b / b.abs().amax(-1, true).clamp_min(1e-12), moment).reshape({-1});
       const auto mismatches = codes_of(packed, n).ne(expected).sum().item<int64_t>();
       EXPECT_EQ(mismatches, 0) << (moment == Moment::kSigned ? "signed" : "unsigned") << " map, " << n << " values";
     }

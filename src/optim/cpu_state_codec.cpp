@@ -26,9 +26,20 @@ namespace {
 // torchao's code for y (a value divided by its block's absmax, so |y| <= 1) is the largest c with map[c] <= y, plus
 // one where y - map[c] >= (map[c + 1] - map[c]) * 0.5 in fp32: 8 dependent lookups of a binary search. The code is
 // a non-decreasing function of y, so a table over buckets of floats with the same sign, exponent and top 7 mantissa
-// bits (|y| < 2^-24 is one bucket per sign) keeps the code of each bucket's smallest y and the smallest y of the
-// bucket whose code is one more (+inf where none is): code_buckets finds it by bisection and checks that no bucket
-// spans more than two codes. A code is then one lookup and one comparison, bit for bit the search's.
+// bits (|y| < 2^-24 is one bucket per sign) keeps, per bucket, the code of its smallest y and where in the bucket the
+// code becomes one more: code_buckets finds that by bisection and checks that no bucket spans more than two codes.
+// Inside a bucket y's order is the order of its low 16 bits (reversed where y < 0), its *key*, so one 32-bit word
+// holds both: the code in bits 0-7, the first key of the next code in bits 8-24 (0x10000: none). The two buckets
+// below 2^-24 span more than 16 bits: each must hold one code (torchao's maps' smallest nonzero entries are 3.25e-7
+// and 5.5e-7, so they do). A code is then one lookup and one comparison, bit for bit the search's.
+//
+// NOTE [Dividing by the scale]
+// y = x / s rounded to nearest, as torchao's division. The vector loops compute it as r = 1 / s once per block (a
+// true division), q = x r, then twice q += (x - s q) r with fused multiply-adds: after the first correction q is
+// within an ulp of x / s, so by Markstein's theorem (Muller et al., Handbook of Floating-Point Arithmetic, "Markstein")
+// the second gives the correctly rounded quotient, provided nothing underflows. With 2^-60 <= s <= 2^100 every
+// remainder of a quotient >= 2^-24 is exact; quotients below that fall in a one-code bucket either way (above). Other
+// scales divide. A vector division costs 3x the four multiply-adds (amp_bench --section state_formats).
 constexpr int kMantissaBits = 7;
 constexpr int kMinExponent = -24;
 constexpr int64_t kPerSign = (0 - kMinExponent + 2) * (int64_t{1} << kMantissaBits);
@@ -55,6 +66,13 @@ inline int32_t bucket_of(uint32_t b) {
   return sign * static_cast<int32_t>(kPerSign) + (exponent < kMinExponent ? 0 : at);
 }
 
+// y's key in its bucket: the low 16 bits, reversed where y < 0 (a larger magnitude is a smaller y).
+inline uint32_t key_of(uint32_t b) { return (b ^ (0u - (b >> 31))) & 0xffffu; }
+
+inline uint8_t code_in(uint32_t word, uint32_t b) {
+  return static_cast<uint8_t>((word & 0xffu) + (key_of(b) >= (word >> 8) ? 1u : 0u));
+}
+
 }  // namespace
 
 uint8_t code_by_search(float y, const float* map) {
@@ -76,9 +94,8 @@ bool code_buckets(const float* map, CodeBucket* table) {
   auto fill = [&](int64_t at, uint32_t sign, uint32_t first, uint32_t last) {
     auto y_of = [&](uint32_t magnitude) { return float_from((sign << 31) | magnitude); };
     const int q_lo = code_by_search(y_of(sign ? last : first), map), q_hi = code_by_search(y_of(sign ? first : last), map);
-    ok = ok && q_hi - q_lo <= 1;
-    table[at].code = q_lo;
-    table[at].next = std::numeric_limits<float>::infinity();
+    ok = ok && q_hi - q_lo <= 1 && (q_hi == q_lo || at % kPerSign != 0);
+    table[at] = static_cast<uint32_t>(q_lo) | (0x10000u << 8);
     if (q_hi == q_lo) return;
     // The magnitudes whose code is q_hi are one end of [first, last]: bisect for the boundary.
     auto is_hi = [&](uint32_t m) { return code_by_search(y_of(m), map) == q_hi; };
@@ -94,7 +111,7 @@ bool code_buckets(const float* map, CodeBucket* table) {
         if (is_hi(mid)) a = mid; else b = mid - 1;
       }
     }
-    table[at].next = y_of(a);
+    table[at] = static_cast<uint32_t>(q_lo) | (key_of((sign << 31) | a) << 8);
   };
   const uint32_t below_tiny = (static_cast<uint32_t>(127 + kMinExponent) << 23) - 1;
   for (uint32_t sign = 0; sign < 2; ++sign) {
@@ -132,8 +149,7 @@ AMP_VECTOR_CLONES void codes_by_buckets(const float* __restrict y, uint8_t* __re
   for (int64_t i = 0; i < kCodeBlock; ++i) {
     uint32_t b;
     std::memcpy(&b, y + i, sizeof b);
-    const CodeBucket& bucket = table[bucket_of(b)];
-    codes[i] = static_cast<uint8_t>(bucket.code + (y[i] >= bucket.next ? 1 : 0));
+    codes[i] = code_in(table[bucket_of(b)], b);
   }
 }
 
@@ -145,9 +161,8 @@ __attribute__((target("avx2"))) void codes_by_buckets_avx2(const float* y, uint8
   const __m256i zero = _mm256_setzero_si256();
   const int* words = reinterpret_cast<const int*>(table);
   for (int64_t i = 0; i < kCodeBlock; i += 8) {
-    const __m256 v = _mm256_loadu_ps(y + i);
-    const __m256i b = _mm256_castps_si256(v);
-    const __m256i sign = _mm256_srli_epi32(b, 31);
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(y + i));
+    const __m256i negative = _mm256_srai_epi32(b, 31);
     const __m256i exponent = _mm256_min_epi32(
         _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(0xff)), _mm256_set1_epi32(127)), zero);
     const __m256i mantissa =
@@ -155,20 +170,23 @@ __attribute__((target("avx2"))) void codes_by_buckets_avx2(const float* y, uint8
     __m256i at = _mm256_add_epi32(
         _mm256_slli_epi32(_mm256_add_epi32(exponent, _mm256_set1_epi32(1 - kMinExponent)), kMantissaBits), mantissa);
     at = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kMinExponent), exponent), at);  // tiny: bucket 0
-    at = _mm256_add_epi32(at, _mm256_mullo_epi32(sign, _mm256_set1_epi32(static_cast<int32_t>(kPerSign))));
-    at = _mm256_slli_epi32(at, 1);  // a bucket is two 32-bit words
-    const __m256i code = _mm256_i32gather_epi32(words, at, 4);
-    const __m256 next = _mm256_i32gather_ps(reinterpret_cast<const float*>(words + 1), at, 4);
-    // code - mask adds one where the mask is all ones (y >= next).
-    const __m256i c = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(v, next, _CMP_GE_OQ)));
+    at = _mm256_add_epi32(at, _mm256_and_si256(negative, _mm256_set1_epi32(static_cast<int32_t>(kPerSign))));
+    const __m256i word = _mm256_i32gather_epi32(words, at, 4);
+    const __m256i key = _mm256_and_si256(_mm256_xor_si256(b, negative), _mm256_set1_epi32(0xffff));
+    // code - mask adds one where the mask is all ones (key >= the word's first key of the next code).
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_add_epi32(key, _mm256_set1_epi32(1)), _mm256_srli_epi32(word, 8));
+    const __m256i c = _mm256_sub_epi32(_mm256_and_si256(word, _mm256_set1_epi32(0xff)), up);
     const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(halves, halves));
   }
 }
 
+// The scales NOTE [Dividing by the scale] divides by with multiply-adds.
+inline bool divides_by_reciprocal(float s) { return s >= 0x1p-60f && s <= 0x1p100f; }
+
 // scale_block with AVX2 (GCC keeps the NaN-aware maximum scalar): max_ps never picks a NaN, which the unordered
-// comparison reports instead; the division is the same correctly rounded one.
-__attribute__((target("avx2"))) float scale_block_avx2(const float* in, float* scaled) {
+// comparison reports instead; the quotients are the correctly rounded ones (NOTE [Dividing by the scale]).
+__attribute__((target("avx2,fma"))) float scale_block_avx2(const float* in, float* scaled) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   for (int64_t i = 0; i < kCodeBlock; i += 8) {
@@ -182,7 +200,18 @@ __attribute__((target("avx2"))) float scale_block_avx2(const float* in, float* s
   for (float lane : lanes) m = lane > m ? lane : m;
   const float s = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, 1e-12f);
   const __m256 sv = _mm256_set1_ps(s);
-  for (int64_t i = 0; i < kCodeBlock; i += 8) _mm256_storeu_ps(scaled + i, _mm256_div_ps(_mm256_loadu_ps(in + i), sv));
+  if (!divides_by_reciprocal(s)) {
+    for (int64_t i = 0; i < kCodeBlock; i += 8) _mm256_storeu_ps(scaled + i, _mm256_div_ps(_mm256_loadu_ps(in + i), sv));
+    return s;
+  }
+  const __m256 r = _mm256_set1_ps(1.0f / s);
+  for (int64_t i = 0; i < kCodeBlock; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    __m256 q = _mm256_mul_ps(x, r);
+    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, sv, x), r, q);
+    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, sv, x), r, q);
+    _mm256_storeu_ps(scaled + i, q);
+  }
   return s;
 }
 
@@ -197,7 +226,7 @@ __attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, flo
 std::atomic<bool> portable_forced{false};
 
 bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes && !portable_forced;
 }
 #endif

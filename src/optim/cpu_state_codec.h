@@ -9,12 +9,9 @@ namespace amp::detail::cpu {
 
 enum class StateKind { kFloat, kBFloat16, kHalf, kCodes };
 
-/// One bucket of a quantization map's table (NOTE [Finding a code] in the .cpp): the code of its smallest value, and
-/// the smallest value whose code is one more (+inf: none).
-struct CodeBucket {
-  int32_t code;
-  float next;
-};
+/// One bucket of a quantization map's table (NOTE [Finding a code] in the .cpp): bits 0-7 the code of its smallest
+/// value, bits 8-24 the key from which a value's code is one more (0x10000: none).
+using CodeBucket = uint32_t;
 
 /// One stored moment as the loops see it; element indices are the tensor's own (0 = its first value).
 struct StateView {
@@ -30,7 +27,8 @@ struct StateView {
 constexpr int64_t kCodeBlock = 256;
 
 constexpr int64_t kCodeBuckets = 2 * 26 * 128;
-/// Fills `table` (kCodeBuckets entries) for `map` (256 floats); false if a bucket spans more than two codes.
+/// Fills `table` (kCodeBuckets entries) for `map` (256 floats); false if a bucket spans more than two codes or a
+/// bucket of values below 2^-24 more than one.
 bool code_buckets(const float* map, CodeBucket* table);
 
 /// torchao's quantize_8bit_with_qmap for one value y already divided by its block's scale, by its binary search:
