@@ -26,6 +26,7 @@
 #include "timing.h"
 #include "training_steps.h"
 #include "optim/fused_route.h"
+#include "optim/fused_step_context.h"
 #include "optim/state_format.h"
 #include "scaling/multi_tensor.h"
 
@@ -548,7 +549,7 @@ void state_step_times() {
     }
     auto optimizer = std::make_shared<amp::optim::FusedAdamW>(params, torch::optim::AdamWOptions(1e-4));
     if (format != amp::OptimizerStateFormat::kFp32) {
-      optimizer->set_state_format(std::make_shared<amp::detail::StateFormat>(format, 7));
+      optimizer->step_context().set_state_format(std::make_shared<amp::detail::StateFormat>(format, 7));
     }
     optimizers.push_back(optimizer);
     steps.push_back([optimizer] { optimizer->step(); });

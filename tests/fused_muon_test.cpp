@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "amp/amp.h"
+#include "optim/fused_step_context.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/state_format.h"
 #include "scaling/device_scale.h"
@@ -435,7 +436,7 @@ TEST(FusedMuonTest, Bf16And8BitMomentumStepFromTheDecodedBuffer) {
     torch::manual_seed(5);
     auto p = torch::randn({64, 64}).requires_grad_();
     FusedMuon stored(std::vector<torch::Tensor>{p}, FusedMuonOptions(0.02));
-    stored.set_state_format(std::make_shared<amp::detail::StateFormat>(format, /*seed=*/7));
+    stored.step_context().set_state_format(std::make_shared<amp::detail::StateFormat>(format, /*seed=*/7));
     for (int k = 0; k < 2; ++k) {
       p.mutable_grad() = torch::randn({64, 64}) * 0.01;
       stored.step();

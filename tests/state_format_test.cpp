@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "optim/fused_route.h"
+#include "optim/fused_step_context.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/state_format.h"
 #include "support/data.h"
@@ -88,7 +89,7 @@ torch::Tensor& sf_field(torch::optim::OptimizerParamState& state, size_t k) {
 
 template <class Opt>
 void set_format(Opt& optimizer, OptimizerStateFormat format, uint64_t seed = 0) {
-  optimizer.set_state_format(std::make_shared<amp::detail::StateFormat>(format, seed));
+  optimizer.step_context().set_state_format(std::make_shared<amp::detail::StateFormat>(format, seed));
 }
 
 // The classification MLP the composition tests train: a 64x128 layer (8192 values: 8-bit), a 128x4 layer (512: fp32

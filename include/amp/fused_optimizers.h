@@ -54,7 +54,7 @@ class FusedAdam : public torch::optim::Adam, public FusedOptimizer {
   using torch::optim::Adam::Adam;
   /// Updates every parameter that has a gradient, as torch::optim::Adam::step does.
   torch::Tensor step(LossClosure closure = nullptr) override;
-  /// torch::optim::Adam's archive, with the step counts the device kept (see set_found_inf).
+  /// torch::optim::Adam's archive, with the step counts the device kept (FusedStepContext::set_found_inf).
   void save(torch::serialize::OutputArchive& archive) const override;
 };
 
@@ -68,7 +68,7 @@ class FusedAdamW : public torch::optim::AdamW, public FusedOptimizer {
   using torch::optim::AdamW::AdamW;
   /// Updates every parameter that has a gradient, as torch::optim::AdamW::step does.
   torch::Tensor step(LossClosure closure = nullptr) override;
-  /// torch::optim::AdamW's archive, with the step counts the device kept (see set_found_inf).
+  /// torch::optim::AdamW's archive, with the step counts the device kept (FusedStepContext::set_found_inf).
   void save(torch::serialize::OutputArchive& archive) const override;
 };
 

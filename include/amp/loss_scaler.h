@@ -13,7 +13,7 @@ class OptimizerBase;
 class ScaledLoss;
 namespace detail {
 class DeviceScale;
-struct OptimizerAccess;
+struct ScalerAccess;
 }  // namespace detail
 
 /// One loss scaler (Apex's `LossScaler`). Dynamic scaling starts at init_scale (2^16) clamped into
@@ -73,10 +73,7 @@ class LossScaler {
   void load(double loss_scale, int64_t unskipped, std::optional<int64_t> hysteresis_left = std::nullopt);
 
  private:
-  friend class OptimizerBase;
-  friend class ScaledLoss;
-  friend struct detail::OptimizerAccess;
-  friend class detail::DeviceScale;
+  friend struct detail::ScalerAccess;  // amp's step protocol: the device state (src/scaling/scaler_access.h)
 
   bool dynamic_;
   double scale_;

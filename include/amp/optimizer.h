@@ -29,6 +29,8 @@ namespace amp::detail {
 class FoundInf;
 class InvScale;
 struct BackwardOutcomeView;
+struct OverflowReportView;
+struct StepLedger;
 class Feature;
 class ParamIndex;
 class Sharding;
@@ -99,12 +101,12 @@ class OptimizerBase {
   void refresh_master_params();
   /// Returns how many times this optimizer's backwards and steps made the host wait for a device value
   /// (amp::host_sync_count).
-  int64_t host_sync_count() const noexcept { return host_syncs_; }
+  int64_t host_sync_count() const noexcept;
 
  protected:
   OptimizerBase();
-  OptimizerBase(OptimizerBase&&) = default;
-  OptimizerBase& operator=(OptimizerBase&&) = default;
+  OptimizerBase(OptimizerBase&&) noexcept;
+  OptimizerBase& operator=(OptimizerBase&&) noexcept;
 
   /// Returns the torch optimizer this object is.
   virtual torch::optim::Optimizer& torch_optimizer() = 0;
@@ -157,12 +159,11 @@ class OptimizerBase {
   void defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow);
   // Applies the outcomes the host can see now, in order; with `wait`, all of them (waiting: counted).
   void settle(bool wait) const;
-  struct OverflowReportView;
   void apply_outcome(detail::BackwardOutcomeView& outcome, uint64_t grads_generation);
   void apply_device_step(uint64_t grads_generation, uint64_t step_id);
   // An overflowing backward of a step that never waits: the report's checks start on the device.
-  std::shared_ptr<OverflowReportView> start_overflow_report(int loss_id, double loss_scale);
-  void finish_overflow_report(OverflowReportView& view);
+  std::shared_ptr<detail::OverflowReportView> start_overflow_report(int loss_id, double loss_scale);
+  void finish_overflow_report(detail::OverflowReportView& view);
   void clear_grads(bool set_to_none);
   // Brings the host copy of every loss scaler up to its device state (with `wait`, waiting for it).
   void settle_scalers(bool wait) const;
@@ -190,34 +191,12 @@ class OptimizerBase {
   std::shared_ptr<detail::ParamIndex> index_;              // which tensors it steps (src/optim/param_index.h)
   std::vector<std::shared_ptr<detail::Feature>> features_;  // NOTE [Training features]
   std::shared_ptr<detail::Sharding> sharding_;              // set by amp::parallel::shard_optimizer
-  int64_t steps_ = 0;                                       // step() calls, taken or skipped
-  mutable int64_t host_syncs_ = 0;                          // NOTE [Counting host syncs]
   std::vector<at::Tensor> stash_;            // grads of direct parameters before the current backward
   bool backward_prepared_ = false;
   std::optional<int> scaled_grads_loss_id_;  // grads still scaled after delay_unscale
-  bool skip_next_step_ = false;
-  int skip_loss_id_ = 0;
-  int64_t skipped_steps_ = 0;
   std::optional<OverflowReport> last_overflow_;
   std::vector<bool> warned_at_min_scale_;  // per loss_id: the "still overflowing at the minimum" notice, once
-  // NOTE [A step that never waits]: what happened on the device that the host has not seen yet, in order.
-  struct Pending {
-    enum class Kind { kBackward, kReport, kStep, kZeroGrad } kind;
-    std::shared_ptr<detail::BackwardOutcomeView> outcome;  // kBackward
-    uint64_t grads_generation = 0;                         // the gradients when it happened
-    uint64_t step_id = 0;                                  // kStep
-    std::shared_ptr<OverflowReportView> report;            // kReport
-  };
-  mutable std::deque<Pending> pending_;
-  at::Tensor step_found_inf_;     // the next step's overflow flag on the device (the backwards' since the last step)
-  uint64_t grads_generation_ = 0;  // a new one after every backward and zero_grad
-  // amp::GraphCaptureGuard: while it lives nothing is recorded for the host; once one lived, the device holds the
-  // truth (loss scale, skips, step counts) and the host reads it there.
-  bool graph_mode_ = false;
-  bool device_truth_ = false;
-  bool set_found_inf_ = false;  // the fused step holds a flag this optimizer gave it (not amp::GradScaler's)
-  uint64_t settle_after_step_ = 0;  // the id of a step run with a flag whose outcome the host knew (settled after it)
-  at::Tensor device_skips_;  // steps skipped on the device since the first guard (fp32, on the loss's device)
+  std::unique_ptr<detail::StepLedger> ledger_;  // NOTE [Step ledger] (src/optim/step_ledger.h)
 };
 
 /// The patched optimizer: an Opt whose step() skips the update after a gradient overflow and, with

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "optim/fused_step.h"
+#include "optim/fused_step_context.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/python_steps.h"
 #include "scaling/multi_tensor.h"
@@ -17,6 +18,7 @@ namespace amp::optim {
 namespace {
 
 using amp::detail::Moment;
+using Skip = amp::detail::FusedStepContext::Skip;
 using amp::detail::python_number;
 using amp::detail::state_key;
 using amp::detail::StateFormat;
@@ -220,14 +222,14 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
   // NOTE [A step that never waits]: Muon keeps no step count, so with fp32 momentum and no lean masters every write
   // can keep its old value on the device where the flag says so; the other formats' generators are host counters.
   const bool plain = !lean_masters() && format->format() == amp::OptimizerStateFormat::kFp32;
-  const Skip skip = found_inf_decision(/*aten_only=*/plain, /*on_device_there=*/plain);
+  const Skip skip = step_context().found_inf_decision(/*aten_only=*/plain, /*on_device_there=*/plain);
   if (skip == Skip::kYes) return loss;
-  const at::Tensor found_inf = skip == Skip::kOnDevice ? this->found_inf() : at::Tensor();
+  const at::Tensor found_inf = skip == Skip::kOnDevice ? step_context().found_inf() : at::Tensor();
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's scale comes off first and the gradients keep it off (torch's unscale_ before the step), except
   // in a skipped step; the factor stays a tensor, so the host reads nothing.
   if (!grads.empty()) {
-    if (const auto scale = aten_grad_scale(grads.front())) {
+    if (const auto scale = step_context().aten_grad_scale(grads.front())) {
       at::Tensor inverse = scale->to(at::kDouble).reciprocal().to(at::kFloat);
       if (found_inf.defined()) inverse = at::where(found_inf.ne(0), at::ones_like(inverse), inverse);
       amp::detail::mul_(grads, inverse);

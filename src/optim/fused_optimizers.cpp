@@ -16,6 +16,7 @@
 #include "optim/cpu_optimizer_kernels.h"
 #include "optim/fused_route.h"
 #include "optim/fused_step.h"
+#include "optim/fused_step_context.h"
 #include "optim/lean_masters.h"
 #include "optim/state_format.h"
 #include "scaling/device_scale.h"
@@ -49,7 +50,9 @@ bool has_aten_fused_optimizers() {
 
 namespace {
 
+using amp::detail::ShardSums;
 using amp::detail::state_key;
+using Skip = amp::detail::FusedStepContext::Skip;
 using detail::FusedRoute;
 using detail::bump;
 using detail::check_all;
@@ -279,11 +282,11 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
   // states (the step counts then live there too).
   const bool plain = !lean && format.format() == amp::OptimizerStateFormat::kFp32;
   const bool aten_only = plain && all_on_aten(opt, copy_of);
-  const auto skip = fused.found_inf_decision(aten_only, plain && all_on_aten_there(opt));
-  if (skip == Fused::Skip::kYes) return;
-  const bool on_device = skip == Fused::Skip::kOnDevice;
+  const auto skip = fused.step_context().found_inf_decision(aten_only, plain && all_on_aten_there(opt));
+  if (skip == Skip::kYes) return;
+  const bool on_device = skip == Skip::kOnDevice;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
-  const std::optional<double> grad_scale = aten_only ? std::nullopt : fused.grad_scale();
+  const std::optional<double> grad_scale = aten_only ? std::nullopt : fused.step_context().grad_scale();
   format.begin_step(opt);
   auto& states = opt.state();
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
@@ -351,16 +354,16 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
             const auto it = self.state().find(slot_key);
             if (it != self.state().end() && it->second) static_cast<State&>(*it->second).step(count);
           };
-          batch.steps.push_back(fused.device_step(key, state.step(), p.device(), set_host));
+          batch.steps.push_back(fused.step_context().device_step(key, state.step(), p.device(), set_host));
           if (on_device) {
-            fused.on_skip_undo([impl = key.unsafeGetTensorImpl(), slot_key](torch::optim::Optimizer& self,
+            fused.step_context().on_skip_undo([impl = key.unsafeGetTensorImpl(), slot_key](torch::optim::Optimizer& self,
                                                                             FusedOptimizer& fused_self) {
               const auto it = self.state().find(slot_key);
               if (it != self.state().end() && it->second) {
                 auto& counted = static_cast<State&>(*it->second);
                 counted.step(counted.step() - 1);
               }
-              fused_self.undo_device_step(impl);
+              fused_self.step_context().undo_device_step(impl);
             });
           }
           batch.copy_after(p, copy);
@@ -377,8 +380,8 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
     for (auto& [key, batch] : batches) {
       const bool amsgrad = std::get<2>(key);
-      const auto scale = fused.aten_grad_scale(batch.params.front());
-      const std::optional<at::Tensor> found_inf = on_device ? std::optional<at::Tensor>(fused.found_inf()) : std::nullopt;
+      const auto scale = fused.step_context().aten_grad_scale(batch.params.front());
+      const std::optional<at::Tensor> found_inf = on_device ? std::optional<at::Tensor>(fused.step_context().found_inf()) : std::nullopt;
       if (decoupled) {
         at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
                           o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
@@ -389,7 +392,7 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
                          found_inf);
       }
       if (on_device) {
-        for (auto& count : batch.steps) count.sub_(fused.found_inf());  // torch's fused Adam: the skip uncounted
+        for (auto& count : batch.steps) count.sub_(fused.step_context().found_inf());  // torch's fused Adam: the skip uncounted
       }
       finish_batch(batch);
     }
@@ -557,78 +560,21 @@ void lamb_stage1_any(const at::Tensor& p, const at::Tensor& grad, FusedLAMBParam
 
 }  // namespace
 
-const std::optional<double>& FusedOptimizer::grad_scale() const {
-  if (!grad_scale_ && grad_scale_tensor_.defined()) {
-    if (!grad_scale_tensor_.device().is_cpu() || host_reads_count_) amp::detail::count_host_sync();
-    grad_scale_ = static_cast<double>(grad_scale_tensor_.item<float>());
-  }
-  return grad_scale_;
-}
+FusedOptimizer::FusedOptimizer() : context_(std::make_unique<amp::detail::FusedStepContext>()) {}
+FusedOptimizer::~FusedOptimizer() = default;
+FusedOptimizer::FusedOptimizer(FusedOptimizer&&) noexcept = default;
+FusedOptimizer& FusedOptimizer::operator=(FusedOptimizer&&) noexcept = default;
 
-// ATen's kernels divide each gradient by grad_scale themselves and store it back unscaled.
-std::optional<at::Tensor> FusedOptimizer::aten_grad_scale(const at::Tensor& like) const {
-  if (grad_scale_tensor_.defined()) return grad_scale_tensor_.to(like.device(), at::kFloat);
-  if (!grad_scale_) return std::nullopt;
-  return at::full({}, *grad_scale_, like.options().dtype(at::kFloat));
+void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) { context_->settle_step(*this, step_id, skipped); }
+void FusedOptimizer::pull_device_steps() { context_->pull_device_steps(*this); }
+const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const { return context_->model_copy(p); }
+const std::shared_ptr<amp::detail::LeanMasters>& FusedOptimizer::lean_masters() const noexcept {
+  return context_->lean_masters();
 }
-
-void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) {
-  const auto it = undo_.find(step_id);
-  if (it == undo_.end()) return;
-  if (skipped) {
-    auto& self = dynamic_cast<torch::optim::Optimizer&>(*this);
-    for (const auto& undo : it->second) undo(self, *this);
-  }
-  undo_.erase(it);
+const std::shared_ptr<amp::detail::StateFormat>& FusedOptimizer::state_format() const noexcept {
+  return context_->state_format();
 }
-
-FusedOptimizer::Skip FusedOptimizer::found_inf_decision(bool aten_only, bool on_device_there) const {
-  host_reads_count_ = !on_device_there;
-  if (!found_inf_.defined()) return Skip::kNo;
-  // (Tests run the device's path on the CPU: DeferredHostReadsGuard.)
-  if (aten_only && (!found_inf_.device().is_cpu() || amp::detail::host_reads_deferred() || step_id_ == 0)) {
-    return Skip::kOnDevice;
-  }
-  // NOTE [Counting host syncs]: amp's CPU loops read a CPU flag for free where a device's kernels would take it;
-  // anything else is a wait on a device, and counts on the CPU too.
-  if (!found_inf_.device().is_cpu() || !on_device_there) amp::detail::count_host_sync();
-  return found_inf_.item<float>() != 0.0f ? Skip::kYes : Skip::kNo;
-}
-
-at::Tensor FusedOptimizer::device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device,
-                                       SetHostCount set_host) {
-  DeviceStep& entry = device_steps_[key.unsafeGetTensorImpl()];
-  entry.set_host = std::move(set_host);
-  if (entry.count.defined() && entry.count.device() == device && entry.host == host_step - 1) {
-    entry.count.add_(1);
-  } else {  // first use, or the host count changed under it (a loaded checkpoint): the host's count
-    entry.count = at::full({}, static_cast<double>(host_step), at::TensorOptions().dtype(at::kFloat).device(device));
-  }
-  entry.host = host_step;
-  return entry.count;
-}
-
-void FusedOptimizer::pull_device_steps() {
-  counts_ahead_ = false;
-  auto& self = dynamic_cast<torch::optim::Optimizer&>(*this);
-  for (auto& [key, entry] : device_steps_) {
-    if (!entry.count.defined() || !entry.set_host) continue;
-    amp::detail::count_host_sync();  // a device's count (the CPU's only where tests force ATen's kernels there)
-    entry.host = static_cast<int64_t>(entry.count.item<float>());
-    entry.set_host(self, entry.host);
-  }
-}
-
-void FusedOptimizer::undo_device_step(const c10::TensorImpl* key) {
-  const auto it = device_steps_.find(key);
-  if (it != device_steps_.end()) --it->second.host;
-}
-
-const at::Tensor* FusedOptimizer::model_copy(const at::Tensor& p) const {
-  if (model_copies_.empty()) return nullptr;
-  const auto it = model_copies_.find(p.unsafeGetTensorImpl());
-  return it == model_copies_.end() ? nullptr : &it->second;
-}
+const amp::detail::ShardSums* FusedOptimizer::shard_sums() const noexcept { return context_->shard_sums(); }
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::Tensor loss = evaluate(closure);
@@ -649,12 +595,12 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 }
 
 void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
-  if (counts_ahead()) const_cast<FusedAdam*>(this)->pull_device_steps();
+  if (step_context().counts_ahead()) const_cast<FusedAdam*>(this)->pull_device_steps();
   torch::optim::Adam::save(archive);
 }
 
 void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
-  if (counts_ahead()) const_cast<FusedAdamW*>(this)->pull_device_steps();
+  if (step_context().counts_ahead()) const_cast<FusedAdamW*>(this)->pull_device_steps();
   torch::optim::AdamW::save(archive);
 }
 
@@ -719,13 +665,13 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
     check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
   });
   // Its step counts are the groups' options, on the host: the flag is read there (a wait on a device).
-  if (found_inf_decision(/*aten_only=*/false, /*on_device_there=*/false) == Skip::kYes) return loss;
+  if (step_context().found_inf_decision(/*aten_only=*/false, /*on_device_there=*/false) == Skip::kYes) return loss;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
   // kernels leave them): the global norm is the unscaled gradients'.
-  if (grad_scale() && !grads.empty()) {
-    amp::detail::mul_(grads, at::full({}, inverse_scale(grad_scale()), at::TensorOptions().dtype(at::kFloat)));
+  if (step_context().grad_scale() && !grads.empty()) {
+    amp::detail::mul_(grads, at::full({}, inverse_scale(step_context().grad_scale()), at::TensorOptions().dtype(at::kFloat)));
   }
   const std::shared_ptr<StateFormat> format = format_for(state_format());
   format->begin_step(*this);
@@ -890,14 +836,14 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     }
   }
   const bool plain = !lean_masters() && buffers_exist;
-  const Skip skip = found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
+  const Skip skip = step_context().found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
                                        plain && all_on_aten_there(*this));
   if (skip == Skip::kYes) return loss;
   const std::optional<at::Tensor> device_found_inf =
-      skip == Skip::kOnDevice ? std::optional<at::Tensor>(found_inf()) : std::nullopt;
+      skip == Skip::kOnDevice ? std::optional<at::Tensor>(step_context().found_inf()) : std::nullopt;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
   const bool aten_only = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
-  const std::optional<double> grad_scale = aten_only ? std::nullopt : this->grad_scale();
+  const std::optional<double> grad_scale = aten_only ? std::nullopt : step_context().grad_scale();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
@@ -956,7 +902,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     for (auto& [key, batch] : batches) {
       at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
                       o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
-                      aten_grad_scale(batch.params.front()), device_found_inf);
+                      step_context().aten_grad_scale(batch.params.front()), device_found_inf);
       finish_batch(batch);
     }
 #else

@@ -10,6 +10,7 @@
 #include "amp/fused_optimizers.h"
 #include "amp/optimizer.h"
 #include "core/host_sync.h"
+#include "optim/fused_step_context.h"
 #include "options/format.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
@@ -167,13 +168,13 @@ std::optional<torch::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer
   state.stage = Stage::kStepped;
   if (fused != nullptr) {
     // torch's path for optimizers that take found_inf: the step skips inside, nothing waits for the device.
-    fused->set_found_inf(state.found_inf.any_on(scale_.device()).to(at::kFloat), /*step_id=*/0);
-    if (fused_unscale) fused->set_grad_scale(scale_);
+    fused->step_context().set_found_inf(state.found_inf.any_on(scale_.device()).to(at::kFloat), /*step_id=*/0);
+    if (fused_unscale) fused->step_context().set_grad_scale(scale_);
     struct ResetGuard {
       optim::FusedOptimizer* fused;
       ~ResetGuard() {
-        fused->set_found_inf({}, 0);
-        fused->set_grad_scale(std::nullopt);
+        fused->step_context().set_found_inf({}, 0);
+        fused->step_context().set_grad_scale(std::nullopt);
       }
     } reset{fused};
     return optimizer.step();

@@ -12,23 +12,29 @@
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "amp/fused_optimizers.h"
 #include "amp/opt_level.h"
 #include "core/host_sync.h"
 #include "optim/feature.h"
+#include "optim/fused_step_context.h"
 #include "optim/master_weights.h"
 #include "optim/optimizer_access.h"
 #include "optim/param_index.h"
 #include "optim/sharding.h"
+#include "optim/step_ledger.h"
 #include "options/format.h"
 #include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/optimizer_grads.h"
 #include "scaling/scaled_grads.h"
+#include "scaling/scaler_access.h"
 
 namespace amp {
 namespace {
+
+using Pending = detail::StepLedger::Pending;
 
 void clear_grad(const at::Tensor& t, bool set_to_none) {
   at::Tensor& grad = t.mutable_grad();
@@ -62,8 +68,13 @@ std::vector<std::pair<std::string, double>> scaler_settings(const Properties& p,
 
 }  // namespace
 
-OptimizerBase::OptimizerBase() : index_(std::make_shared<detail::ParamIndex>()) {}
+OptimizerBase::OptimizerBase()
+    : index_(std::make_shared<detail::ParamIndex>()), ledger_(std::make_unique<detail::StepLedger>()) {}
 OptimizerBase::~OptimizerBase() = default;
+OptimizerBase::OptimizerBase(OptimizerBase&&) noexcept = default;
+OptimizerBase& OptimizerBase::operator=(OptimizerBase&&) noexcept = default;
+
+int64_t OptimizerBase::host_sync_count() const noexcept { return ledger_->host_syncs; }
 
 // NOTE [Counting host syncs]
 // A host sync is a read of a device value on the host: .item(), a copy to the CPU. amp makes them in a few known
@@ -95,15 +106,15 @@ const LossScaler& OptimizerBase::loss_scaler(int loss_id) const {
 bool OptimizerBase::step_will_be_skipped() const {
   const detail::HostSyncScope syncs({this});
   settle(/*wait=*/true);
-  return skip_next_step_;
+  return ledger_->skip_next_step;
 }
 
 int64_t OptimizerBase::skipped_steps() const {
   const detail::HostSyncScope syncs({this});
   settle(/*wait=*/true);
-  if (!device_skips_.defined()) return skipped_steps_;
-  if (!device_skips_.device().is_cpu()) detail::count_host_sync();
-  return skipped_steps_ + static_cast<int64_t>(device_skips_.item<float>());
+  if (!ledger_->device_skips.defined()) return ledger_->skipped_steps;
+  if (!ledger_->device_skips.device().is_cpu()) detail::count_host_sync();
+  return ledger_->skipped_steps + static_cast<int64_t>(ledger_->device_skips.item<float>());
 }
 
 const std::optional<OverflowReport>& OptimizerBase::last_overflow() const {
@@ -114,7 +125,7 @@ const std::optional<OverflowReport>& OptimizerBase::last_overflow() const {
 
 // ---- A step that never waits (NOTE [A step that never waits] in src/scaling/device_scale.h) ----------------
 
-struct OptimizerBase::OverflowReportView {
+struct detail::OverflowReportView {
   detail::HostView finite;  // per gradient checked: 1 if finite
   std::vector<std::pair<size_t, std::string>> checked;  // (model order, name) of each
   int loss_id;
@@ -129,14 +140,14 @@ bool OptimizerBase::skips_on_device() const {
 }
 
 void OptimizerBase::defer_outcome(std::shared_ptr<detail::BackwardOutcomeView> outcome, const at::Tensor& overflow) {
-  step_found_inf_ = step_found_inf_.defined() ? at::maximum(step_found_inf_, overflow) : overflow;
-  if (outcome) pending_.push_back({Pending::Kind::kBackward, std::move(outcome), grads_generation_, 0, nullptr});
+  ledger_->step_found_inf = ledger_->step_found_inf.defined() ? at::maximum(ledger_->step_found_inf, overflow) : overflow;
+  if (outcome) ledger_->pending.push_back({Pending::Kind::kBackward, std::move(outcome), ledger_->grads_generation, 0, nullptr});
 }
 
 void OptimizerBase::settle(bool wait) const {
   auto& self = const_cast<OptimizerBase&>(*this);
   if (wait) {  // one wait, for the newest: the device's queue is done up to it
-    for (auto it = pending_.rbegin(); it != pending_.rend(); ++it) {
+    for (auto it = ledger_->pending.rbegin(); it != ledger_->pending.rend(); ++it) {
       if (it->kind == Pending::Kind::kBackward) {
         it->outcome->values.value(0);
         break;
@@ -147,19 +158,19 @@ void OptimizerBase::settle(bool wait) const {
       }
     }
   }
-  while (!pending_.empty()) {
-    Pending& front = pending_.front();
+  while (!ledger_->pending.empty()) {
+    Pending& front = ledger_->pending.front();
     if (front.kind == Pending::Kind::kBackward || front.kind == Pending::Kind::kReport) {
       const bool ready = front.kind == Pending::Kind::kBackward ? front.outcome->values.ready() : front.report->finite.ready();
       if (!wait && !ready) return;
     }
     Pending entry = std::move(front);
-    pending_.pop_front();
+    ledger_->pending.pop_front();
     switch (entry.kind) {
       case Pending::Kind::kBackward: self.apply_outcome(*entry.outcome, entry.grads_generation); break;
       case Pending::Kind::kReport: self.finish_overflow_report(*entry.report); break;
       case Pending::Kind::kStep: self.apply_device_step(entry.grads_generation, entry.step_id); break;
-      case Pending::Kind::kZeroGrad: self.skip_next_step_ = false; break;
+      case Pending::Kind::kZeroGrad: self.ledger_->skip_next_step = false; break;
     }
   }
 }
@@ -167,16 +178,15 @@ void OptimizerBase::settle(bool wait) const {
 void OptimizerBase::apply_outcome(detail::BackwardOutcomeView& outcome, uint64_t grads_generation) {
   const bool overflow = outcome.overflow();
   LossScaler& host = (*scalers_)[static_cast<size_t>(outcome.loss_id)];
-  if (host.device_.get() == outcome.source && outcome.update > host.host_update_) {  // once per shared scaler
-    host.scale_ = outcome.values.value(2);
-    host.unskipped_ = static_cast<int64_t>(outcome.values.value(3));
-    host.hysteresis_left_ = static_cast<int>(outcome.values.value(4));
-    host.host_update_ = outcome.update;
+  if (detail::ScalerAccess::device(std::as_const(host)) == outcome.source &&
+      outcome.update > detail::ScalerAccess::host_update(host)) {  // once per shared scaler
+    detail::ScalerAccess::take_device_state(host, outcome.values.value(2), static_cast<int64_t>(outcome.values.value(3)),
+                                            static_cast<int>(outcome.values.value(4)), outcome.update);
   }
   if (!overflow) return;
   const double scale = outcome.values.value(1);
-  if (grads_generation == grads_generation_) {
-    pending_.push_front({Pending::Kind::kReport, nullptr, 0, 0, start_overflow_report(outcome.loss_id, scale)});
+  if (grads_generation == ledger_->grads_generation) {
+    ledger_->pending.push_front({Pending::Kind::kReport, nullptr, 0, 0, start_overflow_report(outcome.loss_id, scale)});
   } else {  // its gradients are gone: the report can't name them
     OverflowReport report;
     report.loss_id = outcome.loss_id;
@@ -188,26 +198,27 @@ void OptimizerBase::apply_outcome(detail::BackwardOutcomeView& outcome, uint64_t
 }
 
 void OptimizerBase::apply_device_step(uint64_t grads_generation, uint64_t step_id) {
-  const bool skipped = skip_next_step_;
+  const bool skipped = ledger_->skip_next_step;
   if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer())) fused->settle_step(step_id, skipped);
   if (!skipped) return;
-  skip_next_step_ = false;
+  ledger_->skip_next_step = false;
   announce_skip();
-  ++skipped_steps_;
+  ++ledger_->skipped_steps;
   // The overflowed gradients go, as after a skip the host decided (unless the script has moved on from them).
-  if (grads_generation == grads_generation_) clear_grads(/*set_to_none=*/true);
+  if (grads_generation == ledger_->grads_generation) clear_grads(/*set_to_none=*/true);
 }
 
 void OptimizerBase::settle_scalers(bool wait) const {
   for (LossScaler& scaler : *scalers_) {
-    if (!scaler.device_ || !wait) continue;
+    const detail::DeviceScale* device = detail::ScalerAccess::device(std::as_const(scaler));
+    if (device == nullptr || !wait) continue;
     // After a CUDA graph capture, replays update the device without telling the host: always read it.
-    if (scaler.host_update_ >= scaler.device_->updates() && !device_truth_) continue;
-    scaler.device_->read_into(scaler);
+    if (detail::ScalerAccess::host_update(scaler) >= device->updates() && !ledger_->device_truth) continue;
+    device->read_into(scaler);
   }
 }
 
-std::shared_ptr<OptimizerBase::OverflowReportView> OptimizerBase::start_overflow_report(int loss_id, double loss_scale) {
+std::shared_ptr<detail::OverflowReportView> OptimizerBase::start_overflow_report(int loss_id, double loss_scale) {
   std::unordered_map<const c10::TensorImpl*, size_t> model_order;
   for (const auto& weak : modules_) {
     if (const auto module = weak.lock()) {
@@ -228,11 +239,11 @@ std::shared_ptr<OptimizerBase::OverflowReportView> OptimizerBase::start_overflow
   for (size_t i = 0; i < direct.size(); ++i) check(direct[i], direct[i].grad(), index_->direct_names()[i]);
   const at::Tensor values = finite.empty() ? at::zeros({0}, at::TensorOptions().dtype(at::kDouble))
                                            : at::stack(finite).to(at::kDouble);
-  return std::make_shared<OverflowReportView>(OverflowReportView{detail::HostView(values), std::move(checked), loss_id,
+  return std::make_shared<detail::OverflowReportView>(detail::OverflowReportView{detail::HostView(values), std::move(checked), loss_id,
                                                                  loss_scale});
 }
 
-void OptimizerBase::finish_overflow_report(OverflowReportView& view) {
+void OptimizerBase::finish_overflow_report(detail::OverflowReportView& view) {
   std::vector<std::pair<size_t, std::string>> bad;
   for (size_t i = 0; i < view.checked.size(); ++i) {
     if (view.finite.value(static_cast<int64_t>(i)) == 0) bad.push_back(view.checked[i]);
@@ -248,8 +259,8 @@ void OptimizerBase::finish_overflow_report(OverflowReportView& view) {
 
 void OptimizerBase::announce_skip() const {
   if (properties_.verbosity < 1) return;
-  const double scale = (*scalers_)[static_cast<size_t>(skip_loss_id_)].loss_scale();
-  std::cout << "Gradient overflow.  Skipping step, loss scaler " << skip_loss_id_ << " reducing loss scale to "
+  const double scale = (*scalers_)[static_cast<size_t>(ledger_->skip_loss_id)].loss_scale();
+  std::cout << "Gradient overflow.  Skipping step, loss scaler " << ledger_->skip_loss_id << " reducing loss scale to "
             << detail::format_float(scale);
   if (last_overflow_ && !last_overflow_->parameters.empty()) {
     std::cout << " (non-finite gradients: " << describe_parameters(last_overflow_->parameters) << ")";
@@ -391,7 +402,7 @@ void OptimizerBase::attach(const std::vector<torch::nn::Module*>& modules, const
 }
 
 OptimizerBase::StepPlan OptimizerBase::begin_step() {
-  ++steps_;
+  ++ledger_->steps;
   if (!properties_.enabled) return StepPlan::kStep;
   sync_param_groups();
   TORCH_CHECK(!backward_prepared_, "amp::Optimizer::step: an amp::scale_loss handle of this optimizer is still "
@@ -402,39 +413,39 @@ OptimizerBase::StepPlan OptimizerBase::begin_step() {
               "before step().");
   check_no_scaled_model_grads("step");
   auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer());
-  if (fused && std::exchange(set_found_inf_, false)) fused->set_found_inf({}, 0);  // (amp::GradScaler sets its own)
-  settle_after_step_ = 0;
-  if (graph_mode_) {  // amp::GraphCaptureGuard: the device decides and counts, the host records nothing
-    if (step_found_inf_.defined()) device_skips_.add_(step_found_inf_.to(device_skips_.device()));
-    fused->set_found_inf(std::exchange(step_found_inf_, at::Tensor()), /*step_id=*/0);
-    set_found_inf_ = true;
+  if (fused && std::exchange(ledger_->set_found_inf, false)) fused->step_context().set_found_inf({}, 0);  // (amp::GradScaler sets its own)
+  ledger_->settle_after_step = 0;
+  if (ledger_->graph_mode) {  // amp::GraphCaptureGuard: the device decides and counts, the host records nothing
+    if (ledger_->step_found_inf.defined()) ledger_->device_skips.add_(ledger_->step_found_inf.to(ledger_->device_skips.device()));
+    fused->step_context().set_found_inf(std::exchange(ledger_->step_found_inf, at::Tensor()), /*step_id=*/0);
+    ledger_->set_found_inf = true;
     index_->refresh_changed();
     return StepPlan::kStep;
   }
   settle(/*wait=*/false);
-  const bool unseen = std::any_of(pending_.begin(), pending_.end(),
+  const bool unseen = std::any_of(ledger_->pending.begin(), ledger_->pending.end(),
                                   [](const Pending& p) { return p.kind == Pending::Kind::kBackward; });
-  const auto id = static_cast<uint64_t>(steps_);
+  const auto id = static_cast<uint64_t>(ledger_->steps);
   if (unseen) {
     // The host has not seen every backward since the last step: the device decides the skip (NOTE [A step that
     // never waits]), and the host learns it with those backwards.
     // (No flag: a zero_grad came after those backwards, so none of them can skip this step.)
     TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
-    fused->set_found_inf(step_found_inf_, id);
-    set_found_inf_ = true;
-    pending_.push_back({Pending::Kind::kStep, nullptr, grads_generation_, id, nullptr});
-  } else if (step_found_inf_.defined()) {
+    fused->step_context().set_found_inf(ledger_->step_found_inf, id);
+    ledger_->set_found_inf = true;
+    ledger_->pending.push_back({Pending::Kind::kStep, nullptr, ledger_->grads_generation, id, nullptr});
+  } else if (ledger_->step_found_inf.defined()) {
     // The host has seen those backwards already (on the CPU it always has), but a device's step would run before it
     // does: the fused step takes the flag all the same, so the CPU runs and counts (NOTE [Counting host syncs]) the
     // path a device takes, and the host settles the step right after it.
     TORCH_INTERNAL_ASSERT(fused, "amp: a backward that never waits without a fused step");
-    fused->set_found_inf(step_found_inf_, id);
-    set_found_inf_ = true;
-    settle_after_step_ = id;
+    fused->step_context().set_found_inf(ledger_->step_found_inf, id);
+    ledger_->set_found_inf = true;
+    ledger_->settle_after_step = id;
   }
-  step_found_inf_ = at::Tensor();
-  const bool skip = !unseen && skip_next_step_;
-  if (skip && settle_after_step_ == 0) {
+  ledger_->step_found_inf = at::Tensor();
+  const bool skip = !unseen && ledger_->skip_next_step;
+  if (skip && ledger_->settle_after_step == 0) {
     take_skip();
     return StepPlan::kSkip;
   }
@@ -452,20 +463,20 @@ void OptimizerBase::take_skip() {
   for (const auto& feature : features_) feature->after_step(*this, /*taken=*/false);
   // The overflowed gradients are dropped, so a skipped step leaves no trace in the next one.
   zero_all_grads(/*set_to_none=*/true);
-  ++skipped_steps_;
+  ++ledger_->skipped_steps;
 }
 
 void OptimizerBase::end_skipped_step() {
   if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer())) {
-    fused->settle_step(std::exchange(settle_after_step_, 0), /*skipped=*/true);
+    fused->settle_step(std::exchange(ledger_->settle_after_step, 0), /*skipped=*/true);
   }
   take_skip();
 }
 
 void OptimizerBase::end_step() {
-  if (settle_after_step_ != 0) {
+  if (ledger_->settle_after_step != 0) {
     if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&torch_optimizer())) {
-      fused->settle_step(std::exchange(settle_after_step_, 0), /*skipped=*/false);
+      fused->settle_step(std::exchange(ledger_->settle_after_step, 0), /*skipped=*/false);
     }
   }
   if (sharding_) {
@@ -484,11 +495,11 @@ void OptimizerBase::zero_all_grads(bool set_to_none) {
   stash_.clear();
   backward_prepared_ = false;
   scaled_grads_loss_id_.reset();
-  skip_next_step_ = false;
-  step_found_inf_ = at::Tensor();
-  ++grads_generation_;
+  ledger_->skip_next_step = false;
+  ledger_->step_found_inf = at::Tensor();
+  ++ledger_->grads_generation;
   // A skip learned later is dropped too.
-  if (!pending_.empty()) pending_.push_back({Pending::Kind::kZeroGrad, nullptr, 0, 0, nullptr});
+  if (!ledger_->pending.empty()) ledger_->pending.push_back({Pending::Kind::kZeroGrad, nullptr, 0, 0, nullptr});
 }
 
 void OptimizerBase::clear_grads(bool set_to_none) {
@@ -509,7 +520,7 @@ void OptimizerBase::prepare_backward(int loss_id) {
   sync_param_groups();
   check_no_scaled_model_grads("backward");
   settle(/*wait=*/false);
-  ++grads_generation_;
+  ++ledger_->grads_generation;
   if (scaled_grads_loss_id_) {
     TORCH_CHECK(*scaled_grads_loss_id_ == loss_id, "amp::scale_loss: the gradients hold values scaled by loss "
                 "scaler ", *scaled_grads_loss_id_, " (delay_unscale), so the next scale_loss must use the same "
@@ -635,9 +646,9 @@ void OptimizerBase::after_backward(bool overflow, double loss_scale, double floo
 }
 
 void OptimizerBase::finish_backward(int loss_id, bool skip) {
-  if (skip && !skip_next_step_) {
-    skip_next_step_ = true;
-    skip_loss_id_ = loss_id;
+  if (skip && !ledger_->skip_next_step) {
+    ledger_->skip_next_step = true;
+    ledger_->skip_loss_id = loss_id;
   }
 }
 
@@ -747,9 +758,9 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
   // Everything validated: now change state.
   for (const auto& apply : restore) apply();
   *scalers_ = std::move(scalers);  // optimizers sharing the bank see the restored scales
-  skipped_steps_ = skipped_steps;
-  device_skips_ = at::Tensor();  // the host holds the truth again, until the next amp::GraphCaptureGuard
-  device_truth_ = false;
+  ledger_->skipped_steps = skipped_steps;
+  ledger_->device_skips = at::Tensor();  // the host holds the truth again, until the next amp::GraphCaptureGuard
+  ledger_->device_truth = false;
   if (!sharding_) {
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < mine.size(); ++i) mine.master()[i].copy_(masters[i]);
@@ -779,7 +790,7 @@ void OptimizerBase::run_own(OwnCall call, const std::function<void()>& fn, torch
     sharding_->on_shard(opt, detail::Sharding::Use::kLoad, fn);
     return;
   }
-  if (call == OwnCall::kSave && device_truth_) {  // the step counts a CUDA graph advanced on the device
+  if (call == OwnCall::kSave && ledger_->device_truth) {  // the step counts a CUDA graph advanced on the device
     if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&opt)) fused->pull_device_steps();
   }
   if (!sharding_ || call == OwnCall::kLoad) {

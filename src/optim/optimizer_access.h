@@ -13,6 +13,8 @@
 
 #include "amp/loss_scaler.h"
 #include "amp/optimizer.h"
+#include "optim/step_ledger.h"
+#include "scaling/scaler_access.h"
 
 namespace amp::detail {
 
@@ -28,7 +30,7 @@ struct OptimizerAccess {
   static void sync_param_groups(OptimizerBase& o) { o.sync_param_groups(); }
   static ParamIndex& index(const OptimizerBase& o) { return *o.index_; }
   /// The optimizer's host-sync count (NOTE [Counting host syncs]), counted while a HostSyncScope holds it.
-  static int64_t& host_syncs(const OptimizerBase& o) { return o.host_syncs_; }
+  static int64_t& host_syncs(const OptimizerBase& o) { return o.ledger_->host_syncs; }
   static const std::shared_ptr<ParamIndex>& index_pointer(const OptimizerBase& o) { return o.index_; }
   /// Names of the tensors param_groups hold, by TensorImpl (fp32 masters carry their model parameter's name).
   static std::unordered_map<const c10::TensorImpl*, std::string> param_group_names(const OptimizerBase& o);
@@ -51,13 +53,13 @@ struct OptimizerAccess {
   static Sharding* sharding(const OptimizerBase& o) { return o.sharding_.get(); }
   static void set_sharding(OptimizerBase& o, std::shared_ptr<Sharding> sharding) { o.sharding_ = std::move(sharding); }
   /// How many times step() ran (taken or skipped).
-  static int64_t steps(const OptimizerBase& o) { return o.steps_; }
+  static int64_t steps(const OptimizerBase& o) { return o.ledger_->steps; }
   static torch::optim::Optimizer& torch_optimizer(OptimizerBase& o) { return o.torch_optimizer(); }
   static bool unscaled_fast_path(const OptimizerBase& o) { return o.unscaled_fast_path_; }
 
   // amp::GraphCaptureGuard (src/optim/graph_capture.cpp).
   /// Whether a GraphCaptureGuard holds the optimizer now.
-  static bool graph_mode(const OptimizerBase& o) { return o.graph_mode_; }
+  static bool graph_mode(const OptimizerBase& o) { return o.ledger_->graph_mode; }
   /// Whether the optimizer's fused step takes the overflow flag on the device (no fp8, auto_fp32 or ZeRO).
   static bool skips_on_device(const OptimizerBase& o) { return o.skips_on_device(); }
   /// Settles everything the host has not seen yet, then returns the device's loss scale (null before the first
@@ -66,17 +68,17 @@ struct OptimizerAccess {
     o.settle(/*wait=*/true);
     const DeviceScale* scale = nullptr;
     for (const LossScaler& s : *o.scalers_) {
-      if (s.device_) scale = s.device_.get();
+      if (const DeviceScale* d = ScalerAccess::device(s)) scale = d;
     }
     return scale;
   }
   /// Enters graph mode: from now on the device holds the truth (skips counted in a device tensor on `device`).
   static void enter_graph_mode(OptimizerBase& o, const c10::Device& device) {
-    if (!o.device_skips_.defined()) o.device_skips_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-    o.graph_mode_ = true;
-    o.device_truth_ = true;
+    if (!o.ledger_->device_skips.defined()) o.ledger_->device_skips = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    o.ledger_->graph_mode = true;
+    o.ledger_->device_truth = true;
   }
-  static void leave_graph_mode(OptimizerBase& o) { o.graph_mode_ = false; }
+  static void leave_graph_mode(OptimizerBase& o) { o.ledger_->graph_mode = false; }
 };
 
 }  // namespace amp::detail

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "amp/fused_optimizers.h"
+#include "optim/fused_step_context.h"
 #include "amp/opt_level.h"
 #include "casting/model_casting.h"
 #include "optim/lean_masters.h"
@@ -272,11 +273,11 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
     state_format_ = std::make_shared<StateFormat>(state_format, draws ? seed_from_default_generator() : 0);
   }
   if (fused) {
-    fused->set_state_format(state_format_);
-    fused->set_lean_masters(lean_);
+    fused->step_context().set_state_format(state_format_);
+    fused->step_context().set_lean_masters(lean_);
     std::unordered_map<const c10::TensorImpl*, at::Tensor> copies;
     for (size_t i = 0; i < masters_->size(); ++i) copies.emplace(masters_->master()[i].unsafeGetTensorImpl(), masters_->model()[i]);
-    fused->set_model_copies(std::move(copies));
+    fused->step_context().set_model_copies(std::move(copies));
     step_writes_model_ = true;
   }
   model_side_ = masters_->model();

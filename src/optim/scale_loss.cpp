@@ -1,12 +1,15 @@
 #include "amp/scale_loss.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "amp/autocast_guard.h"
 #include "amp/optimizer.h"
+#include "optim/step_ledger.h"
 #include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "scaling/scaled_grads.h"
+#include "scaling/scaler_access.h"
 
 namespace amp {
 
@@ -53,30 +56,32 @@ ScaledLoss::ScaledLoss(const at::Tensor& loss, std::vector<OptimizerBase*> optim
   LossScaler& scaler = (*first.scaler_bank())[static_cast<size_t>(options.loss_id())];
   const bool on_device = std::all_of(optimizers_.begin(), optimizers_.end(),
                                      [](const OptimizerBase* o) { return o->skips_on_device(); });
-  if (first.graph_mode_) {
+  if (first.ledger_->graph_mode) {
     TORCH_CHECK(on_device, "amp::scale_loss: under amp::GraphCaptureGuard every optimizer of the loss must be one the "
                 "guard holds (amp's fused optimizers); pass the same optimizers to the guard and to scale_loss.");
-    TORCH_CHECK(scaler.device_ && scaler.device_->device() == loss.device(), "amp::scale_loss: loss scaler ",
+    const detail::DeviceScale* device = detail::ScalerAccess::device(std::as_const(scaler));
+    TORCH_CHECK(device != nullptr && device->device() == loss.device(), "amp::scale_loss: loss scaler ",
                 options.loss_id(), " has no state on ", loss.device(), " yet, and a CUDA graph capture can't create "
                 "it. Run the warm-up steps the capture recipe takes (docs/cuda.md) with this loss_id before capturing.");
   }
+  std::shared_ptr<detail::DeviceScale>& device = detail::ScalerAccess::device(scaler);
   if (on_device) {
     // NOTE [A step that never waits]: the scale is the device's; the host's copy only names it in messages.
-    if (!scaler.device_ || scaler.device_->device() != loss.device()) {
+    if (!device || device->device() != loss.device()) {
       for (auto* o : optimizers_) o->settle(/*wait=*/true);
       first.settle_scalers(/*wait=*/true);
-      scaler.device_ = std::make_shared<detail::DeviceScale>(scaler, loss.device());
-      scaler.host_update_ = 0;
+      device = std::make_shared<detail::DeviceScale>(scaler, loss.device());
+      detail::ScalerAccess::set_host_update(scaler, 0);
     }
-    scale_ = scaler.scale_;
-    inverse_ = scaler.device_->inverse();
-    scaled_ = loss.to(at::kFloat) * scaler.device_->multiplier();
+    scale_ = scaler.loss_scale();
+    inverse_ = device->inverse();
+    scaled_ = loss.to(at::kFloat) * device->multiplier();
     return;
   }
-  if (scaler.device_) {  // the host decides this backward: its copy of the scaler catches up, then leads
+  if (device) {  // the host decides this backward: its copy of the scaler catches up, then leads
     for (auto* o : optimizers_) o->settle(/*wait=*/true);
     first.settle_scalers(/*wait=*/true);
-    scaler.device_.reset();
+    device.reset();
   }
   scale_ = scaler.loss_scale();
   scaled_ = loss.to(at::kFloat) * scale_;
@@ -109,9 +114,9 @@ void ScaledLoss::backward() {
   if (delay) return;
   LossScaler& scaler = (*optimizers_[0]->scaler_bank())[static_cast<size_t>(loss_id)];
   if (inverse_.defined()) {  // NOTE [A step that never waits]
-    detail::DeviceScale& device = *scaler.device_;
+    detail::DeviceScale& device = *detail::ScalerAccess::device(scaler);
     const at::Tensor overflow = found_inf.any_on(device.device());
-    if (optimizers_[0]->graph_mode_) {  // amp::GraphCaptureGuard: nothing for the host
+    if (optimizers_[0]->ledger_->graph_mode) {  // amp::GraphCaptureGuard: nothing for the host
       device.update_on_device(overflow);
       const at::Tensor flag = overflow.to(at::kFloat);
       for (auto* o : optimizers_) o->defer_outcome(nullptr, flag);
@@ -119,7 +124,7 @@ void ScaledLoss::backward() {
     }
     detail::HostView outcome = device.update(overflow);
     outcome_ = std::make_shared<detail::BackwardOutcomeView>(std::move(outcome), loss_id, device.updates(),
-                                                             scaler.device_.get());
+                                                             &device);
     const at::Tensor flag = overflow.to(at::kFloat);
     for (auto* o : optimizers_) o->defer_outcome(outcome_, flag);
     for (auto* o : optimizers_) o->settle(/*wait=*/false);  // on the CPU the outcome is there already
@@ -145,7 +150,7 @@ void ScaledLoss::backward() {
 
 bool ScaledLoss::overflow() const {
   TORCH_CHECK(done_, "amp::ScaledLoss::overflow: call backward() first; overflow is known only after it.");
-  TORCH_CHECK(outcome_ || !optimizers_[0]->graph_mode_, "amp::ScaledLoss::overflow: under amp::GraphCaptureGuard "
+  TORCH_CHECK(outcome_ || !optimizers_[0]->ledger_->graph_mode, "amp::ScaledLoss::overflow: under amp::GraphCaptureGuard "
               "the overflow stays on the device (a captured step can't tell the host). Read amp::skipped_steps or "
               "amp::loss_scale after the guard instead.");
   if (!outcome_) return overflow_;

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "amp/fused_optimizers.h"
+#include "optim/fused_step_context.h"
 #include "amp/optimizer.h"
 #include "core/host_sync.h"
 #include "collectives.h"
@@ -774,7 +775,7 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
   auto* fused = use == Use::kStep ? dynamic_cast<amp::optim::FusedOptimizer*>(&opt) : nullptr;
   std::unordered_map<const c10::TensorImpl*, const ShardPiece*> piece_of;  // ShardSums::whole_shape's lookup
   for (const auto& p : pieces_) piece_of.emplace(p.value.unsafeGetTensorImpl(), &p);
-  const amp::optim::FusedOptimizer::ShardSums sums{
+  const amp::detail::ShardSums sums{
       [this](double v) { return sum_over_ranks(v); }, [this](std::vector<double>& v) { sum_per_tensor(v); },
       [this, &piece_of](const at::Tensor& piece) -> std::optional<std::vector<int64_t>> {
         const auto it = piece_of.find(piece.unsafeGetTensorImpl());
@@ -784,7 +785,7 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
         if (p.begin != 0 || p.length != e.numel) return std::nullopt;
         return e.stepped.sizes().vec();
       }};
-  if (fused) fused->set_shard_sums(&sums);
+  if (fused) fused->step_context().set_shard_sums(&sums);
   // The state format numbers a piece's elements as its whole tensor's (NOTE [Optimizer state formats]).
   const bool placed = use == Use::kStep && format_ && format_->format() != amp::OptimizerStateFormat::kFp32;
   if (placed) {
@@ -798,7 +799,7 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
   }
   auto restore = [&] {
     if (placed) format_->set_placement(nullptr, 0);
-    if (fused) fused->set_shard_sums(nullptr);
+    if (fused) fused->step_context().set_shard_sums(nullptr);
     for (size_t g = 0; g < groups.size() && g < saved.size(); ++g) groups[g].params() = std::move(saved[g]);
     for (auto& p : pieces_) p.value.mutable_grad() = at::Tensor();
   };

@@ -9,6 +9,7 @@
 
 #include "amp/loss_scaler.h"
 #include "core/host_sync.h"
+#include "scaling/scaler_access.h"
 
 namespace amp::detail {
 namespace {
@@ -136,9 +137,8 @@ void DeviceScale::update_on_device(const at::Tensor& overflow) {
   }
   ++updates_;
   if (cpu_) {  // a CPU scale run as a device's (DeferredHostReadsGuard): the host machine follows
-    cpu_->scale_ = scale_.item<double>();
-    cpu_->unskipped_ = unskipped_.item<int64_t>();
-    cpu_->hysteresis_left_ = static_cast<int>(hysteresis_left_.item<int64_t>());
+    ScalerAccess::set_state(*cpu_, scale_.item<double>(), unskipped_.item<int64_t>(),
+                            static_cast<int>(hysteresis_left_.item<int64_t>()));
   }
 }
 
@@ -147,10 +147,7 @@ void DeviceScale::read_into(LossScaler& host) const {
   const at::Tensor values =
       at::stack({scale_, unskipped_.to(at::kDouble), hysteresis_left_.to(at::kDouble)}).to(at::kCPU);
   const double* v = values.data_ptr<double>();
-  host.scale_ = v[0];
-  host.unskipped_ = static_cast<int64_t>(v[1]);
-  host.hysteresis_left_ = static_cast<int>(v[2]);
-  host.host_update_ = updates_;
+  ScalerAccess::take_device_state(host, v[0], static_cast<int64_t>(v[1]), static_cast<int>(v[2]), updates_);
 }
 
 }  // namespace amp::detail

@@ -8,7 +8,7 @@
 //     LossScaler::update_scale's state machine runs there, op for op on the same doubles, so the device state is
 //     what the host scaler would hold;
 //   - the loss is multiplied by, and the gradients unscaled with, tensors of that state, never a host number;
-//   - the fused optimizers take the flag and skip inside their step (FusedOptimizer::set_found_inf), their step
+//   - the fused optimizers take the flag and skip inside their step (FusedStepContext::set_found_inf), their step
 //     counts on the device with it;
 //   - the host learns each backward's outcome when it is there (HostView: a non-blocking copy and an event), at the
 //     next poll that finds it ready (the end of a backward, the start of a step or a scale_loss); then the host
