@@ -31,6 +31,7 @@ void MasterWeights::add(std::string name, at::Tensor model, at::Tensor master) {
   master_.push_back(std::move(master));
   pending_.emplace_back();
   unreduced_.emplace_back();
+  reduced_.emplace_back();
   unreduced_flag_.push_back(0);
 }
 
@@ -38,6 +39,11 @@ void MasterWeights::clear_pending_grads() {
   for (auto& t : pending_) t = at::Tensor();
   for (auto& t : unreduced_) t = at::Tensor();
   unreduced_flag_.assign(unreduced_flag_.size(), 0);
+  clear_reduced_grads();
+}
+
+void MasterWeights::clear_reduced_grads() {
+  for (auto& t : reduced_) t = at::Tensor();
 }
 
 void MasterWeights::check_usable(size_t i) const {

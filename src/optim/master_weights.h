@@ -61,6 +61,12 @@ class MasterWeights {
   void mark_unreduced(size_t i) { unreduced_flag_[i] = 1; }
   bool take_unreduced(size_t i) { return std::exchange(unreduced_flag_[i], char{0}) != 0; }
   at::Tensor& unreduced_grad(size_t i) { return unreduced_[i]; }
+  /// NOTE [fp32 reductions reach the masters]: with allreduce_always_fp32, amp::parallel's fp32 average of
+  /// model[i]'s gradient, which .grad holds rounded to its dtype; the unscale takes it in place of .grad.
+  /// Undefined when the last reduction was not in fp32 (or nothing was reduced since the backward began).
+  at::Tensor& reduced_grad(size_t i) { return reduced_[i]; }
+  /// Drops every reduced_grad (a backward begins).
+  void clear_reduced_grads();
 
   /// What ZeRO does for a table whose masters it holds in slices (NOTE [Sharded optimizers] in sharding.h).
   class Shards {
@@ -89,6 +95,7 @@ class MasterWeights {
   std::vector<const void*> storage_;
   std::vector<at::Tensor> pending_;
   std::vector<at::Tensor> unreduced_;
+  std::vector<at::Tensor> reduced_;
   std::vector<char> unreduced_flag_;  // char, not bool: std::exchange needs a real reference
   std::weak_ptr<Shards> shards_;
 };

@@ -535,6 +535,7 @@ void OptimizerBase::prepare_backward(int loss_id) {
   stash_.assign(direct.size(), at::Tensor());
   for (size_t i = 0; i < direct.size(); ++i) stash_[i] = std::exchange(direct[i].mutable_grad(), {});
   for (const auto& p : index_->masters().model()) p.mutable_grad() = at::Tensor();  // consumed into the masters already
+  index_->masters().clear_reduced_grads();
   backward_prepared_ = true;
 }
 
@@ -561,10 +562,12 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, const detail:
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < model.size(); ++i) {
       at::Tensor& g = model[i].mutable_grad();
+      const at::Tensor reduced = std::exchange(masters.reduced_grad(i), at::Tensor());
       if (!g.defined()) continue;
+      const at::Tensor& sum = reduced.defined() ? reduced : g;  // NOTE [fp32 reductions reach the masters]
       at::Tensor& pending = masters.take_unreduced(i) ? masters.unreduced_grad(i) : masters.pending_grad(i);
-      if (pending.defined()) pending.add_(g);
-      else pending = g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      if (pending.defined()) pending.add_(sum);
+      else pending = sum.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
       g = at::Tensor();
     }
     return;
@@ -578,6 +581,10 @@ void OptimizerBase::unscale_grads(int loss_id, bool delay_unscale, const detail:
   std::vector<at::Tensor> fresh_in, fresh_out, acc_in, acc_out;
   for (size_t i = 0; i < model.size(); ++i) {
     at::Tensor g = model[i].grad();
+    // NOTE [fp32 reductions reach the masters]: the fp32 average .grad holds rounded, unscaled in its place.
+    if (at::Tensor reduced = std::exchange(masters.reduced_grad(i), at::Tensor()); reduced.defined() && g.defined()) {
+      g = reduced;
+    }
     (void)masters.take_unreduced(i);  // a plain scale_loss inside no_sync(): amp::parallel refuses it next forward
     if (at::Tensor& pending = masters.pending_grad(i); pending.defined()) {  // delay_unscale's fp32 sum
       if (g.defined()) {

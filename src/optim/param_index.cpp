@@ -210,6 +210,7 @@ void ParamIndex::sync(torch::optim::Optimizer& opt, const std::vector<std::weak_
           masters->add(plan.name, masters_->model()[plan.known_index], p);
           masters->pending_grad(masters->size() - 1) = masters_->pending_grad(plan.known_index);
           masters->unreduced_grad(masters->size() - 1) = masters_->unreduced_grad(plan.known_index);
+          masters->reduced_grad(masters->size() - 1) = masters_->reduced_grad(plan.known_index);
           break;
         case Kind::kKnownDirect:
           // A lean parameter stays lean while it is bf16 (auto_fp32 may have moved it to fp32).

@@ -81,6 +81,14 @@ bool quantizes(int64_t numel) { return numel >= kMinQuantizedNumel && numel % kS
 
 bool is_packed(const at::Tensor& stored) { return stored.defined() && stored.scalar_type() == at::kByte; }
 
+int64_t slice_alignment(const at::Tensor& stored) { return is_packed(stored) ? kStateBlock : 1; }
+
+int64_t StateFormat::alignment(int64_t numel) const {
+  return format_ == OptimizerStateFormat::k8Bit && quantizes(numel) ? kStateBlock : 1;
+}
+
+int64_t StateFormat::slice_alignment() const { return format_ == OptimizerStateFormat::k8Bit ? kStateBlock : 1; }
+
 std::optional<cpu::StateView> cpu_view(const at::Tensor& stored, Moment moment,
                                        std::optional<std::pair<uint64_t, uint64_t>> draws) {
   if (!stored.device().is_cpu() || !stored.is_contiguous()) return std::nullopt;

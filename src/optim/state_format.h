@@ -47,6 +47,9 @@ const std::array<float, 256>& quantization_map(Moment moment);
 bool quantizes(int64_t numel);
 /// Whether `stored` is a packed 8-bit moment.
 bool is_packed(const at::Tensor& stored);
+/// The multiple a slice of `stored` must start and end at to be a moment of its own (slice_moment): a packed
+/// moment's block of 256, or 1.
+int64_t slice_alignment(const at::Tensor& stored);
 
 /// The values of a stored moment as a new fp32 tensor of `shape`.
 at::Tensor decode_moment(const at::Tensor& stored, at::IntArrayRef shape, Moment moment);
@@ -107,6 +110,12 @@ class StateFormat {
   /// The draws of moment `slot` (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) of the tensor at `place` in this step;
   /// nullopt unless kBf16.
   std::optional<std::pair<uint64_t, uint64_t>> draws(const Place& place, int slot) const;
+
+  /// Where ZeRO may cut a tensor of `numel` values so each piece's moments are its own (NOTE [ZeRO layout]): the
+  /// multiple its start in a flat run must be (an 8-bit moment's block, or 1), and the multiple every rank's slice
+  /// of the run must be for any tensor.
+  int64_t alignment(int64_t numel) const;
+  int64_t slice_alignment() const;
 
   /// A zero moment for `like` (the stepped tensor) at `place`, in this format.
   at::Tensor fresh(const at::Tensor& like, const Place& place) const;

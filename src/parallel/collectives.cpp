@@ -21,7 +21,8 @@ c10::ScalarType wire_dtype(c10::ScalarType dtype, const AverageSettings& setting
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> average_async(const GroupState& group, const at::Tensor& flat,
-                                                      const AverageSettings& settings) {
+                                                      const AverageSettings& settings,
+                                                      std::function<void(const at::Tensor&)> wide) {
   c10::NoGradGuard no_grad;
   const c10::ScalarType wire = wire_dtype(flat.scalar_type(), settings);
   at::Tensor send = wire == flat.scalar_type() ? flat : flat.to(wire);
@@ -30,11 +31,13 @@ c10::intrusive_ptr<c10::ivalue::Future> average_async(const GroupState& group, c
   auto future = group.group->allreduce(tensors)->getFuture();  // SUM; NOTE: never allreduce({a, b}) (sums a and b)
   const double post = static_cast<double>(group.world_size) / settings.predivide;
   const GroupState* state = &group;  // the group outlives its reductions (DistributedCore holds it)
+  if (!settings.always_fp32 || send.is_same(flat)) wide = nullptr;
   return future->then(
-      [flat, send, post, state](c10::ivalue::Future& done) -> c10::IValue {
+      [flat, send, post, state, wide = std::move(wide)](c10::ivalue::Future& done) -> c10::IValue {
         if (done.hasError()) rethrow_collective_failure(done.exception_ptr(), *state, "the gradient all-reduce");
         c10::NoGradGuard no_grad;
         if (post != 1.0) send.div_(post);
+        if (wide) wide(send);
         if (!send.is_same(flat)) flat.copy_(send);
         return c10::IValue(flat);
       },

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,12 @@ c10::ScalarType wire_dtype(c10::ScalarType dtype, const AverageSettings& setting
 
 /// Starts averaging `flat` over the ranks: divides by the predivide factor, sums over the ranks (in
 /// wire_dtype), divides by world_size / predivide and writes the result back into `flat`. Returns a future
-/// whose value is `flat`; a failure (a rank gone, the timeout) completes it with amp's error.
+/// whose value is `flat`; a failure (a rank gone, the timeout) completes it with amp's error. With
+/// allreduce_always_fp32 and a low-precision `flat`, `wide` (if set) first receives the fp32 average, which `flat`
+/// then holds rounded (NOTE [fp32 reductions reach the masters] in distributed_data_parallel.cpp).
 c10::intrusive_ptr<c10::ivalue::Future> average_async(const GroupState& group, const at::Tensor& flat,
-                                                      const AverageSettings& settings);
+                                                      const AverageSettings& settings,
+                                                      std::function<void(const at::Tensor&)> wide = nullptr);
 
 /// Copies rank 0's values into `tensors` on every other rank, bitwise (every dtype travels as bytes),
 /// in buckets of at most `bucket_bytes`. Rank 0's tensors are not written (their version counters stay).

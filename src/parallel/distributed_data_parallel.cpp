@@ -61,8 +61,27 @@
 // in CommunicationStats, which counts gradients). Zeros stay zero through gradient_predivide_factor, the fp32
 // wire dtype and amp's unscale, and add no inf/NaN, so overflow decisions stay those of the ranks' gradients.
 
+// NOTE [fp32 reductions reach the masters]
+// With allreduce_always_fp32, a bf16/fp16 gradient is averaged in fp32 and written back into .grad rounded to its
+// dtype, as Apex's DDP does; FSDP2's reduce_dtype=float32 hands the fp32 sums to the optimizer instead. amp does
+// both: .grad holds the rounding (what scripts and the overflow report read) and a parameter with an fp32 master
+// leaves the fp32 average beside it (MasterWeights::reduced_grad), which the unscale takes in place of .grad, so
+// the master's gradient is the fp32 average unscaled, rounded once. ZeRO stage 2 keeps its reduce-scattered slices of
+// mastered parameters in fp32 for the same reason, so every stage sees the same sums.
+
 namespace amp::parallel::detail {
 namespace {
+
+// The fp32 averages of `params` (each at its offset in `wide`) for their masters; parameters without one skip.
+std::function<void(const at::Tensor&)> fp32_sums_to_masters(std::vector<std::pair<at::Tensor, int64_t>> params) {
+  return [params = std::move(params)](const at::Tensor& wide) {
+    for (const auto& [p, offset] : params) {
+      if (auto master = amp::detail::find_master(p)) {
+        master->first->reduced_grad(master->second) = wide.narrow(0, offset, p.numel()).view(p.sizes());
+      }
+    }
+  };
+}
 
 using Accumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
@@ -101,7 +120,15 @@ class AverageHook final : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
     counters_.allreduce_calls.fetch_add(1);
     counters_.allreduce_bytes.fetch_add(buffer.numel() *
                                         static_cast<int64_t>(c10::elementSize(wire_dtype(buffer.scalar_type(), settings_))));
-    return average_async(group_, buffer, settings_);
+    std::vector<std::pair<at::Tensor, int64_t>> placed;
+    if (settings_.always_fp32) {
+      const auto params = bucket.getParameters();
+      const auto grads = bucket.getGradients();
+      for (size_t i = 0; i < params.size() && i < grads.size(); ++i) {
+        placed.emplace_back(params[i], grads[i].storage_offset() - buffer.storage_offset());
+      }
+    }
+    return average_async(group_, buffer, settings_, fp32_sums_to_masters(std::move(placed)));
   }
 
  private:
@@ -299,6 +326,8 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here, b
     c10::intrusive_ptr<c10::ivalue::Future> future;
     at::Tensor flat;
     std::vector<at::Tensor> grads;
+    std::vector<std::pair<at::Tensor, int64_t>> placed;  // each parameter and its offset in flat
+    int64_t flat_numel = 0;
   };
   std::vector<Pending> pending;
   for (const auto& bucket : delay_buckets) {
@@ -308,6 +337,8 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here, b
       if (!used_anywhere[i]) continue;
       at::Tensor& grad = params[i].mutable_grad();
       if (!grad.defined()) grad = at::zeros_like(params[i]);  // reached on another rank: this rank adds zeros
+      p.placed.emplace_back(params[i], p.flat_numel);
+      p.flat_numel += grad.numel();
       p.grads.push_back(grad);
       pieces.push_back(grad.reshape({-1}));
     }
@@ -316,7 +347,7 @@ void DistributedCore::Impl::reduce_delayed(const std::vector<bool>& used_here, b
     counters.allreduce_calls.fetch_add(1);
     counters.allreduce_bytes.fetch_add(p.flat.numel() *
                                        static_cast<int64_t>(c10::elementSize(wire_dtype(p.flat.scalar_type(), average))));
-    p.future = average_async(state, p.flat, average);
+    p.future = average_async(state, p.flat, average, fp32_sums_to_masters(std::move(p.placed)));
     pending.push_back(std::move(p));
   }
   for (auto& p : pending) {

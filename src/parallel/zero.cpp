@@ -50,7 +50,6 @@ namespace {
 using amp::detail::OptimizerAccess;
 using ShardStateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 constexpr const char* kShard = "amp::parallel::shard_optimizer";
-constexpr int64_t kShardBlock = 256;  // an 8-bit moment's block
 
 struct ShardEntry {
   at::Tensor stepped;  // what the param group holds: an fp32 master (a placeholder once sharded) or the parameter
@@ -81,6 +80,7 @@ struct ShardSpan {
 struct ShardLane {
   size_t group = 0;
   c10::ScalarType dtype = at::kFloat;    // of the model parameters
+  bool mastered = false;                 // its tensors are fp32 masters of them
   std::vector<std::vector<ShardSpan>> spans;  // by rank
   int64_t width = 0;                     // the longest rank's element count
   at::Tensor incoming;                   // stage 2: this rank's reduced slice since the last unscale
@@ -149,7 +149,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::opti
   for (size_t f = 0; f < fields.size(); ++f) {
     at::Tensor& t = *fields[f];
     if (!t.defined()) continue;
-    if (amp::detail::is_packed(t) && (begin % kShardBlock != 0 || length % kShardBlock != 0)) {
+    const int64_t block = amp::detail::slice_alignment(t);
+    if (begin % block != 0 || length % block != 0) {
       t = amp::detail::decode_moment(t, {-1}, amp::detail::moment_of_field(f));
     }
     t = amp::detail::slice_moment(t, begin, length);
@@ -229,7 +230,7 @@ class Zero final : public amp::detail::Sharding,
   std::vector<std::vector<ShardEntry>> groups_;
   std::vector<int64_t> group_numel_;
   std::shared_ptr<amp::detail::StateFormat> format_;  // the optimizer's state format
-  int64_t slice_multiple_ = 1;  // kShardBlock with 8-bit moments (NOTE [ZeRO layout])
+  int64_t slice_multiple_ = 1;  // the state format's (NOTE [ZeRO layout])
   bool whole_tensors_ = false;  // slices end between tensors (FusedMuon: NOTE [ZeRO layout])
   int64_t whole_numel_ = 0;     // every stepped tensor's values, the state format's numbering
   std::unordered_map<const c10::TensorImpl*, amp::detail::StateFormat::Place> piece_places_;  // by piece value
@@ -252,7 +253,7 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   average_.always_fp32 = core_->options().allreduce_always_fp32();
   average_.predivide = core_->options().gradient_predivide_factor();
   format_ = OptimizerAccess::index(optimizer).state_format();
-  if (format_ && format_->format() == amp::OptimizerStateFormat::k8Bit) slice_multiple_ = kShardBlock;
+  if (format_) slice_multiple_ = format_->slice_alignment();
   const amp::detail::OptimizerKind* kind = amp::detail::kind_of(OptimizerAccess::torch_optimizer(optimizer));
   whole_tensors_ = kind != nullptr && kind->shards_whole_tensors;
   add_groups(optimizer);
@@ -270,7 +271,6 @@ void Zero::add_groups(OptimizerBase& optimizer) {
   const auto names = index.names();
   std::unordered_set<const c10::TensorImpl*> trained;
   for (const auto& p : core_->params()) trained.insert(p.unsafeGetTensorImpl());
-  const bool blocks = slice_multiple_ == kShardBlock;
   const size_t first = groups_.size();
   const auto& param_groups = opt.param_groups();
   for (size_t g = first; g < param_groups.size(); ++g) {
@@ -291,7 +291,8 @@ void Zero::add_groups(OptimizerBase& optimizer) {
       TORCH_CHECK(e.model.is_contiguous() && t.is_contiguous(), kShard, ": parameter '", e.name, "' is not contiguous, "
                   "so its slices can't be views of it. Make it contiguous before amp::initialize.");
       e.numel = t.numel();
-      if (blocks && amp::detail::quantizes(e.numel)) total = (total + kShardBlock - 1) / kShardBlock * kShardBlock;
+      const int64_t align = format_ ? format_->alignment(e.numel) : 1;  // a tensor's 8-bit blocks stay whole
+      total = (total + align - 1) / align * align;
       e.offset = total;
       e.whole_offset = whole_numel_;
       total += e.numel;
@@ -334,6 +335,7 @@ void Zero::add_groups(OptimizerBase& optimizer) {
                                 amp::detail::StateFormat::Place{e.whole_offset + p.begin, e.numel});
           pieces_.push_back(std::move(p));
         }
+        lanes[d].mastered = lanes[d].mastered || e.mastered;
         lanes[d].spans[static_cast<size_t>(r)].push_back(span);
       }
     }
@@ -545,7 +547,9 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
         input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(grad.reshape({-1}).narrow(0, s.begin, s.length));
       }
     }
-    scatter_into(lane, input, lane.dtype, "reduce-scattering the gradients");
+    // NOTE [fp32 reductions reach the masters] (distributed_data_parallel.cpp): fp32 sums of masters stay fp32.
+    const bool to_masters = wire == at::kFloat && average_.always_fp32 && lane.mastered;
+    scatter_into(lane, input, to_masters ? at::kFloat : lane.dtype, "reduce-scattering the gradients");
     for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
       if (used(entries[s.entry])) used_[lane.group][s.entry] = 1;
     }

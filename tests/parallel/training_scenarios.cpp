@@ -1,5 +1,6 @@
 // The training scenarios: "train" (and its quick subset for the torchrun launch) and "syncbn".
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -123,6 +124,51 @@ Trajectory compare_with_single_process(const Setup& setup, const ProcessGroup& g
   return ddp;
 }
 
+// NOTE [fp32 reductions reach the masters]: with allreduce_always_fp32 at O2, after a backward each fp32 master's
+// gradient is the fp32 average of the ranks' low-precision gradients, unscaled, bit for bit: (a + b rounded to fp32)
+// / 2 times 1/scale, with a and b each rank's local gradient (torch::autograd::grad on the same forward: nothing
+// accumulates, so nothing is reduced) summed exactly in double (2 ranks: one rounding to fp32, as Gloo's sum). Apex rounded the average back to the gradient's dtype first;
+// the check counts how many elements that rounding would have changed, so it can tell the two apart.
+void check_fp32_sums_reach_masters(const ProcessGroup& group) {
+  std::vector<std::pair<std::string, torch::Dtype>> dtypes = {{"bf16", torch::kBFloat16}};
+#if TORCH_VERSION_MAJOR >= 2
+  dtypes.emplace_back("fp16", torch::kHalf);
+#endif
+  for (const auto& [dtype_name, dtype] : dtypes) {
+    for (const bool delay : {false, true}) {
+      const std::string label = "allreduce_always_fp32 O2 " + dtype_name + (delay ? " delay_allreduce" : "");
+      auto net = make_mlp(100);
+      torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+      auto [model, optimizer] =
+          amp::initialize(net, std::move(sgd), amp::Options("O2").low_precision_dtype(dtype).verbosity(0));
+      auto ddp = amp::parallel::make_distributed(
+          model, group, amp::parallel::DistributedDataParallelOptions().allreduce_always_fp32(true).delay_allreduce(delay));
+      const Batch mine = rows(global_batch(0, kGlobal), group.rank() * (kGlobal / 2), kGlobal / 2);
+      const double scale = amp::loss_scale(optimizer);
+      std::vector<torch::Tensor> params = model->parameters();
+      const auto local = torch::autograd::grad({loss_of(ddp(mine.x), mine.y).to(torch::kFloat) * scale}, params);
+      std::vector<torch::Tensor> flat;
+      for (const auto& g : local) flat.push_back(g.to(torch::kDouble).reshape({-1}));
+      std::vector<torch::Tensor> sum{torch::cat(flat)};
+      group.c10d()->allreduce(sum)->wait();
+      optimizer.zero_grad();
+      amp::scale_loss(loss_of(ddp(mine.x), mine.y), optimizer).backward();
+      const float inv = static_cast<float>(1.0 / scale);
+      const auto average = sum[0].to(torch::kFloat) / static_cast<float>(group.world_size());
+      const auto expected = average * inv;
+      const auto rounded = average.to(dtype).to(torch::kFloat) * inv;  // Apex's: the average rounded into .grad first
+      std::vector<torch::Tensor> got;
+      for (const auto& m : amp::master_params(optimizer)) got.push_back(m.grad().reshape({-1}));
+      const auto master_grads = torch::cat(got);
+      const int64_t differ = master_grads.ne(expected).sum().item<int64_t>();
+      const int64_t apex_differ = rounded.ne(expected).sum().item<int64_t>();
+      report(differ == 0 && apex_differ > 0, label + ": the masters' gradients are the fp32 average, unscaled, bit for bit",
+             std::to_string(differ) + " of " + std::to_string(expected.numel()) + " differ; rounding the average to " +
+                 dtype_name + " first (Apex) would change " + std::to_string(apex_differ));
+    }
+  }
+}
+
 int64_t trainable_numel(bool freeze_first) {
   auto net = make_mlp(1);
   int64_t n = 0;
@@ -196,6 +242,7 @@ void scenario_train(const ProcessGroup& group, bool quick) {
   report(wide.stats.allreduce_bytes == wide.stats.synced_backwards * numel * 4,
          "allreduce_always_fp32: bf16 gradients travel in fp32 (4 bytes each)",
          std::to_string(wide.stats.allreduce_bytes) + " bytes");
+  check_fp32_sums_reach_masters(group);
 
   // gradient_predivide_factor 3: g/3 summed, times 3/2: the same average up to bf16 rounding of the thirds.
   Setup predivide = o2;
