@@ -11,6 +11,7 @@
 
 #include "amp/fused_optimizers.h"
 #include "optim/fused_route.h"
+#include "optim/fused_step_context.h"
 #include "optim/optimizer_state_key.h"
 #include "support/data.h"
 #include "support/models.h"
@@ -228,6 +229,24 @@ TEST_P(FusedOptimizersTest, PerOpRouteIsBitwiseLibTorch) {
 // ATen's fused kernels (what CUDA parameters take: MatchLibTorchsOptimizers/cuda) through the same code path, run
 // here on their CPU implementations (LibTorch >= 2.4). PyTorch tests them against its for-loop with float32
 // tolerances.
+// A moved optimizer takes its step context along (the model copies, formats and flags amp wired in) and the one
+// moved from gets a fresh one, so neither reads the other's nor a null one.
+TEST(FusedOptimizersCpuTest, MovingAnOptimizerMovesItsStepContext) {
+  auto w = torch::ones({4}, torch::requires_grad());
+  amp::optim::FusedAdamW a({w}, torch::optim::AdamWOptions(0.1));
+  a.step_context().set_grad_scale(std::optional<double>(8.0));
+  amp::optim::FusedAdamW b(std::move(a));
+  EXPECT_EQ(b.step_context().grad_scale(), std::optional<double>(8.0));
+  EXPECT_EQ(a.step_context().grad_scale(), std::nullopt);  // NOLINT(bugprone-use-after-move): what this tests
+  b.step_context().set_grad_scale(std::nullopt);
+  w.mutable_grad() = torch::ones({4});
+  b.step();
+  EXPECT_TRUE(torch::allclose(w.detach(), torch::full({4}, 1.0f - 0.1f * (1.0f + 0.01f)), 1e-5, 1e-6));
+  a = std::move(b);
+  EXPECT_EQ(b.step_context().grad_scale(), std::nullopt);  // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(a.param_groups().size(), 1u);
+}
+
 TEST(FusedOptimizersCpuTest, AtenRouteMatchesLibTorch) {
   if (!amp::optim::detail::has_aten_fused_optimizers()) {
     GTEST_SKIP() << "this LibTorch (" << TORCH_VERSION << ") has no ATen fused optimizer kernels (LibTorch >= 2.4)";

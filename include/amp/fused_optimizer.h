@@ -47,8 +47,9 @@ class FusedOptimizer {
 
  protected:
   FusedOptimizer();
-  FusedOptimizer(FusedOptimizer&&) noexcept;
-  FusedOptimizer& operator=(FusedOptimizer&&) noexcept;
+  // A moved-from optimizer keeps a fresh context of its own.
+  FusedOptimizer(FusedOptimizer&& other);
+  FusedOptimizer& operator=(FusedOptimizer&& other);
 
   /// Returns the tensor p's update is also written into, or nullptr.
   const at::Tensor* model_copy(const at::Tensor& p) const;

@@ -562,8 +562,12 @@ void lamb_stage1_any(const at::Tensor& p, const at::Tensor& grad, FusedLAMBParam
 
 FusedOptimizer::FusedOptimizer() : context_(std::make_unique<amp::detail::FusedStepContext>()) {}
 FusedOptimizer::~FusedOptimizer() = default;
-FusedOptimizer::FusedOptimizer(FusedOptimizer&&) noexcept = default;
-FusedOptimizer& FusedOptimizer::operator=(FusedOptimizer&&) noexcept = default;
+FusedOptimizer::FusedOptimizer(FusedOptimizer&& other)
+    : context_(std::exchange(other.context_, std::make_unique<amp::detail::FusedStepContext>())) {}
+FusedOptimizer& FusedOptimizer::operator=(FusedOptimizer&& other) {
+  if (this != &other) context_ = std::exchange(other.context_, std::make_unique<amp::detail::FusedStepContext>());
+  return *this;
+}
 
 void FusedOptimizer::settle_step(uint64_t step_id, bool skipped) { context_->settle_step(*this, step_id, skipped); }
 void FusedOptimizer::pull_device_steps() { context_->pull_device_steps(*this); }
