@@ -26,46 +26,13 @@
 #include <vector>
 
 #include "amp/optimizer_state_format.h"
-#include "optim/cpu_state_codec.h"
+#include "optim/moment_storage.h"
 
 namespace torch::optim {
 class Optimizer;
 }
 
 namespace amp::detail {
-
-/// Which map an 8-bit moment takes: exp_avg the signed one, the squares (exp_avg_sq, max_exp_avg_sq) the unsigned.
-enum class Moment { kSigned, kUnsigned };
-/// The map of field `f` of state_fields() (exp_avg first: Adam's, AdamW's and FusedLAMB's order; FusedMuon's one
-/// momentum buffer is signed too).
-inline Moment moment_of_field(size_t f) { return f == 0 ? Moment::kSigned : Moment::kUnsigned; }
-
-/// torchao's create_dynamic_map(signed) as float32, computed with the same ATen ops (so the same values).
-const std::array<float, 256>& quantization_map(Moment moment);
-
-/// Whether a tensor of `numel` values gets 8-bit moments: at least 4096 values, a multiple of 256 (torchao's rule).
-bool quantizes(int64_t numel);
-/// Whether `stored` is a packed 8-bit moment.
-bool is_packed(const at::Tensor& stored);
-/// The multiple a slice of `stored` must start and end at to be a moment of its own (slice_moment): a packed
-/// moment's block of 256, or 1.
-int64_t slice_alignment(const at::Tensor& stored);
-
-/// The values of a stored moment as a new fp32 tensor of `shape`.
-at::Tensor decode_moment(const at::Tensor& stored, at::IntArrayRef shape, Moment moment);
-/// Writes fp32 `values` into `stored`, which has the representation it keeps; bf16 with `draws` (seed, first draw)
-/// rounds stochastically, without them to nearest.
-void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment moment,
-                   std::optional<std::pair<uint64_t, uint64_t>> draws = std::nullopt);
-/// A CPU loop's view of a contiguous CPU stored moment (nullopt: another device or layout; ATen ops then).
-std::optional<cpu::StateView> cpu_view(const at::Tensor& stored, Moment moment,
-                                       std::optional<std::pair<uint64_t, uint64_t>> draws = std::nullopt);
-/// torchao's quantize_8bit_with_qmap on `scaled` (values divided by their block's scale), in ATen ops: the codes.
-at::Tensor quantize_with_map(const at::Tensor& scaled, Moment moment);
-/// Elements [begin, begin + length) of a 1-d stored moment (packed: whole blocks) as a tensor of their own.
-at::Tensor slice_moment(const at::Tensor& stored, int64_t begin, int64_t length);
-/// The stored moments of consecutive slices of one 1-d tensor, joined.
-at::Tensor join_moments(const std::vector<at::Tensor>& parts);
 
 class StateFormat;
 
@@ -117,7 +84,9 @@ class StateFormat {
   int64_t alignment(int64_t numel) const;
   int64_t slice_alignment() const;
 
-  /// A zero moment for `like` (the stepped tensor) at `place`, in this format.
+  /// How this format stores the moments of `like` (the stepped tensor) at `place` (NOTE [Moment storage]).
+  const MomentStorage& storage_for(const at::Tensor& like, const Place& place) const;
+  /// A zero moment for `like` at `place`, in this format.
   at::Tensor fresh(const at::Tensor& like, const Place& place) const;
   /// Converts `stored` in place to this format's representation for `like` at `place`, if it has another; throws if
   /// it holds another number of values than `like`.
