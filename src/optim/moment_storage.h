@@ -5,8 +5,8 @@
 // (bfloat16, rounded stochastically when the step gives it draws, to nearest otherwise) and CodesMoment (torchao's
 // 8-bit blocks, packed). Each makes a zero moment, reads and writes its values (ATen ops anywhere, the CPU loops'
 // view where it can), cuts a slice of its own for a ZeRO piece and joins slices back, and says where a slice may
-// start. moment_moment_storage_of(stored) is the class of a stored tensor; a StateFormat picks the one each tensor gets, so a new
-// format is one class here and one case in StateFormat::storage_for.
+// start. moment_storage_of(stored) is the class of a stored tensor; a StateFormat picks the one each tensor gets, so a
+// new format is one class here and one case in StateFormat::storage_for.
 
 #include <ATen/core/Tensor.h>
 
