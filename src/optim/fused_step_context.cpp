@@ -1,6 +1,7 @@
 #include "optim/fused_step_context.h"
 
 #include <ATen/Functions.h>
+#include <torch/optim/optimizer.h>
 
 #include "amp/fused_optimizer.h"
 #include "core/host_sync.h"

@@ -8,7 +8,6 @@
 // need it.
 
 #include <ATen/core/Tensor.h>
-#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <functional>
@@ -18,6 +17,10 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
 
 namespace amp::optim {
 class FusedOptimizer;

@@ -73,7 +73,6 @@ const StateCodeTables& state_code_tables(Moment moment) {
 
 }  // namespace
 
-
 at::Tensor quantize_with_map(const at::Tensor& scaled, Moment moment) {
   // torchao's GPU-friendly binary search, then rounding up where at least half-way to the next entry.
   const at::Tensor map = state_map_tensor(moment, scaled.device());
@@ -101,12 +100,6 @@ class PlainMoment final : public MomentStorage {
     return stored.to(at::kFloat, false, /*copy=*/true).reshape(shape);
   }
   void encode(const at::Tensor& flat, const at::Tensor& stored, Moment, Draws) const override {
-    c10::NoGradGuard no_grad;
-    if (const auto v = cpu_view(stored, Moment::kSigned); v && flat.device().is_cpu()) {
-      cpu::encode(*v, 0, flat.numel(), flat.data_ptr<float>());
-      stored.unsafeGetTensorImpl()->bump_version();
-      return;
-    }
     stored.copy_(flat.view(stored.sizes()));
   }
   std::optional<cpu::StateView> view(const at::Tensor& stored, Moment, Draws) const override {
@@ -130,15 +123,9 @@ class Bf16Moment final : public MomentStorage {
     return plain_moments().decode(stored, shape, moment);
   }
   void encode(const at::Tensor& flat, const at::Tensor& stored, Moment moment, Draws draws) const override {
-    c10::NoGradGuard no_grad;
-    if (const auto v = cpu_view(stored, moment, draws); v && flat.device().is_cpu()) {
-      cpu::encode(*v, 0, flat.numel(), flat.data_ptr<float>());
-      stored.unsafeGetTensorImpl()->bump_version();
-      return;
-    }
     if (draws) {  // the draws are the CPU loop's, whatever the device
       at::Tensor host = at::empty(stored.sizes(), stored.options().device(at::kCPU));
-      encode(flat.cpu(), host, moment, draws);
+      encode_moment(flat.cpu(), host, moment, draws);
       stored.copy_(host);
       return;
     }
@@ -180,13 +167,7 @@ class CodesMoment final : public MomentStorage {
         .reshape(shape);
   }
   void encode(const at::Tensor& flat, const at::Tensor& stored, Moment moment, Draws) const override {
-    c10::NoGradGuard no_grad;
     const int64_t n = state_packed_numel(stored);
-    if (const auto v = cpu_view(stored, moment); v && flat.device().is_cpu()) {
-      cpu::encode(*v, 0, n, flat.data_ptr<float>());
-      stored.unsafeGetTensorImpl()->bump_version();
-      return;
-    }
     // torchao's scale_tensor and quantize_8bit_with_qmap.
     const at::Tensor blocks = flat.view({-1, kStateBlock});
     const at::Tensor scale = blocks.abs().amax(-1).clamp_min(1e-12);
@@ -272,6 +253,11 @@ void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment mo
   const MomentStorage& storage = moment_storage_of(stored);
   TORCH_INTERNAL_ASSERT(flat.numel() == storage.values(stored), "amp: encoding ", flat.numel(), " values into a moment of ",
                         stored.numel(), " elements");
+  if (const auto v = cpu_view(stored, moment, draws); v && flat.device().is_cpu()) {  // the CPU loops, any class
+    cpu::encode(*v, 0, flat.numel(), flat.data_ptr<float>());
+    stored.unsafeGetTensorImpl()->bump_version();
+    return;
+  }
   storage.encode(flat, stored, moment, draws);
 }
 

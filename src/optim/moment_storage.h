@@ -63,7 +63,8 @@ class MomentStorage {
   virtual int64_t values(const at::Tensor& stored) const { return stored.numel(); }
   /// The values as a new fp32 tensor of `shape`.
   virtual at::Tensor decode(const at::Tensor& stored, at::IntArrayRef shape, Moment moment) const = 0;
-  /// Writes `flat` (fp32, contiguous, 1-d, on stored's device) into `stored`.
+  /// Writes `flat` (fp32, contiguous, 1-d) into `stored` with ATen ops (encode_moment takes the CPU loops' view
+  /// first, where there is one).
   virtual void encode(const at::Tensor& flat, const at::Tensor& stored, Moment moment, Draws draws) const = 0;
   /// The CPU loops' view of `stored` (contiguous, on the CPU); nullopt where they can't read it.
   virtual std::optional<cpu::StateView> view(const at::Tensor& stored, Moment moment, Draws draws) const = 0;

@@ -105,7 +105,7 @@ StateFormat::Place StateFormat::place(const at::Tensor& stepped) const {
   return it != places_.end() ? it->second : Place{0, stepped.numel()};
 }
 
-std::optional<std::pair<uint64_t, uint64_t>> StateFormat::draws(const Place& place, int slot) const {
+Draws StateFormat::draws(const Place& place, int slot) const {
   if (format_ != OptimizerStateFormat::kBf16) return std::nullopt;
   return std::make_pair(seed_, counter_ + static_cast<uint64_t>(slot) * static_cast<uint64_t>(total_) +
                                    static_cast<uint64_t>(place.offset));

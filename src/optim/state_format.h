@@ -76,7 +76,7 @@ class StateFormat {
   Place place(const at::Tensor& stepped) const;
   /// The draws of moment `slot` (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) of the tensor at `place` in this step;
   /// nullopt unless kBf16.
-  std::optional<std::pair<uint64_t, uint64_t>> draws(const Place& place, int slot) const;
+  Draws draws(const Place& place, int slot) const;
 
   /// Where ZeRO may cut a tensor of `numel` values so each piece's moments are its own (NOTE [ZeRO layout]): the
   /// multiple its start in a flat run must be (an 8-bit moment's block, or 1), and the multiple every rank's slice
