@@ -224,6 +224,7 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
   const bool plain = !lean_masters() && format->format() == amp::OptimizerStateFormat::kFp32;
   const Skip skip = step_context().found_inf_decision(/*aten_only=*/plain, /*on_device_there=*/plain);
   if (skip == Skip::kYes) return loss;
+  const detail::LeanStepGuard lean_step(lean_masters());
   const at::Tensor found_inf = skip == Skip::kOnDevice ? step_context().found_inf() : at::Tensor();
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's scale comes off first and the gradients keep it off (torch's unscale_ before the step), except

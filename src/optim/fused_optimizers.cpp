@@ -284,6 +284,7 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
   const bool aten_only = plain && all_on_aten(opt, copy_of);
   const auto skip = fused.step_context().found_inf_decision(aten_only, plain && all_on_aten_there(opt));
   if (skip == Skip::kYes) return;
+  const detail::LeanStepGuard lean_step(lean);
   const bool on_device = skip == Skip::kOnDevice;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
   const std::optional<double> grad_scale = aten_only ? std::nullopt : fused.step_context().grad_scale();
@@ -670,6 +671,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   });
   // Its step counts are the groups' options, on the host: the flag is read there (a wait on a device).
   if (step_context().found_inf_decision(/*aten_only=*/false, /*on_device_there=*/false) == Skip::kYes) return loss;
+  const detail::LeanStepGuard lean_step(lean_masters());
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
@@ -843,6 +845,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   const Skip skip = step_context().found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
                                        plain && all_on_aten_there(*this));
   if (skip == Skip::kYes) return loss;
+  const detail::LeanStepGuard lean_step(lean_masters());
   const std::optional<at::Tensor> device_found_inf =
       skip == Skip::kOnDevice ? std::optional<at::Tensor>(step_context().found_inf()) : std::nullopt;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.

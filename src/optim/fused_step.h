@@ -92,6 +92,23 @@ inline Work work_for(const at::Tensor& p, const LeanTable& lean) {
   return {p, p.grad(), nullptr, 0};
 }
 
+// A taken step's stores, in one numbering of stochastic rounding's draws; the generator moves past it however the
+// step ends (NOTE [Lean masters]).
+class LeanStepGuard {
+ public:
+  explicit LeanStepGuard(const LeanTable& lean) : lean_(lean.get()) {
+    if (lean_) lean_->begin_step();
+  }
+  ~LeanStepGuard() {
+    if (lean_) lean_->end_step();
+  }
+  LeanStepGuard(const LeanStepGuard&) = delete;
+  LeanStepGuard& operator=(const LeanStepGuard&) = delete;
+
+ private:
+  amp::detail::LeanMasters* lean_;
+};
+
 // The format a step stores moments in: the optimizer's, or LibTorch's fp32 for one used without amp::initialize.
 inline std::shared_ptr<amp::detail::StateFormat> format_for(const std::shared_ptr<amp::detail::StateFormat>& format) {
   return format ? format : std::make_shared<amp::detail::StateFormat>(amp::OptimizerStateFormat::kFp32, 0);

@@ -64,18 +64,40 @@ void LeanMasters::add(std::string name, at::Tensor param) {
   names_.push_back(std::move(name));
   version_.push_back(param._version());
   storage_.push_back(lean_storage_of(param));
+  offset_.push_back(total_);
+  total_ += param.numel();
   params_.push_back(std::move(param));
   aux_.push_back(std::move(aux));
   loaded_.emplace_back();
 }
 
 void LeanMasters::adopt(const LeanMasters& other, size_t i) {
+  offset_.push_back(total_);
+  total_ += other.params_[i].numel();
   names_.push_back(other.names_[i]);
   params_.push_back(other.params_[i]);
   aux_.push_back(other.aux_[i]);
   loaded_.push_back(other.loaded_[i]);
   version_.push_back(other.version_[i]);
   storage_.push_back(other.storage_[i]);
+}
+
+void LeanMasters::add_slice(const LeanMasters& whole, size_t i, at::Tensor piece, int64_t begin) {
+  TORCH_INTERNAL_ASSERT(whole.format_ == format_ && piece.dim() == 1 && piece.scalar_type() == at::kBFloat16);
+  const at::Tensor& aux = whole.aux_[i];
+  names_.push_back(whole.names_[i]);
+  version_.push_back(piece._version());
+  storage_.push_back(lean_storage_of(piece));
+  offset_.push_back(whole.offset_[i] + begin);
+  total_ = whole.total_;
+  aux_.push_back(aux.defined() ? aux.view({-1}).narrow(0, begin, piece.numel()) : at::Tensor());
+  params_.push_back(std::move(piece));
+  loaded_.emplace_back();
+}
+
+void LeanMasters::end_step() noexcept {
+  in_step_ = false;
+  if (format_ == amp::MasterWeights::kStochasticRounding) counter_ += static_cast<uint64_t>(total_);
 }
 
 void LeanMasters::cast_from_float(size_t i) {
@@ -149,11 +171,11 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
       residual8_encode(x, w, reinterpret_cast<int8_t*>(aux), v.numel());
       break;
     case amp::MasterWeights::kStochasticRounding: {
-      const uint64_t seed = seed_, base = counter_;
+      const uint64_t seed = seed_, base = counter_ + static_cast<uint64_t>(offset_[i]);
       each_element(v.numel(), [&](int64_t k) {
         w[k] = round_stochastically(x[k], static_cast<uint16_t>(random_bits(seed, base + static_cast<uint64_t>(k))));
       });
-      counter_ += static_cast<uint64_t>(v.numel());
+      if (!in_step_) counter_ += static_cast<uint64_t>(total_);  // a store of its own (load_weights, initialize)
       break;
     }
     case amp::MasterWeights::kCopy:

@@ -15,8 +15,13 @@
 //   kResidual8           weight = the value rounded to nearest, aux = the rounding error in 1/127ths of half the
 //                        weight's ulp (int8, FlashOptim's 24-bit master: NOTE [Residual8 masters] in residual8.h);
 //                        value() = weight + aux / 127 * ulp / 2.
-// The random bits come from a counter-based generator (splitmix64 of seed and element counter): reproducible
-// under a seed, independent of threading, and its whole state is two integers the optimizer archive keeps.
+// The random bits come from a counter-based generator (splitmix64 of seed and draw number): reproducible under a
+// seed, independent of threading and of the order the step stores tensors in, and its whole state is two integers
+// the optimizer archive keeps. Element k of entry i draws number counter + offset(i) + k, offset(i) the entry's place
+// in the table's numbering (the values of the entries before it); a step (begin_step .. end_step) then moves the
+// counter past the whole numbering once, stored or not, and a store outside a step moves it past it by itself. A ZeRO
+// piece (add_slice) keeps its whole tensor's place plus its start, so a sharded step draws, element for element, what
+// the unsharded one draws (NOTE [ZeRO layout] in src/parallel/zero.cpp).
 // Writes into a weight from outside a step (load_weights aside, which stores the fp32 value itself) make its
 // aux meaningless: refresh_changed() then zeroes it, so the weight alone is the value, as masters follow
 // the model (NOTE [Masters follow the model] in master_weights.h). Except where a write repeats, bit for bit, the
@@ -60,6 +65,15 @@ class LeanMasters {
   void add(std::string name, at::Tensor param);
   /// Takes over parameter `i` of `other` (its aux and sync state), for a rebuilt index.
   void adopt(const LeanMasters& other, size_t i);
+  /// Adds `piece` (1-d bf16: elements [begin, begin + numel) of `whole`'s parameter i, flattened) stepped in `whole`'s
+  /// numbering: its aux is a view of the whole aux, so a store writes the whole table's (ZeRO's pieces).
+  void add_slice(const LeanMasters& whole, size_t i, at::Tensor piece, int64_t begin);
+  /// The values of the table's numbering (every entry's, or the whole table's for slices).
+  int64_t numbering() const noexcept { return total_; }
+
+  /// A step's stores draw in one numbering; end_step() moves the generator past it (NOTE [Lean masters]).
+  void begin_step() noexcept { in_step_ = true; }
+  void end_step() noexcept;
   /// Casts parameter i, still fp32, to bfloat16 keeping its fp32 value in the lean form (amp::initialize's cast).
   void cast_from_float(size_t i);
 
@@ -99,6 +113,9 @@ class LeanMasters {
   std::vector<at::Tensor> loaded_;  // the weight load() paired aux with, until the weight's next write
   std::vector<int64_t> version_;
   std::vector<const void*> storage_;
+  std::vector<int64_t> offset_;  // each entry's place in the numbering
+  int64_t total_ = 0;
+  bool in_step_ = false;
 };
 
 /// Makes `table`'s parameters findable, in place of `replaced`'s (the index it rebuilds, or null). Throws if a

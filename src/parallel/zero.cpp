@@ -15,11 +15,12 @@
 #include <unordered_set>
 
 #include "amp/fused_optimizers.h"
-#include "optim/fused_step_context.h"
 #include "amp/optimizer.h"
 #include "core/host_sync.h"
 #include "collectives.h"
 #include "group_state.h"
+#include "optim/fused_step_context.h"
+#include "optim/lean_masters.h"
 #include "optim/master_weights.h"
 #include "optim/optimizer_access.h"
 #include "optim/optimizer_state_key.h"
@@ -43,6 +44,11 @@
 // An optimizer whose step needs each whole tensor (FusedMuon orthogonalizes each gradient matrix; NOTE [Optimizer
 // kinds]) gets slices that end between tensors instead: rank r's slice ends at the tensor end nearest (r + 1) T / N,
 // so its pieces are whole tensors (some ranks may hold none), which the step sees in their shapes (ShardSums::whole_shape).
+// A bf16 parameter with a lean master (NOTE [Lean masters] in src/optim/lean_masters.h) is stepped like a parameter
+// without one, its piece a bf16 copy of its part, stepped through a table of slices whose aux are views of the whole
+// aux (the step rebuilds each piece's fp32 value and stores it back, drawing stochastic rounding's bits by the whole
+// tensor's place); after the step the pieces' aux are all-gathered with the weights, so every rank keeps the whole
+// table (weights and aux) as the unsharded run does: its archives, load_weights and fp32 values read it unchanged.
 
 namespace amp::parallel::detail {
 namespace {
@@ -57,6 +63,8 @@ struct ShardEntry {
   std::string name;
   bool mastered = false;
   size_t master_index = 0;  // in the MasterWeights table (the archives' "master/<i>")
+  bool lean = false;        // a bf16 parameter with a lean master
+  size_t lean_index = 0;    // in the optimizer's LeanMasters table
   int64_t offset = 0;       // in the group's flat run
   int64_t whole_offset = 0; // in the optimizer's numbering (StateFormat::Place)
   int64_t numel = 0;
@@ -215,6 +223,9 @@ class Zero final : public amp::detail::Sharding,
   void reduce_unreduced(ShardLane& lane);
   void scatter_into(ShardLane& lane, at::Tensor input, c10::ScalarType dtype, const std::string& what);
   void gather_into_model();
+  void gather_lean_aux();
+  void index_lean();
+  bool lean_stale() const;
   void add_groups(OptimizerBase& optimizer);
   void adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece);
   double sum_over_ranks(double value);
@@ -242,6 +253,8 @@ class Zero final : public amp::detail::Sharding,
   std::vector<std::vector<at::Tensor>> unreduced_;
   std::optional<ShardStateMap> full_state_;  // while gathered (save_consolidated, with_full_state): the whole state
   std::vector<at::Tensor> full_masters_;
+  std::shared_ptr<amp::detail::LeanMasters> lean_;         // the optimizer's lean masters (null: none)
+  std::shared_ptr<amp::detail::LeanMasters> lean_pieces_;  // this rank's pieces of them, in lean_'s numbering
 };
 
 Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options)
@@ -283,6 +296,10 @@ void Zero::add_groups(OptimizerBase& optimizer) {
       e.mastered = m != master_of.end();
       e.master_index = e.mastered ? m->second : 0;
       e.model = e.mastered ? masters.model()[m->second] : t;
+      if (!e.mastered) {
+        const auto lean = amp::detail::find_lean(t);
+        e.lean = lean && lean->first == index.lean();
+      }
       const auto n = names.find(t.unsafeGetTensorImpl());
       e.name = n == names.end() ? "<unnamed>" : n->second;
       TORCH_CHECK(!e.model.requires_grad() || trained.count(e.model.unsafeGetTensorImpl()), kShard, ": the optimizer "
@@ -358,7 +375,43 @@ void Zero::add_groups(OptimizerBase& optimizer) {
       e.stepped.set_data(at::zeros({}, e.stepped.options()).expand(e.stepped.sizes()));
     }
   }
+  index_lean();
   record_versions();
+}
+
+bool Zero::lean_stale() const {
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      if (!e.lean) continue;
+      const auto found = amp::detail::find_lean(e.model);
+      if (!found || found->first != lean_ || found->second != e.lean_index) return true;
+    }
+  }
+  return false;
+}
+
+// Finds the lean entries in the optimizer's table (rebuilt when param groups change) and makes this rank's table of
+// their pieces, which a sharded step steps in place of the whole table.
+void Zero::index_lean() {
+  std::shared_ptr<amp::detail::LeanMasters> table;
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      if (!e.lean) continue;
+      const auto found = amp::detail::find_lean(e.model);
+      TORCH_INTERNAL_ASSERT(found && (!table || found->first == table), "amp: a sharded lean master left its table");
+      table = found->first;
+      e.lean_index = found->second;
+    }
+  }
+  const std::shared_ptr<amp::detail::LeanMasters> replaced = std::move(lean_pieces_);
+  lean_ = table;
+  if (!table) return;
+  lean_pieces_ = std::make_shared<amp::detail::LeanMasters>(table->format(), table->seed(), table->counter());
+  for (const auto& p : pieces_) {
+    const ShardEntry& e = groups_[p.group][p.entry];
+    if (e.lean) lean_pieces_->add_slice(*table, e.lean_index, p.value, p.begin);
+  }
+  amp::detail::register_lean(lean_pieces_, replaced.get());
 }
 
 // What may change in the optimizer under a sharding: groups appended (adopted by add_groups) and any group's options
@@ -455,6 +508,7 @@ void Zero::adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece) {
 
 void Zero::refresh(bool all) {
   c10::NoGradGuard no_grad;
+  if (lean_) lean_->refresh_changed();  // the low bits of written weights go, as unsharded (NOTE [Lean masters])
   for (auto& p : pieces_) {
     ShardEntry& e = groups_[p.group][p.entry];
     if (!all && e.model._version() == e.version && e.model.storage().unsafeGetStorageImpl() == e.storage) continue;
@@ -487,9 +541,61 @@ void Zero::gather_into_model() {
     }
   }
   record_versions();
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      if (e.lean) lean_->mark_synced(e.lean_index);  // the weight is its pieces' again, the aux still completes it
+    }
+  }
 }
 
-void Zero::after_step() { gather_into_model(); }
+// Every rank's pieces of the lean masters' aux into every rank's whole aux (none for stochastic rounding), lane by
+// lane as the weights travel.
+void Zero::gather_lean_aux() {
+  if (!lean_ || lean_->format() == amp::MasterWeights::kStochasticRounding) return;
+  c10::NoGradGuard no_grad;
+  for (const auto& lane : lanes_) {
+    const std::vector<ShardEntry>& entries = groups_[lane.group];
+    int64_t width = 0;
+    at::TensorOptions options;
+    for (const auto& spans : lane.spans) {
+      int64_t n = 0;
+      for (const auto& s : spans) {
+        if (!entries[s.entry].lean) continue;
+        n += s.length;
+        options = lean_->aux(entries[s.entry].lean_index).options();
+      }
+      width = std::max(width, n);
+    }
+    if (width == 0) continue;  // the same on every rank: the layout is
+    auto aux_of = [&](const ShardSpan& s) {
+      return lean_->aux(entries[s.entry].lean_index).view({-1}).narrow(0, s.begin, s.length);
+    };
+    at::Tensor send = at::zeros({width}, options);
+    int64_t pos = 0;
+    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+      if (!entries[s.entry].lean) continue;
+      send.narrow(0, pos, s.length).copy_(aux_of(s));
+      pos += s.length;
+    }
+    const at::Tensor recv = shard_all_gather_bytes(state_, send.view(at::kByte), bucket_bytes_,
+                                                   std::string(kShard) + " (all-gathering the lean masters' low bits)")
+                                .view(options.dtype().toScalarType());
+    core_->count_zero_bytes(0, recv.numel() * static_cast<int64_t>(send.element_size()));
+    for (size_t r = 0; r < lane.spans.size(); ++r) {
+      pos = static_cast<int64_t>(r) * width;
+      for (const auto& s : lane.spans[r]) {
+        if (!entries[s.entry].lean) continue;
+        if (static_cast<int64_t>(r) != state_.rank) aux_of(s).copy_(recv.narrow(0, pos, s.length));
+        pos += s.length;
+      }
+    }
+  }
+}
+
+void Zero::after_step() {
+  gather_into_model();
+  gather_lean_aux();
+}
 
 double Zero::sum_over_ranks(double value) {
   if (state_.world_size == 1) return value;
@@ -790,6 +896,14 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
         return e.stepped.sizes().vec();
       }};
   if (fused) fused->step_context().set_shard_sums(&sums);
+  // The step stores lean masters through this rank's slices of them, drawing in the whole table's numbering.
+  std::shared_ptr<amp::detail::LeanMasters> whole_lean;
+  if (fused && lean_) {
+    if (lean_stale()) index_lean();  // the optimizer re-indexed its parameters (a param group added)
+    lean_pieces_->set_generator(lean_->seed(), lean_->counter());
+    whole_lean = fused->step_context().lean_masters();
+    fused->step_context().set_lean_masters(lean_pieces_);
+  }
   // The state format numbers a piece's elements as its whole tensor's (NOTE [Optimizer state formats]).
   const bool placed = use == Use::kStep && format_ && format_->format() != amp::OptimizerStateFormat::kFp32;
   if (placed) {
@@ -802,6 +916,10 @@ void Zero::on_shard(torch::optim::Optimizer& opt, Use use, const std::function<v
         whole_numel_);
   }
   auto restore = [&] {
+    if (whole_lean) {
+      fused->step_context().set_lean_masters(whole_lean);
+      lean_->set_generator(lean_->seed(), lean_pieces_->counter());
+    }
     if (placed) format_->set_placement(nullptr, 0);
     if (fused) fused->step_context().set_shard_sums(nullptr);
     for (size_t g = 0; g < groups.size() && g < saved.size(); ++g) groups[g].params() = std::move(saved[g]);
@@ -1134,9 +1252,6 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
                                 : std::string("its per-parameter state is not one amp knows how to slice");
   TORCH_CHECK(kind && !kind->unshardable, kShard, ": this optimizer type can't be sharded (", why, "). Use "
               "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or LibTorch's SGD, Adam or AdamW.");
-  TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": master_weights_format ",
-              to_string(p.master_weights_format), " keeps each master's low bits beside its bfloat16 parameter; ZeRO "
-              "shards fp32 masters (master_weights_format = copy).");
   TORCH_CHECK(p.auto_fp32 == 0, kShard, ": auto_fp32 = ", p.auto_fp32, " moves layers to fp32 masters while training, "
               "which a fixed sharding layout can't follow. Set auto_fp32 = 0 (keep the layers it named in fp32 with "
               "keep_fp32) to shard.");

@@ -27,6 +27,7 @@
 
 #include "amp/amp.h"
 #include "casting/fp8.h"
+#include "optim/lean_masters.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/optimizer_kinds.h"
 #include "options/exception_message.h"
@@ -638,14 +639,6 @@ void misuse(const ProcessGroup& group) {
   m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer4); });
   report(m.find("does not reduce") != std::string::npos, "an optimizer of another model is refused", m);
 
-  auto net5 = make_mlp(3);
-  auto [model5, optimizer5] = amp::initialize(
-      net5, amp::optim::FusedAdam(net5->parameters()),
-      amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(amp::MasterWeights::kSplit).verbosity(0));
-  auto ddp5 = amp::parallel::make_distributed(model5, group);
-  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp5, optimizer5); });
-  report(m.find("master_weights_format split") != std::string::npos, "lean masters are refused, named", m);
-
   auto net6 = make_mlp(3);
   auto [model6, optimizer6] = amp::initialize(net6, amp::optim::FusedAdam(net6->parameters()),
                                               amp::Options("O2").low_precision_dtype(torch::kBFloat16).auto_fp32(8).verbosity(0));
@@ -755,6 +748,141 @@ void state_formats(const ProcessGroup& group, int stage, const std::string& dir)
   }
 }
 
+// The lean master formats under ZeRO (NOTE [ZeRO layout]): each rank steps its pieces of the bf16 weights through
+// slices of the lean table, so weights, aux and the stochastic rounding generator must equal the unsharded run's bit for
+// bit after every step (an overflow skipped on rank 1's batch, clipping), with fp32 and 8-bit moments, Adam and SGD;
+// then a consolidated archive resumes a sharded and an unsharded run alike, and load_weights writes fp32 values.
+void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  auto make_net = [] {
+    torch::manual_seed(23);
+    return torch::nn::Sequential(torch::nn::Linear(12, 512), torch::nn::ReLU(), torch::nn::Linear(512, 16),
+                                 torch::nn::ReLU(), torch::nn::Linear(16, 5));
+  };
+  // Every lean weight's fp32 value (bf16 weight and aux), and the generator's counter.
+  auto lean_state = [](torch::nn::Sequential& net) {
+    std::vector<torch::Tensor> out;
+    uint64_t counter = 0;
+    for (const auto& p : net->parameters()) {
+      const auto found = amp::detail::find_lean(p);
+      if (!found) continue;
+      out.push_back(found->first->value(found->second));
+      out.push_back(p.detach().clone());
+      counter = found->first->counter();
+    }
+    return std::make_pair(out, counter);
+  };
+  struct Case {
+    amp::MasterWeights masters;
+    amp::OptimizerStateFormat moments;
+    int optimizer;
+  };
+  const std::vector<Case> cases = {
+      {amp::MasterWeights::kSplit, amp::OptimizerStateFormat::kFp32, 0},
+      {amp::MasterWeights::kSplit, amp::OptimizerStateFormat::k8Bit, 0},
+      {amp::MasterWeights::kKahan, amp::OptimizerStateFormat::kFp32, 0},
+      {amp::MasterWeights::kStochasticRounding, amp::OptimizerStateFormat::kBf16, 0},
+      {amp::MasterWeights::kResidual8, amp::OptimizerStateFormat::k8Bit, 0},
+      {amp::MasterWeights::kStochasticRounding, amp::OptimizerStateFormat::kFp32, 1},
+      {amp::MasterWeights::kKahan, amp::OptimizerStateFormat::kFp32, 4},
+  };
+  for (const Case& c : cases) {
+    const std::string label = std::string("O2 bf16 ") + amp::to_string(c.masters) + " masters, " +
+                              amp::to_string(c.moments) + " moments, optimizer " + std::to_string(c.optimizer) +
+                              ", stage " + std::to_string(stage);
+    const amp::Options options = amp::Options("O2")
+                                     .low_precision_dtype(torch::kBFloat16)
+                                     .master_weights_format(c.masters)
+                                     .optimizer_state_format(c.moments)
+                                     .verbosity(0);
+    auto ref_net = make_net(), net = make_net();
+    with_optimizer(c.optimizer, ref_net, [&](auto ref_opt) {
+      with_optimizer(c.optimizer, net, [&](auto opt) {
+        // Each rank seeds the rounding differently: make_distributed hands every rank rank 0's generator.
+        torch::manual_seed(5 + group.rank());
+        auto [ref_model, ref_optimizer] = amp::initialize(ref_net, std::move(ref_opt), options);
+        torch::manual_seed(5 + group.rank());
+        auto [model, optimizer] = amp::initialize(net, std::move(opt), options);
+        auto ref_ddp = amp::parallel::make_distributed(ref_model, group, wire_for(n));
+        auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
+        amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.01));
+        auto train = [&](auto& o, auto& d, int step) {
+          const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+          const int64_t inf_at = step == 3 && group.rank() == 1 ? 2 : -1;  // every rank skips
+          o.zero_grad();
+          {
+            auto scaled = amp::scale_loss(loss_of(d(local.x), local.y, inf_at), o);
+            scaled.backward();
+          }
+          (void)amp::clip_grad_norm_(o, 5.0);
+          o.step();
+        };
+        bool same = true;
+        double worst = 0;
+        for (int step = 0; step < 6; ++step) {
+          train(ref_optimizer, ref_ddp, step);
+          train(optimizer, ddp, step);
+          const auto a = lean_state(net), b = lean_state(ref_net);
+          same = same && bitwise(a.first, b.first) && a.second == b.second;
+          worst = std::max(worst, relative_diff(a.first, b.first));
+        }
+        report(same, label + ": weights, aux and generator equal the unsharded run's bit for bit after every step",
+               "worst relative " + str(worst));
+        report(optimizer.skipped_steps() == 1 && ref_optimizer.skipped_steps() == 1, label + ": the overflow is skipped");
+        report(same_on_all_ranks(group, lean_state(net).first), label + ": every rank keeps the same weights and aux");
+        const auto sharded = amp::state_bytes(optimizer), unsharded = amp::state_bytes(ref_optimizer);
+        report(sharded.optimizer_state < unsharded.optimizer_state, label + ": the optimizer state divides",
+               std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
+
+        // The consolidated archive resumes an unsharded and a sharded run where these two are.
+        const std::string path = dir + "/zero_lean_" + std::to_string(stage) + ".pt";
+        amp::parallel::save_consolidated(optimizer, path);
+        auto resumed_net = make_net(), sharded_net = make_net();
+        with_optimizer(c.optimizer, resumed_net, [&](auto resumed_opt) {
+          with_optimizer(c.optimizer, sharded_net, [&](auto sharded_opt) {
+            auto [resumed_model, resumed] = amp::initialize(resumed_net, std::move(resumed_opt), options);
+            auto [sharded_model, resharded] = amp::initialize(sharded_net, std::move(sharded_opt), options);
+            auto resumed_ddp = amp::parallel::make_distributed(resumed_model, group, wire_for(n));
+            auto sharded_ddp = amp::parallel::make_distributed(sharded_model, group, wire_for(n));
+            amp::parallel::shard_optimizer(sharded_ddp, resharded, amp::parallel::ZeroOptions().stage(stage));
+            torch::load(resumed, path);  // the lean archive restores the weights with their aux
+            torch::load(resharded, path);
+            bool resumed_same = true;
+            for (int step = 6; step < 9; ++step) {
+              train(ref_optimizer, ref_ddp, step);
+              train(optimizer, ddp, step);
+              train(resumed, resumed_ddp, step);
+              train(resharded, sharded_ddp, step);
+              const auto b = lean_state(ref_net);
+              for (auto* other : {&net, &resumed_net, &sharded_net}) {
+                const auto a = lean_state(*other);
+                resumed_same = resumed_same && bitwise(a.first, b.first) && a.second == b.second;
+              }
+            }
+            report(resumed_same, label + ": the consolidated archive resumes sharded and unsharded runs bit for bit");
+          });
+        });
+
+        // load_weights: fp32 values written whole on every rank, the pieces follow.
+        const std::string weights = dir + "/zero_lean_weights_" + std::to_string(stage) + ".pt";
+        if (group.rank() == 0) {
+          auto source = make_net();
+          torch::save(source, weights);
+        }
+        group.barrier();
+        amp::load_weights(*ref_net, weights);
+        amp::load_weights(*net, weights);
+        train(ref_optimizer, ref_ddp, 9);
+        train(optimizer, ddp, 9);
+        const auto a = lean_state(net), b = lean_state(ref_net);
+        report(bitwise(a.first, b.first) && a.second == b.second,
+               label + ": after load_weights the sharded run steps as the unsharded one");
+      });
+    });
+  }
+}
+
 }  // namespace
 
 void scenario_zero(const ProcessGroup& group) {
@@ -786,6 +914,7 @@ void scenario_zero(const ProcessGroup& group) {
     python_checkpoints(group, stage, dir);
     torchscript(group, stage);
     state_formats(group, stage, dir);
+    lean_masters(group, stage, dir);
   }
   misuse(group);
 }
@@ -813,21 +942,36 @@ void scenario_zero_bench(const ProcessGroup& group) {
   };
   std::vector<Row> rows_out;
   int64_t num_params = 0;
-  // The last two rows keep Adam's moments in 8 bits (optimizer_state_format 8bit), unsharded and at stage 2.
-  const std::vector<std::pair<int, amp::OptimizerStateFormat>> runs = {
-      {0, amp::OptimizerStateFormat::kFp32}, {1, amp::OptimizerStateFormat::kFp32}, {2, amp::OptimizerStateFormat::kFp32},
-      {0, amp::OptimizerStateFormat::k8Bit}, {2, amp::OptimizerStateFormat::k8Bit}};
-  for (const auto& [stage, format] : runs) {
+  // Rows 4 and 5 keep Adam's moments in 8 bits (optimizer_state_format 8bit), unsharded and at stage 2; rows 6 and 7
+  // also keep no fp32 masters (master_weights_format split: the bf16 weight and its low 16 bits).
+  struct Run {
+    int stage;
+    amp::OptimizerStateFormat format;
+    amp::MasterWeights masters;
+  };
+  const std::vector<Run> runs = {{0, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
+                                 {1, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
+                                 {2, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
+                                 {0, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
+                                 {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
+                                 {0, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
+                                 {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit}};
+  for (const auto& [stage, format, masters] : runs) {
     auto net = make_net();
     num_params = 0;
     for (const auto& p : net->parameters()) num_params += p.numel();
     auto [model, optimizer] = amp::initialize(
         net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-4)),
-        amp::Options("O2").low_precision_dtype(torch::kBFloat16).optimizer_state_format(format).verbosity(0));
+        amp::Options("O2")
+            .low_precision_dtype(torch::kBFloat16)
+            .optimizer_state_format(format)
+            .master_weights_format(masters)
+            .verbosity(0));
     auto ddp = amp::parallel::make_distributed(model, group);
     if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
     Row row{(stage == 0 ? std::string("unsharded") : "stage " + std::to_string(stage)) +
-            (format == amp::OptimizerStateFormat::k8Bit ? ", 8-bit moments" : "")};
+            (format == amp::OptimizerStateFormat::k8Bit ? ", 8-bit moments" : "") +
+            (masters == amp::MasterWeights::kSplit ? ", split masters" : "")};
     std::vector<double> times;
     amp::parallel::CommunicationStats before{};
     for (int step = 0; step < 9; ++step) {
@@ -872,6 +1016,8 @@ void scenario_zero_bench(const ProcessGroup& group) {
          "each ZeRO stage holds less than the one before");
   report(rows_out[4].bytes.total() < rows_out[2].bytes.total() && rows_out[3].bytes.total() < rows_out[0].bytes.total(),
          "8-bit moments hold less than fp32 ones, sharded or not");
+  report(rows_out[6].bytes.total() < rows_out[5].bytes.total() && rows_out[6].bytes.total() < rows_out[4].bytes.total(),
+         "split masters with 8-bit moments at stage 2 hold less than unsharded and than fp32 masters at stage 2");
 }
 
 }  // namespace amp_worker
