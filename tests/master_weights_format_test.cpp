@@ -242,6 +242,49 @@ TEST(LeanMastersTest, StochasticRoundingIsUnbiasedAndReproducible) {
 // test time (tests/python/residual8.py): the weight, the residual and the rebuilt value, bit for bit, over values of
 // every magnitude (bf16 subnormals, exact bf16 values, midpoints, the largest finite); and decoding alone over every
 // int8 residual and weights of every exponent.
+// Stochastic rounding draws by place (NOTE [Lean masters]): a step's stores draw the same bits in any order, a slice
+// (ZeRO's piece) draws its whole tensor's bits for its elements, and the counter moves past the numbering once a step.
+TEST(LeanMastersTest, StochasticRoundingDrawsByPlaceOncePerStep) {
+  torch::manual_seed(3);
+  const auto a = torch::randn({1000}), b = torch::randn({3000});
+  auto table = [] {
+    auto t = std::make_shared<amp::detail::LeanMasters>(MasterWeights::kStochasticRounding, 99, 5);
+    t->add("a", torch::zeros({1000}, torch::kBFloat16));
+    t->add("b", torch::zeros({3000}, torch::kBFloat16));
+    return t;
+  };
+  auto in_order = table(), reversed = table();
+  in_order->begin_step();
+  in_order->store(0, a);
+  in_order->store(1, b);
+  in_order->end_step();
+  reversed->begin_step();
+  reversed->store(1, b);
+  reversed->store(0, a);
+  reversed->end_step();
+  EXPECT_TRUE(amp_test::bitwise_equal(in_order->param(0), reversed->param(0)));
+  EXPECT_TRUE(amp_test::bitwise_equal(in_order->param(1), reversed->param(1)));
+  EXPECT_EQ(in_order->counter(), uint64_t{5 + 4000});
+  EXPECT_EQ(in_order->numbering(), 4000);
+  // Elements [700, 2000) of b as a piece: the whole's bits for those elements.
+  auto whole = table();
+  amp::detail::LeanMasters pieces(MasterWeights::kStochasticRounding, 99, 5);
+  pieces.add_slice(*whole, 1, torch::zeros({1300}, torch::kBFloat16), 700, torch::Tensor());
+  EXPECT_EQ(pieces.numbering(), 4000);
+  pieces.begin_step();
+  pieces.store(0, b.narrow(0, 700, 1300));
+  pieces.end_step();
+  EXPECT_TRUE(amp_test::bitwise_equal(pieces.param(0), in_order->param(1).narrow(0, 700, 1300)));
+  EXPECT_EQ(pieces.counter(), in_order->counter());
+  // The next step draws anew; a store outside a step moves the counter by itself.
+  in_order->begin_step();
+  in_order->store(1, b);
+  in_order->end_step();
+  EXPECT_FALSE(amp_test::bitwise_equal(in_order->param(1), reversed->param(1)));
+  reversed->store(0, a);
+  EXPECT_EQ(reversed->counter(), uint64_t{5 + 8000});
+}
+
 TEST(Residual8ReferenceTest, WeightResidualAndValueAreFlashOptimsBits) {
   if (!amp_test::python_has_torch()) GTEST_SKIP() << "needs Python with the torch wheel (AMP_PYTHON)";
   const auto dir = amp_test::run_python_reference(AMP_SOURCE_DIR "/tests/python/residual8.py", "residual8");

@@ -38,6 +38,7 @@ std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& mo
   auto out = named_tensors(module);
   std::unordered_set<const MasterWeights*> refreshed;
   std::unordered_map<const MasterWeights*, std::vector<at::Tensor>> gathered;  // ZeRO: the masters whole, once
+  std::unordered_map<const LeanMasters*, std::vector<at::Tensor>> gathered_aux;  // ZeRO: the lean aux whole, once
   for (auto& [name, value] : out) {
     if (auto master = find_master(value)) {
       auto& [table, index] = *master;
@@ -51,6 +52,12 @@ std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& mo
       value = table->master()[index];
     } else if (auto lean = find_lean(value)) {
       auto& [table, index] = *lean;
+      if (const auto shards = table->shards()) {  // collective: every rank saves the model
+        auto it = gathered_aux.find(table.get());
+        if (it == gathered_aux.end()) it = gathered_aux.emplace(table.get(), shards->gather_aux()).first;
+        value = table->value(index, it->second[index]);
+        continue;
+      }
       table->refresh_changed();
       value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
     } else if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) {

@@ -14,6 +14,7 @@
 #include "amp/properties.h"
 #include "optim/float32_bytes.h"
 #include "optim/residual8.h"
+#include "optim/sharding.h"
 #include "optim/stochastic_rounding.h"
 
 namespace amp::detail {
@@ -55,12 +56,23 @@ at::Tensor lean_cpu_contiguous(const at::Tensor& t) { return t.device().is_cpu()
 
 }  // namespace
 
+std::optional<at::ScalarType> LeanMasters::aux_dtype() const noexcept {
+  switch (format_) {
+    case amp::MasterWeights::kSplit: return at::kShort;
+    case amp::MasterWeights::kKahan: return at::kBFloat16;
+    case amp::MasterWeights::kResidual8: return at::kChar;
+    default: return std::nullopt;
+  }
+}
+
+// A zero aux for `param` (undefined: the format keeps none).
+at::Tensor LeanMasters::fresh_aux(const at::Tensor& param) const {
+  const auto dtype = aux_dtype();
+  return dtype ? at::zeros(param.sizes(), param.options().requires_grad(false).dtype(*dtype)) : at::Tensor();
+}
+
 void LeanMasters::add(std::string name, at::Tensor param) {
-  const auto options = param.options().requires_grad(false);
-  at::Tensor aux;
-  if (format_ == amp::MasterWeights::kSplit) aux = at::zeros(param.sizes(), options.dtype(at::kShort));
-  if (format_ == amp::MasterWeights::kKahan) aux = at::zeros(param.sizes(), options.dtype(at::kBFloat16));
-  if (format_ == amp::MasterWeights::kResidual8) aux = at::zeros(param.sizes(), options.dtype(at::kChar));
+  at::Tensor aux = fresh_aux(param);
   names_.push_back(std::move(name));
   version_.push_back(param._version());
   storage_.push_back(lean_storage_of(param));
@@ -82,17 +94,32 @@ void LeanMasters::adopt(const LeanMasters& other, size_t i) {
   storage_.push_back(other.storage_[i]);
 }
 
-void LeanMasters::add_slice(const LeanMasters& whole, size_t i, at::Tensor piece, int64_t begin) {
-  TORCH_INTERNAL_ASSERT(whole.format_ == format_ && piece.dim() == 1 && piece.scalar_type() == at::kBFloat16);
-  const at::Tensor& aux = whole.aux_[i];
+void LeanMasters::add_slice(const LeanMasters& whole, size_t i, at::Tensor piece, int64_t begin, at::Tensor aux) {
+  TORCH_INTERNAL_ASSERT(whole.format_ == format_ && piece.dim() == 1 && piece.scalar_type() == at::kBFloat16 &&
+                        aux.defined() == (format_ != amp::MasterWeights::kStochasticRounding));
   names_.push_back(whole.names_[i]);
   version_.push_back(piece._version());
   storage_.push_back(lean_storage_of(piece));
   offset_.push_back(whole.offset_[i] + begin);
   total_ = whole.total_;
-  aux_.push_back(aux.defined() ? aux.view({-1}).narrow(0, begin, piece.numel()) : at::Tensor());
   params_.push_back(std::move(piece));
+  aux_.push_back(std::move(aux));
   loaded_.emplace_back();
+}
+
+void LeanMasters::restore(size_t i, const at::Tensor& aux, const at::Tensor& loaded_weight) {
+  c10::NoGradGuard no_grad;
+  if (aux_[i].defined()) aux_[i].copy_(aux);
+  loaded_[i] = loaded_weight.defined() ? loaded_weight.clone() : at::Tensor();
+  mark_synced(i);
+}
+
+void LeanMasters::mark_sharded(std::weak_ptr<Shards> shards) {
+  shards_ = std::move(shards);
+  aux_sharded_ = format_ != amp::MasterWeights::kStochasticRounding;
+  if (!aux_sharded_) return;
+  for (auto& aux : aux_) aux = at::Tensor();
+  for (auto& loaded : loaded_) loaded = at::Tensor();  // the slices keep their own pairing
 }
 
 void LeanMasters::end_step() noexcept {
@@ -111,25 +138,30 @@ void LeanMasters::cast_from_float(size_t i) {
 }
 
 at::Tensor LeanMasters::value(size_t i) const {
+  TORCH_INTERNAL_ASSERT(!aux_sharded_, "amp: a sharded lean master's value needs its gathered aux");
+  return value(i, aux_[i]);
+}
+
+at::Tensor LeanMasters::value(size_t i, const at::Tensor& aux) const {
   const at::Tensor p = lean_cpu_contiguous(params_[i]);
   at::Tensor out = at::empty(p.sizes(), p.options().dtype(at::kFloat));
   const auto* w = reinterpret_cast<const uint16_t*>(p.data_ptr());
   float* o = out.data_ptr<float>();
   switch (format_) {
     case amp::MasterWeights::kSplit: {
-      const at::Tensor lo_t = lean_cpu_contiguous(aux_[i]);
+      const at::Tensor lo_t = lean_cpu_contiguous(aux);
       const auto* lo = reinterpret_cast<const uint16_t*>(lo_t.data_ptr());
       each_element(p.numel(), [&](int64_t k) { o[k] = float_of((static_cast<uint32_t>(w[k]) << 16) | lo[k]); });
       break;
     }
     case amp::MasterWeights::kKahan: {
-      const at::Tensor c_t = lean_cpu_contiguous(aux_[i]);
+      const at::Tensor c_t = lean_cpu_contiguous(aux);
       const auto* c = reinterpret_cast<const uint16_t*>(c_t.data_ptr());
       each_element(p.numel(), [&](int64_t k) { o[k] = float_of_bf16(w[k]) + float_of_bf16(c[k]); });
       break;
     }
     case amp::MasterWeights::kResidual8: {
-      const at::Tensor r_t = lean_cpu_contiguous(aux_[i]);
+      const at::Tensor r_t = lean_cpu_contiguous(aux);
       residual8_decode(w, r_t.data_ptr<int8_t>(), o, p.numel());
       break;
     }
@@ -145,9 +177,11 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
   at::Tensor& p = params_[i];
   TORCH_INTERNAL_ASSERT(p.scalar_type() == at::kBFloat16 && value.sizes() == p.sizes());
   const at::Tensor v = lean_cpu_contiguous(value.to(at::kFloat));
+  // A sharded table's store (load_weights) computes the whole aux and hands it to its shards.
+  const at::Tensor whole_aux = aux_sharded_ ? fresh_aux(p) : aux_[i];
   const bool in_place = p.device().is_cpu() && p.is_contiguous();
   at::Tensor w_t = in_place ? p : at::empty(p.sizes(), v.options().dtype(at::kBFloat16));
-  at::Tensor aux_t = aux_[i].defined() ? (in_place ? aux_[i] : at::empty_like(v, aux_[i].scalar_type())) : at::Tensor();
+  at::Tensor aux_t = whole_aux.defined() ? (in_place ? whole_aux : at::empty_like(v, whole_aux.scalar_type())) : at::Tensor();
   const float* x = v.data_ptr<float>();
   auto* w = reinterpret_cast<uint16_t*>(w_t.data_ptr());
   auto* aux = aux_t.defined() ? reinterpret_cast<uint16_t*>(aux_t.data_ptr()) : nullptr;
@@ -185,10 +219,15 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
     p.unsafeGetTensorImpl()->bump_version();  // raw writes, like any in-place op, must say so
   } else {
     p.copy_(w_t);
-    if (aux_t.defined()) aux_[i].copy_(aux_t);
+    if (aux_t.defined()) whole_aux.copy_(aux_t);
   }
   loaded_[i] = at::Tensor();
   mark_synced(i);
+  if (aux_sharded_) {
+    const auto shards = shards_.lock();
+    TORCH_INTERNAL_ASSERT(shards, "amp: a sharded lean table outlived its sharding");
+    shards->keep_aux(i, whole_aux, at::Tensor());
+  }
 }
 
 void LeanMasters::check_usable(size_t i) const {
@@ -208,18 +247,23 @@ void LeanMasters::refresh_changed() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i]._version() == version_[i] && lean_storage_of(params_[i]) == storage_[i]) continue;
     check_usable(i);
-    if (aux_[i].defined()) {
-      // The weight as written is the value now, unless it is bit for bit the weight a load paired the aux with
-      // (the model loaded after the optimizer): there the aux still completes it.
-      if (loaded_[i].defined()) {
-        aux_[i].masked_fill_(loaded_[i].view(at::kShort).ne(params_[i].view(at::kShort)), 0);
-      } else {
-        aux_[i].zero_();
-      }
-    }
-    loaded_[i] = at::Tensor();
-    mark_synced(i);
+    follow_write(i);
   }
+}
+
+void LeanMasters::follow_write(size_t i) {
+  c10::NoGradGuard no_grad;
+  if (aux_[i].defined()) {
+    // The weight as written is the value now, unless it is bit for bit the weight a load paired the aux with
+    // (the model loaded after the optimizer): there the aux still completes it.
+    if (loaded_[i].defined()) {
+      aux_[i].masked_fill_(loaded_[i].view(at::kShort).ne(params_[i].view(at::kShort)), 0);
+    } else {
+      aux_[i].zero_();
+    }
+  }
+  loaded_[i] = at::Tensor();
+  mark_synced(i);
 }
 
 void LeanMasters::mark_synced(size_t i) {
@@ -228,13 +272,15 @@ void LeanMasters::mark_synced(size_t i) {
 }
 
 void LeanMasters::save(torch::serialize::OutputArchive& archive) const {
+  const std::shared_ptr<Shards> shards = aux_sharded_ ? shards_.lock() : nullptr;
+  const std::vector<at::Tensor>* whole = shards ? shards->consolidated_aux() : &aux_;  // null: a rank's shard
   archive.write("lean/format", c10::IValue(static_cast<int64_t>(format_)));
   archive.write("lean/seed", c10::IValue(static_cast<int64_t>(seed_)));  // the bits of the uint64
   archive.write("lean/counter", c10::IValue(static_cast<int64_t>(counter_)));
   archive.write("lean/count", c10::IValue(static_cast<int64_t>(params_.size())));
   for (size_t i = 0; i < params_.size(); ++i) {
     archive.write("lean/param/" + std::to_string(i), params_[i].detach());
-    if (aux_[i].defined()) archive.write("lean/aux/" + std::to_string(i), aux_[i]);
+    if (whole && (*whole)[i].defined()) archive.write("lean/aux/" + std::to_string(i), (*whole)[i]);
   }
 }
 
@@ -250,19 +296,24 @@ std::function<void()> LeanMasters::load(torch::serialize::InputArchive& archive,
               "parameters with lean masters, this optimizer has ", params_.size(), ". Resume with the same model, "
               "opt level and param groups.");
   std::vector<at::Tensor> weights(params_.size()), aux(params_.size());
+  // A ZeRO rank's own archive holds no whole aux (its slices are the sharding's); any other holds each.
+  const bool sliced = aux_sharded_ && Sharding::is_shard_amp_archive(archive);
   for (size_t i = 0; i < params_.size(); ++i) {
     archive.read("lean/param/" + std::to_string(i), weights[i]);
     TORCH_CHECK(weights[i].sizes() == params_[i].sizes() && weights[i].scalar_type() == at::kBFloat16, where,
                 ": lean master ", i, " ('", names_[i], "') is ", dtype_name(weights[i].scalar_type()), " of shape ",
                 weights[i].sizes(), " in the checkpoint, torch.bfloat16 of shape ", params_[i].sizes(), " here.");
-    if (aux_[i].defined()) {
-      archive.read("lean/aux/" + std::to_string(i), aux[i]);
-      TORCH_CHECK(aux[i].sizes() == aux_[i].sizes() && aux[i].scalar_type() == aux_[i].scalar_type(), where,
-                  ": the saved low bits / compensation of '", names_[i], "' do not match the parameter.");
-    }
+    const at::Tensor like = aux_sharded_ ? fresh_aux(params_[i]) : aux_[i];
+    if (!like.defined()) continue;
+    const std::string key = "lean/aux/" + std::to_string(i);
+    if (sliced) continue;
+    archive.read(key, aux[i]);
+    TORCH_CHECK(aux[i].sizes() == like.sizes() && aux[i].scalar_type() == like.scalar_type(), where,
+                ": the saved low bits / compensation of '", names_[i], "' do not match the parameter.");
   }
   return [this, weights, aux, seed = static_cast<uint64_t>(*seed), counter = static_cast<uint64_t>(*counter)] {
     c10::NoGradGuard no_grad;
+    const std::shared_ptr<Shards> shards = aux_sharded_ ? shards_.lock() : nullptr;
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i].copy_(weights[i]);
       if (aux_[i].defined()) {
@@ -270,6 +321,7 @@ std::function<void()> LeanMasters::load(torch::serialize::InputArchive& archive,
         loaded_[i] = weights[i].to(params_[i].device());  // until the weight's next write (refresh_changed)
       }
       mark_synced(i);
+      if (shards && aux[i].defined()) shards->keep_aux(i, aux[i].to(params_[i].device()), weights[i].to(params_[i].device()));
     }
     seed_ = seed;
     counter_ = counter;

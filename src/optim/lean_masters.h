@@ -54,6 +54,8 @@ class LeanMasters {
       : format_(format), seed_(seed), counter_(counter) {}
 
   amp::MasterWeights format() const noexcept { return format_; }
+  /// The dtype of each parameter's aux (nullopt: kStochasticRounding keeps none).
+  std::optional<at::ScalarType> aux_dtype() const noexcept;
   size_t size() const noexcept { return params_.size(); }
   const at::Tensor& param(size_t i) const { return params_[i]; }
   /// The low bits (kSplit, int16), the compensation (kKahan, bf16) or the residual (kResidual8, int8); undefined for
@@ -65,9 +67,11 @@ class LeanMasters {
   void add(std::string name, at::Tensor param);
   /// Takes over parameter `i` of `other` (its aux and sync state), for a rebuilt index.
   void adopt(const LeanMasters& other, size_t i);
-  /// Adds `piece` (1-d bf16: elements [begin, begin + numel) of `whole`'s parameter i, flattened) stepped in `whole`'s
-  /// numbering: its aux is a view of the whole aux, so a store writes the whole table's (ZeRO's pieces).
-  void add_slice(const LeanMasters& whole, size_t i, at::Tensor piece, int64_t begin);
+  /// Adds `piece` (1-d bf16: elements [begin, begin + numel) of `whole`'s parameter i, flattened) with `aux` (its
+  /// part of the aux; undefined for kStochasticRounding), stepped in `whole`'s numbering (ZeRO's pieces).
+  void add_slice(const LeanMasters& whole, size_t i, at::Tensor piece, int64_t begin, at::Tensor aux);
+  /// Restores entry i's aux (a checkpoint's), paired with `loaded_weight` (undefined: none) as load() pairs them.
+  void restore(size_t i, const at::Tensor& aux, const at::Tensor& loaded_weight);
   /// The values of the table's numbering (every entry's, or the whole table's for slices).
   int64_t numbering() const noexcept { return total_; }
 
@@ -79,11 +83,15 @@ class LeanMasters {
 
   /// Returns the fp32 value of parameter i (a new tensor).
   at::Tensor value(size_t i) const;
+  /// The same from `aux`, parameter i's whole aux (a sharded table keeps none: Shards::gather_aux).
+  at::Tensor value(size_t i, const at::Tensor& aux) const;
   /// Writes `value` (fp32, same shape) as parameter i's value: the bf16 weight and its aux.
   void store(size_t i, const at::Tensor& value);
   /// Zeroes the aux of parameters written since they were last stored, except elements that repeat the weight
   /// load() restored; throws if a write left one unusable.
   void refresh_changed();
+  /// The same for entry i, whose weight its owner saw written (ZeRO's slices alias the weight they follow).
+  void follow_write(size_t i);
   void mark_synced(size_t i);
 
   /// The generator's state: seed and how many random draws were used.
@@ -95,6 +103,22 @@ class LeanMasters {
     counter_ = counter;
   }
 
+  /// What ZeRO does for a table whose aux it holds in slices (NOTE [ZeRO layout] in src/parallel/zero.cpp).
+  class Shards {
+   public:
+    virtual ~Shards() = default;
+    /// Parameter i's whole aux was written (a store outside a step, or a checkpoint's, paired with `loaded_weight`):
+    /// this rank keeps its slices of it.
+    virtual void keep_aux(size_t i, const at::Tensor& aux, const at::Tensor& loaded_weight) = 0;
+    /// Collective (every rank calls it): every parameter's whole aux, in this table's order.
+    virtual std::vector<at::Tensor> gather_aux() = 0;
+    /// While save_consolidated writes: every parameter's whole aux; else null (a rank's archive holds its slices).
+    virtual const std::vector<at::Tensor>* consolidated_aux() const = 0;
+  };
+  /// From now on `shards` holds the aux in slices and this table keeps none (stores hand theirs over).
+  void mark_sharded(std::weak_ptr<Shards> shards);
+  std::shared_ptr<Shards> shards() const { return shards_.lock(); }
+
   /// Writes the format, the generator and every parameter's weight and aux under "lean/" (the optimizer archive).
   void save(torch::serialize::OutputArchive& archive) const;
   /// Checks what save() wrote against this index (the caller has checked the format: the lean masters feature does,
@@ -103,6 +127,7 @@ class LeanMasters {
 
  private:
   void check_usable(size_t i) const;
+  at::Tensor fresh_aux(const at::Tensor& param) const;
 
   amp::MasterWeights format_;
   uint64_t seed_;
@@ -116,6 +141,8 @@ class LeanMasters {
   std::vector<int64_t> offset_;  // each entry's place in the numbering
   int64_t total_ = 0;
   bool in_step_ = false;
+  std::weak_ptr<Shards> shards_;
+  bool aux_sharded_ = false;  // shards_ holds the aux (a format with one, after mark_sharded)
 };
 
 /// Makes `table`'s parameters findable, in place of `replaced`'s (the index it rebuilds, or null). Throws if a

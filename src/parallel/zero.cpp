@@ -44,11 +44,11 @@
 // An optimizer whose step needs each whole tensor (FusedMuon orthogonalizes each gradient matrix; NOTE [Optimizer
 // kinds]) gets slices that end between tensors instead: rank r's slice ends at the tensor end nearest (r + 1) T / N,
 // so its pieces are whole tensors (some ranks may hold none), which the step sees in their shapes (ShardSums::whole_shape).
-// A bf16 parameter with a lean master (NOTE [Lean masters] in src/optim/lean_masters.h) is stepped like a parameter
-// without one, its piece a bf16 copy of its part, stepped through a table of slices whose aux are views of the whole
-// aux (the step rebuilds each piece's fp32 value and stores it back, drawing stochastic rounding's bits by the whole
-// tensor's place); after the step the pieces' aux are all-gathered with the weights, so every rank keeps the whole
-// table (weights and aux) as the unsharded run does: its archives, load_weights and fp32 values read it unchanged.
+// A bf16 parameter with a lean master (NOTE [Lean masters] in src/optim/lean_masters.h) has a piece that is a view of
+// its part of the weight and the aux of that part alone (the lean table keeps no whole aux once sharded): the step
+// stores each piece's fp32 value through a table of these slices, drawing stochastic rounding's bits by the whole
+// tensor's place, and only the weights are all-gathered. Whole aux travel only for the consolidated archive and
+// fp32 values (gather_aux); load_weights and archives hand each rank its slices (keep_aux).
 
 namespace amp::parallel::detail {
 namespace {
@@ -77,6 +77,7 @@ struct ShardPiece {
   int64_t begin = 0, length = 0;  // in the flattened tensor
   at::Tensor value;               // this rank's part of the stepped tensor
   at::Tensor grad;                // stage 2: its gradient (undefined: none since zero_grad)
+  int lean_slot = -1;             // its entry in the table of lean slices (a view of the weight, not a copy)
 };
 
 struct ShardSpan {
@@ -148,6 +149,14 @@ at::Tensor shard_reduce_scatter(const GroupState& state, const at::Tensor& input
   return input.narrow(0, static_cast<int64_t>(state.rank) * width, width).clone();
 }
 
+// A piece of a lean weight: elements [begin, begin + length) of its flattening, sharing its storage (not a view in
+// autograd's sense, so that it can follow the weight to new storage with set_).
+at::Tensor alias_of(const at::Tensor& weight, int64_t begin, int64_t length) {
+  at::Tensor out = at::empty({0}, weight.options().requires_grad(false));
+  out.set_(weight.storage(), weight.storage_offset() + begin, {length}, {1});
+  return out;
+}
+
 // A piece's state, cut out of its whole tensor's (`full`); 8-bit moments by whole blocks (NOTE [ZeRO layout]), or
 // decoded where the layout was not made for them (the moments then convert at the next step).
 std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::optim::OptimizerParamState& full, int64_t begin,
@@ -168,6 +177,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::opti
 
 class Zero final : public amp::detail::Sharding,
                    public amp::detail::MasterWeights::Shards,
+                   public amp::detail::LeanMasters::Shards,
                    public std::enable_shared_from_this<Zero> {
  public:
   Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options);
@@ -179,6 +189,7 @@ class Zero final : public amp::detail::Sharding,
   void end_consolidated() {
     full_state_.reset();
     full_masters_.clear();
+    full_aux_.reset();
   }
   const GroupState& group() const { return state_; }
 
@@ -212,6 +223,9 @@ class Zero final : public amp::detail::Sharding,
   }
   void write_master(size_t i, const at::Tensor& value) override;
   std::vector<at::Tensor> gather_masters() override;
+  void keep_aux(size_t i, const at::Tensor& aux, const at::Tensor& loaded_weight) override;
+  std::vector<at::Tensor> gather_aux() override;
+  const std::vector<at::Tensor>* consolidated_aux() const override { return full_aux_ ? &*full_aux_ : nullptr; }
 
  private:
   void refresh(bool all);
@@ -223,7 +237,6 @@ class Zero final : public amp::detail::Sharding,
   void reduce_unreduced(ShardLane& lane);
   void scatter_into(ShardLane& lane, at::Tensor input, c10::ScalarType dtype, const std::string& what);
   void gather_into_model();
-  void gather_lean_aux();
   void index_lean();
   bool lean_stale() const;
   void add_groups(OptimizerBase& optimizer);
@@ -255,6 +268,7 @@ class Zero final : public amp::detail::Sharding,
   std::vector<at::Tensor> full_masters_;
   std::shared_ptr<amp::detail::LeanMasters> lean_;         // the optimizer's lean masters (null: none)
   std::shared_ptr<amp::detail::LeanMasters> lean_pieces_;  // this rank's pieces of them, in lean_'s numbering
+  std::optional<std::vector<at::Tensor>> full_aux_;        // while gathered (save_consolidated): the whole aux
 };
 
 Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options)
@@ -346,7 +360,8 @@ void Zero::add_groups(OptimizerBase& optimizer) {
           p.entry = i;
           p.begin = span.begin;
           p.length = span.length;
-          p.value = e.stepped.detach().reshape({-1}).narrow(0, p.begin, p.length).clone();
+          p.value = e.lean ? alias_of(e.model, p.begin, p.length)
+                           : e.stepped.detach().reshape({-1}).narrow(0, p.begin, p.length).clone();
           span.piece = static_cast<int>(pieces_.size());
           piece_places_.emplace(p.value.unsafeGetTensorImpl(),
                                 amp::detail::StateFormat::Place{e.whole_offset + p.begin, e.numel});
@@ -391,7 +406,8 @@ bool Zero::lean_stale() const {
 }
 
 // Finds the lean entries in the optimizer's table (rebuilt when param groups change) and makes this rank's table of
-// their pieces, which a sharded step steps in place of the whole table.
+// their pieces, which a sharded step steps in place of the whole table; the pieces keep their aux across rebuilds,
+// and the whole table gives its aux up.
 void Zero::index_lean() {
   std::shared_ptr<amp::detail::LeanMasters> table;
   for (auto& entries : groups_) {
@@ -404,14 +420,24 @@ void Zero::index_lean() {
     }
   }
   const std::shared_ptr<amp::detail::LeanMasters> replaced = std::move(lean_pieces_);
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> kept;  // the previous table's aux, by piece
+  for (const auto& p : pieces_) {
+    if (replaced && p.lean_slot >= 0) kept.emplace(p.value.unsafeGetTensorImpl(), replaced->aux(static_cast<size_t>(p.lean_slot)));
+  }
   lean_ = table;
   if (!table) return;
   lean_pieces_ = std::make_shared<amp::detail::LeanMasters>(table->format(), table->seed(), table->counter());
-  for (const auto& p : pieces_) {
+  for (auto& p : pieces_) {
     const ShardEntry& e = groups_[p.group][p.entry];
-    if (e.lean) lean_pieces_->add_slice(*table, e.lean_index, p.value, p.begin);
+    if (!e.lean) continue;
+    const auto it = kept.find(p.value.unsafeGetTensorImpl());
+    at::Tensor aux = it != kept.end() ? it->second : table->aux(e.lean_index);
+    if (it == kept.end() && aux.defined()) aux = aux.reshape({-1}).narrow(0, p.begin, p.length).clone();
+    p.lean_slot = static_cast<int>(lean_pieces_->size());
+    lean_pieces_->add_slice(*table, e.lean_index, p.value, p.begin, std::move(aux));
   }
   amp::detail::register_lean(lean_pieces_, replaced.get());
+  if (!weak_from_this().expired()) table->mark_sharded(weak_from_this());  // (shard() marks a new Zero's)
 }
 
 // What may change in the optimizer under a sharding: groups appended (adopted by add_groups) and any group's options
@@ -508,10 +534,28 @@ void Zero::adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece) {
 
 void Zero::refresh(bool all) {
   c10::NoGradGuard no_grad;
-  if (lean_) lean_->refresh_changed();  // the low bits of written weights go, as unsharded (NOTE [Lean masters])
+  if (lean_) lean_->refresh_changed();  // (its aux are the slices': this checks the weights are usable)
+  for (const auto& entries : groups_) {  // every rank alike, pieces here or not
+    for (const auto& e : entries) {
+      if (!e.lean || e.model.storage().unsafeGetStorageImpl() == e.storage) continue;
+      TORCH_CHECK(e.model.is_contiguous() && e.model.numel() == e.numel, kShard, ": parameter '", e.name, "' is ",
+                  e.model.numel() == e.numel ? "not contiguous" : "of another size", " since something replaced its "
+                  "data, so its slices can't alias it. Write weights in place (amp::load_weights, or copy_ under "
+                  "torch::NoGradGuard).");
+    }
+  }
   for (auto& p : pieces_) {
     ShardEntry& e = groups_[p.group][p.entry];
-    if (!all && e.model._version() == e.version && e.model.storage().unsafeGetStorageImpl() == e.storage) continue;
+    const bool changed = e.model._version() != e.version || e.model.storage().unsafeGetStorageImpl() != e.storage;
+    if (!all && !changed) continue;
+    if (e.lean) {  // the piece sees the write (an alias of the weight), its aux follows it, as unsharded
+      if (!changed) continue;
+      if (e.model.storage().unsafeGetStorageImpl() != e.storage) {
+        p.value.set_(e.model.storage(), e.model.storage_offset() + p.begin, {p.length}, {1});
+      }
+      lean_pieces_->follow_write(static_cast<size_t>(p.lean_slot));
+      continue;
+    }
     const at::Tensor written = e.model.detach().reshape({-1}).narrow(0, p.begin, p.length);
     // NOTE [Masters follow the model]: a master keeps the low bits the model's rounding can't see.
     if (e.mastered) amp::detail::keep_where_rounded_equal(p.value, written);
@@ -548,54 +592,7 @@ void Zero::gather_into_model() {
   }
 }
 
-// Every rank's pieces of the lean masters' aux into every rank's whole aux (none for stochastic rounding), lane by
-// lane as the weights travel.
-void Zero::gather_lean_aux() {
-  if (!lean_ || lean_->format() == amp::MasterWeights::kStochasticRounding) return;
-  c10::NoGradGuard no_grad;
-  for (const auto& lane : lanes_) {
-    const std::vector<ShardEntry>& entries = groups_[lane.group];
-    int64_t width = 0;
-    at::TensorOptions options;
-    for (const auto& spans : lane.spans) {
-      int64_t n = 0;
-      for (const auto& s : spans) {
-        if (!entries[s.entry].lean) continue;
-        n += s.length;
-        options = lean_->aux(entries[s.entry].lean_index).options();
-      }
-      width = std::max(width, n);
-    }
-    if (width == 0) continue;  // the same on every rank: the layout is
-    auto aux_of = [&](const ShardSpan& s) {
-      return lean_->aux(entries[s.entry].lean_index).view({-1}).narrow(0, s.begin, s.length);
-    };
-    at::Tensor send = at::zeros({width}, options);
-    int64_t pos = 0;
-    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
-      if (!entries[s.entry].lean) continue;
-      send.narrow(0, pos, s.length).copy_(aux_of(s));
-      pos += s.length;
-    }
-    const at::Tensor recv = shard_all_gather_bytes(state_, send.view(at::kByte), bucket_bytes_,
-                                                   std::string(kShard) + " (all-gathering the lean masters' low bits)")
-                                .view(options.dtype().toScalarType());
-    core_->count_zero_bytes(0, recv.numel() * static_cast<int64_t>(send.element_size()));
-    for (size_t r = 0; r < lane.spans.size(); ++r) {
-      pos = static_cast<int64_t>(r) * width;
-      for (const auto& s : lane.spans[r]) {
-        if (!entries[s.entry].lean) continue;
-        if (static_cast<int64_t>(r) != state_.rank) aux_of(s).copy_(recv.narrow(0, pos, s.length));
-        pos += s.length;
-      }
-    }
-  }
-}
-
-void Zero::after_step() {
-  gather_into_model();
-  gather_lean_aux();
-}
+void Zero::after_step() { gather_into_model(); }
 
 double Zero::sum_over_ranks(double value) {
   if (state_.world_size == 1) return value;
@@ -941,6 +938,10 @@ void Zero::save(torch::serialize::OutputArchive& amp_archive) const {
   amp_archive.write("zero/layout", c10::IValue(layout()));
   for (size_t k = 0; k < pieces_.size(); ++k) {
     if (groups_[pieces_[k].group][pieces_[k].entry].mastered) amp_archive.write("zero/piece/" + std::to_string(k), pieces_[k].value);
+    const int slot = pieces_[k].lean_slot;
+    if (slot >= 0 && lean_pieces_->aux(static_cast<size_t>(slot)).defined()) {
+      amp_archive.write("zero/lean_aux/" + std::to_string(k), lean_pieces_->aux(static_cast<size_t>(slot)));
+    }
   }
 }
 
@@ -977,10 +978,24 @@ std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::Inp
                   groups_[pieces_[k].group][pieces_[k].entry].name, "') or it has another size; the file is damaged.");
       values.emplace_back(k, std::move(v));
     }
-    return [this, values] {
+    std::vector<std::pair<size_t, at::Tensor>> lean_aux;  // this rank's slices of the lean aux
+    for (size_t k = 0; lean_pieces_ && lean_pieces_->aux_dtype() && k < pieces_.size(); ++k) {
+      if (pieces_[k].lean_slot < 0) continue;
+      at::Tensor v;
+      TORCH_CHECK(amp_archive.try_read("zero/lean_aux/" + std::to_string(k), v) && v.sizes() == pieces_[k].value.sizes() &&
+                      v.scalar_type() == *lean_pieces_->aux_dtype(),
+                  where, ": the checkpoint's shard lacks the low bits of piece ", k, " (of '",
+                  groups_[pieces_[k].group][pieces_[k].entry].name, "') or they have another size or dtype; the file "
+                  "is damaged.");
+      lean_aux.emplace_back(k, std::move(v));
+    }
+    return [this, values, lean_aux] {
       c10::NoGradGuard no_grad;
       refresh_changed();  // direct pieces: the model's values
       for (const auto& [k, v] : values) pieces_[k].value.copy_(v);
+      for (const auto& [k, v] : lean_aux) {  // paired with the weights the lean archive restored (NOTE [Lean masters])
+        lean_pieces_->restore(static_cast<size_t>(pieces_[k].lean_slot), v, pieces_[k].value);
+      }
       gather_into_model();  // collective: every rank loads its shard
     };
   }
@@ -993,6 +1008,7 @@ std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::Inp
     }
     for (auto& p : pieces_) {
       const ShardEntry& e = groups_[p.group][p.entry];
+      if (e.lean) continue;  // an alias of the restored weight; its aux came with the lean archive (keep_aux)
       const at::Tensor& source = e.mastered ? full_masters[e.master_index] : e.model;
       p.value.copy_(source.reshape({-1}).narrow(0, p.begin, p.length));
     }
@@ -1082,6 +1098,63 @@ std::vector<at::Tensor> Zero::gather_masters() {
   return out;
 }
 
+void Zero::keep_aux(size_t i, const at::Tensor& aux, const at::Tensor& loaded_weight) {
+  for (auto& p : pieces_) {
+    const ShardEntry& e = groups_[p.group][p.entry];
+    if (!e.lean || e.lean_index != i) continue;
+    auto part = [&](const at::Tensor& t) { return t.defined() ? t.reshape({-1}).narrow(0, p.begin, p.length) : at::Tensor(); };
+    lean_pieces_->restore(static_cast<size_t>(p.lean_slot), part(aux), part(loaded_weight));
+  }
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      if (!e.lean || e.lean_index != i) continue;
+      e.version = e.model._version();  // the write that came with this aux: nothing for refresh to follow
+      e.storage = e.model.storage().unsafeGetStorageImpl();
+    }
+  }
+}
+
+// Every rank's slices of the lean aux, lane by lane as the weights travel, whole in the lean table's order.
+std::vector<at::Tensor> Zero::gather_aux() {
+  refresh_changed();
+  std::vector<at::Tensor> out(lean_ ? lean_->size() : 0);
+  const auto dtype = lean_ ? lean_->aux_dtype() : std::nullopt;
+  if (!dtype) return out;
+  c10::NoGradGuard no_grad;
+  for (const auto& lane : lanes_) {
+    const std::vector<ShardEntry>& entries = groups_[lane.group];
+    int64_t width = 0;
+    for (const auto& spans : lane.spans) {
+      int64_t n = 0;
+      for (const auto& s : spans) n += entries[s.entry].lean ? s.length : 0;
+      width = std::max(width, n);
+    }
+    if (width == 0) continue;  // the same on every rank: the layout is
+    at::Tensor send = at::zeros({width}, entries.front().model.options().dtype(*dtype));
+    int64_t pos = 0;
+    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+      if (!entries[s.entry].lean) continue;
+      send.narrow(0, pos, s.length).copy_(lean_pieces_->aux(static_cast<size_t>(pieces_[static_cast<size_t>(s.piece)].lean_slot)));
+      pos += s.length;
+    }
+    const at::Tensor recv = shard_all_gather_bytes(state_, send.view(at::kByte), bucket_bytes_,
+                                                   std::string(kShard) + " (gathering the lean masters' low bits)")
+                                .view(*dtype);
+    for (size_t r = 0; r < lane.spans.size(); ++r) {
+      pos = static_cast<int64_t>(r) * width;
+      for (const auto& s : lane.spans[r]) {
+        const ShardEntry& e = entries[s.entry];
+        if (!e.lean) continue;
+        at::Tensor& whole = out[e.lean_index];
+        if (!whole.defined()) whole = at::empty(e.model.sizes(), send.options());
+        whole.view({-1}).narrow(0, s.begin, s.length).copy_(recv.narrow(0, pos, s.length));
+        pos += s.length;
+      }
+    }
+  }
+  return out;
+}
+
 void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads, std::vector<at::Tensor>& grads) const {
   for (const auto& p : pieces_) {
     masters.push_back(p.value);
@@ -1089,6 +1162,7 @@ void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& maste
     else grads.push_back(p.grad);
   }
   for (const auto& lane : lanes_) grads.push_back(lane.incoming);
+  for (size_t k = 0; lean_pieces_ && k < lean_pieces_->size(); ++k) masters.push_back(lean_pieces_->aux(k));
   for (const auto& sums : unreduced_) master_grads.insert(master_grads.end(), sums.begin(), sums.end());
 }
 
@@ -1175,6 +1249,7 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
     }
   }
   const at::Tensor recv = shard_all_gather_bytes(state_, send, bucket_bytes_, what);
+  std::vector<at::Tensor> aux = gather_aux();  // collective: the lean masters' archive writes them whole
   if (state_.rank != 0 && !everywhere) return;
   // 3. Rank 0 assembles the whole tensors: masters slice by slice, each state field from its pieces in order.
   ShardStateMap full;
@@ -1227,6 +1302,7 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
   for (auto& [entry, slot] : states) full[amp::detail::state_key(full, entry->stepped)] = std::move(slot);
   full_state_ = std::move(full);
   full_masters_ = std::move(masters);
+  if (lean_) full_aux_ = std::move(aux);
 }
 
 }  // namespace
@@ -1264,6 +1340,7 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
     });
   }
   OptimizerAccess::index(optimizer).masters().mark_sharded(zero);
+  if (const auto& lean = OptimizerAccess::index(optimizer).lean()) lean->mark_sharded(zero);
   OptimizerAccess::set_sharding(optimizer, std::move(zero));
 }
 

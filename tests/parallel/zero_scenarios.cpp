@@ -27,6 +27,7 @@
 
 #include "amp/amp.h"
 #include "casting/fp8.h"
+#include "optim/fp32_values.h"
 #include "optim/lean_masters.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/optimizer_kinds.h"
@@ -639,6 +640,23 @@ void misuse(const ProcessGroup& group) {
   m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer4); });
   report(m.find("does not reduce") != std::string::npos, "an optimizer of another model is refused", m);
 
+  // A lean weight whose data is replaced by another size after sharding: its slices can't alias it.
+  auto net5 = make_mlp(3);
+  auto [model5, optimizer5] = amp::initialize(
+      net5, amp::optim::FusedAdam(net5->parameters()),
+      amp::Options("O2").low_precision_dtype(torch::kBFloat16).master_weights_format(amp::MasterWeights::kSplit).verbosity(0));
+  auto ddp5 = amp::parallel::make_distributed(model5, group);
+  amp::parallel::shard_optimizer(ddp5, optimizer5, amp::parallel::ZeroOptions().stage(2));
+  {
+    auto scaled = amp::scale_loss(loss_of(ddp5(local.x), local.y), optimizer5);
+    scaled.backward();
+  }
+  net5[0]->named_parameters()["weight"].set_data(torch::zeros({3, 3}, torch::kBFloat16));
+  m = expect_throw([&] { optimizer5.step(); });
+  report(m.find("parameter '0.weight' is of another size") != std::string::npos &&
+             m.find("amp::load_weights") != std::string::npos,
+         "a sharded lean weight replaced by another size is refused, named, with the fix", m);
+
   auto net6 = make_mlp(3);
   auto [model6, optimizer6] = amp::initialize(net6, amp::optim::FusedAdam(net6->parameters()),
                                               amp::Options("O2").low_precision_dtype(torch::kBFloat16).auto_fp32(8).verbosity(0));
@@ -760,16 +778,15 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
     return torch::nn::Sequential(torch::nn::Linear(12, 512), torch::nn::ReLU(), torch::nn::Linear(512, 16),
                                  torch::nn::ReLU(), torch::nn::Linear(16, 5));
   };
-  // Every lean weight's fp32 value (bf16 weight and aux), and the generator's counter.
+  // Every weight's fp32 value (a lean one's from the bf16 weight and its aux; collective when sharded) and bf16
+  // weight, and the generator's counter.
   auto lean_state = [](torch::nn::Sequential& net) {
     std::vector<torch::Tensor> out;
+    for (const auto& item : amp::detail::fp32_state(*net)) out.push_back(item.second.clone());
     uint64_t counter = 0;
     for (const auto& p : net->parameters()) {
-      const auto found = amp::detail::find_lean(p);
-      if (!found) continue;
-      out.push_back(found->first->value(found->second));
       out.push_back(p.detach().clone());
-      counter = found->first->counter();
+      if (const auto found = amp::detail::find_lean(p)) counter = found->first->counter();
     }
     return std::make_pair(out, counter);
   };
@@ -834,33 +851,54 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         const auto sharded = amp::state_bytes(optimizer), unsharded = amp::state_bytes(ref_optimizer);
         report(sharded.optimizer_state < unsharded.optimizer_state, label + ": the optimizer state divides",
                std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
+        if (c.masters != amp::MasterWeights::kStochasticRounding) {  // each rank keeps its slices of the aux alone
+          report(sharded.masters * (n - 1) < unsharded.masters, label + ": the aux divide",
+                 std::to_string(sharded.masters) + " vs " + std::to_string(unsharded.masters) + " bytes");
+        }
 
-        // The consolidated archive resumes an unsharded and a sharded run where these two are.
+        // The consolidated archive resumes an unsharded and a sharded run where these two are, a rank's own archive a
+        // sharded run.
         const std::string path = dir + "/zero_lean_" + std::to_string(stage) + ".pt";
+        const std::string own = dir + "/zero_lean_" + std::to_string(stage) + "_rank" + std::to_string(group.rank()) + ".pt";
         amp::parallel::save_consolidated(optimizer, path);
-        auto resumed_net = make_net(), sharded_net = make_net();
+        torch::save(optimizer, own);
+        auto resumed_net = make_net(), sharded_net = make_net(), own_net = make_net();
         with_optimizer(c.optimizer, resumed_net, [&](auto resumed_opt) {
           with_optimizer(c.optimizer, sharded_net, [&](auto sharded_opt) {
+           with_optimizer(c.optimizer, own_net, [&](auto own_opt) {
             auto [resumed_model, resumed] = amp::initialize(resumed_net, std::move(resumed_opt), options);
             auto [sharded_model, resharded] = amp::initialize(sharded_net, std::move(sharded_opt), options);
+            auto [own_model, own_optimizer] = amp::initialize(own_net, std::move(own_opt), options);
             auto resumed_ddp = amp::parallel::make_distributed(resumed_model, group, wire_for(n));
             auto sharded_ddp = amp::parallel::make_distributed(sharded_model, group, wire_for(n));
+            auto own_ddp = amp::parallel::make_distributed(own_model, group, wire_for(n));
             amp::parallel::shard_optimizer(sharded_ddp, resharded, amp::parallel::ZeroOptions().stage(stage));
+            amp::parallel::shard_optimizer(own_ddp, own_optimizer,
+                                           amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.01));
             torch::load(resumed, path);  // the lean archive restores the weights with their aux
             torch::load(resharded, path);
+            torch::load(own_optimizer, own);
             bool resumed_same = true;
+            std::string differs;
             for (int step = 6; step < 9; ++step) {
               train(ref_optimizer, ref_ddp, step);
               train(optimizer, ddp, step);
               train(resumed, resumed_ddp, step);
               train(resharded, sharded_ddp, step);
+              train(own_optimizer, own_ddp, step);
               const auto b = lean_state(ref_net);
-              for (auto* other : {&net, &resumed_net, &sharded_net}) {
+              int which = 0;
+              for (auto* other : {&net, &resumed_net, &sharded_net, &own_net}) {
                 const auto a = lean_state(*other);
-                resumed_same = resumed_same && bitwise(a.first, b.first) && a.second == b.second;
+                const bool equal = bitwise(a.first, b.first) && a.second == b.second;
+                if (!equal && differs.empty()) differs = "run " + std::to_string(which) + " at step " + std::to_string(step);
+                resumed_same = resumed_same && equal;
+                ++which;
               }
             }
-            report(resumed_same, label + ": the consolidated archive resumes sharded and unsharded runs bit for bit");
+            report(resumed_same, label + ": the consolidated archive resumes sharded and unsharded runs, a rank's own "
+                   "archive a sharded one, bit for bit", differs);
+           });
           });
         });
 
@@ -878,6 +916,17 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         const auto a = lean_state(net), b = lean_state(ref_net);
         report(bitwise(a.first, b.first) && a.second == b.second,
                label + ": after load_weights the sharded run steps as the unsharded one");
+        // A weight edited in place: its low bits go, on every rank's slices as unsharded (NOTE [Lean masters]).
+        {
+          torch::NoGradGuard no_grad;
+          ref_net[2]->named_parameters()["weight"].mul_(0.5);
+          net[2]->named_parameters()["weight"].mul_(0.5);
+        }
+        train(ref_optimizer, ref_ddp, 10);
+        train(optimizer, ddp, 10);
+        const auto edited = lean_state(net), ref_edited = lean_state(ref_net);
+        report(bitwise(edited.first, ref_edited.first) && edited.second == ref_edited.second,
+               label + ": after a weight edited in place the sharded run steps as the unsharded one");
       });
     });
   }
