@@ -32,6 +32,7 @@
 #include "optim/optimizer_state_key.h"
 #include "optim/param_index.h"
 #include "optim/optimizer_kinds.h"
+#include "optim/sharding.h"
 
 namespace amp::detail {
 namespace {
@@ -182,52 +183,58 @@ bool AutoFp32::move_up(OptimizerBase& optimizer, size_t model, const std::string
   }
   if (!to_fp32) return false;
   c10::NoGradGuard no_grad;
-  torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
-  auto& state = opt.state();
-  ParamIndex& index = OptimizerAccess::index(optimizer);
-  if (index.lean()) index.lean()->refresh_changed();  // lean values follow writes into the model before they are read
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-    at::Tensor p = item.value();
-    if (p.scalar_type() == at::kFloat || !p.is_floating_point()) continue;
-    if (const auto master = find_master(p); master && master->first.get() == &index.masters()) {
-      at::Tensor m = master->first->master()[master->second];
-      // The master's fp32 value becomes the parameter's (its storage, no copy), and the parameter takes the
-      // master's place in param_groups, keyed optimizer state included. Where the model's weights were loaded
-      // before this optimizer's checkpoint, torch::load left the checkpoint's fp32 bytes under the bf16 tensor:
-      // those are the value.
-      if (holds_float32_bytes(p)) {
-        at::Tensor value = at::empty({0}, p.options().dtype(at::kFloat));
-        value.set_(p.storage(), 0, p.sizes(), p.strides());
-        p.set_data(value.clone());
-      } else {
-        p.set_data(m.detach());
-      }
-      for (auto& group : opt.param_groups()) {
-        for (auto& q : group.params()) {
-          if (q.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) q = p;
+  // Under ZeRO the move needs the optimizer whole (the masters' values, the state keyed by the whole tensors): the
+  // sharding gathers it on every rank (they agreed on the module), and the sync the move ends with lays it out again.
+  auto move = [&] {
+    torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
+    auto& state = opt.state();
+    ParamIndex& index = OptimizerAccess::index(optimizer);
+    if (index.lean()) index.lean()->refresh_changed();  // lean values follow writes into the model before they are read
+    for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+      at::Tensor p = item.value();
+      if (p.scalar_type() == at::kFloat || !p.is_floating_point()) continue;
+      if (const auto master = find_master(p); master && master->first.get() == &index.masters()) {
+        at::Tensor m = master->first->master()[master->second];
+        // The master's fp32 value becomes the parameter's (its storage, no copy), and the parameter takes the
+        // master's place in param_groups, keyed optimizer state included. Where the model's weights were loaded
+        // before this optimizer's checkpoint, torch::load left the checkpoint's fp32 bytes under the bf16 tensor:
+        // those are the value.
+        if (holds_float32_bytes(p)) {
+          at::Tensor value = at::empty({0}, p.options().dtype(at::kFloat));
+          value.set_(p.storage(), 0, p.sizes(), p.strides());
+          p.set_data(value.clone());
+        } else {
+          p.set_data(m.detach());
         }
+        for (auto& group : opt.param_groups()) {
+          for (auto& q : group.params()) {
+            if (q.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) q = p;
+          }
+        }
+        if (auto it = state.find(state_key(state, m)); it != state.end()) {
+          auto moved = std::move(it->second);
+          state.erase(it);
+          state[state_key(state, p)] = std::move(moved);
+        }
+      } else if (const auto lean = find_lean(p); lean && lean->first == index.lean()) {
+        p.set_data(lean->first->value(lean->second));  // bf16 weight + low bits: the fp32 value, exactly (kSplit)
+      } else {
+        // No master (O3, or master_weights off): the value is the low-precision one, and its state follows it up
+        // (first: a state amp can't cast stops the move before the parameter changed).
+        if (auto it = state.find(state_key(state, p)); it != state.end()) cast_state_to_float(*it->second, name + "." + item.key());
+        p.set_data(p.to(at::kFloat));
       }
-      if (auto it = state.find(state_key(state, m)); it != state.end()) {
-        auto moved = std::move(it->second);
-        state.erase(it);
-        state[state_key(state, p)] = std::move(moved);
-      }
-    } else if (const auto lean = find_lean(p); lean && lean->first == index.lean()) {
-      p.set_data(lean->first->value(lean->second));  // bf16 weight + low bits: the fp32 value, exactly (kSplit)
-    } else {
-      // No master (O3, or master_weights off): the value is the low-precision one, and its state follows it up
-      // (first: a state amp can't cast stops the move before the parameter changed).
-      if (auto it = state.find(state_key(state, p)); it != state.end()) cast_state_to_float(*it->second, name + "." + item.key());
-      p.set_data(p.to(at::kFloat));
+      p.mutable_grad() = at::Tensor();
     }
-    p.mutable_grad() = at::Tensor();
-  }
-  for (at::Tensor b : module->buffers(/*recurse=*/true)) {
-    if (b.is_floating_point() && b.scalar_type() != at::kFloat) b.set_data(b.to(at::kFloat));
-  }
-  policy->keep(*module, name, "auto_fp32");
-  index.invalidate();  // the moved parameters are direct fp32 ones now, out of the masters and the lean table
-  OptimizerAccess::sync_param_groups(optimizer);
+    for (at::Tensor b : module->buffers(/*recurse=*/true)) {
+      if (b.is_floating_point() && b.scalar_type() != at::kFloat) b.set_data(b.to(at::kFloat));
+    }
+    policy->keep(*module, name, "auto_fp32");
+    index.invalidate();  // the moved parameters are direct fp32 ones now, out of the masters and the lean table
+    OptimizerAccess::sync_param_groups(optimizer);
+  };
+  if (Sharding* sharding = OptimizerAccess::sharding(optimizer)) sharding->with_whole(optimizer, move);
+  else move();
   return false;
 }
 

@@ -271,6 +271,130 @@ bool all_on_aten_there(const torch::optim::Optimizer& opt) {
   return true;
 }
 
+// NOTE [Step routes]: a step plans once per call which route updates each parameter (route_for: amp's CPU loop, ATen's
+// fused kernels, or per-op; moments held in a state format: through the stored loops or fp32), then runs each route
+// as one function over its list, as torch's adam.py picks _single_tensor_adam, _multi_tensor_adam or _fused_adam.
+// Updates of different parameters are independent, and every draw of stochastic rounding is numbered by place
+// (NOTE [Lean masters], NOTE [Optimizer state formats]), so the order the routes run in changes no bit.
+
+// One parameter's planned update: its state key, what the update reads and writes, its state and its model copy.
+template <class State>
+struct Planned {
+  at::Tensor key;
+  Work work;
+  State* state = nullptr;
+  const at::Tensor* copy = nullptr;
+  bool first = false;  // SGD: its momentum buffer is created by this step
+};
+
+template <class State>
+struct RoutePlan {
+  std::vector<Planned<State>> cpu_loop, aten, per_op, stored;
+  void add(FusedRoute route, Planned<State> item) {
+    (route == FusedRoute::kAuto ? cpu_loop : route == FusedRoute::kAten ? aten : per_op).push_back(std::move(item));
+  }
+};
+
+// The CPU loop: fp32 contiguous parameters, gradients and moments on the host (cpu::adam_step).
+template <class Options, class State>
+void adam_cpu_loop(std::vector<Planned<State>>& items, const Options& o, bool decoupled,
+                   const std::optional<double>& grad_scale) {
+  const auto [beta1, beta2] = o.betas();
+  for (auto& item : items) {
+    State& state = *item.state;
+    at::Tensor& p = item.work.param;
+    const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
+    const cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(),
+                             state.step(), inverse_scale(grad_scale)};
+    float* pp = p.data_ptr<float>();
+    float* gp = item.work.grad.template data_ptr<float>();
+    float* mp = state.exp_avg().template data_ptr<float>();
+    float* vp = state.exp_avg_sq().template data_ptr<float>();
+    float* xp = vmax.defined() ? vmax.data_ptr<float>() : nullptr;
+    const cpu::ModelCopy c = model_copy_arg(item.copy);
+    split(p.numel(), [&](int64_t b, int64_t n) {
+      cpu::adam_step(pp + b, gp + b, mp + b, vp + b, xp ? xp + b : nullptr, n, s, offset(c, b));
+    });
+    bump({p, state.exp_avg(), state.exp_avg_sq(), vmax, item.copy ? *item.copy : at::Tensor()});
+    item.work.finish();
+  }
+}
+
+// ATen's _fused_adam_ / _fused_adamw_, one call per (device, dtype, amsgrad) batch; the step counts live on the device
+// (NOTE [A step that never waits]: with the flag there, a skip undoes them there).
+template <class Options, class State, class Fused>
+void adam_aten(std::vector<Planned<State>>& items, const Options& o, bool decoupled, torch::optim::Optimizer& opt,
+               Fused& fused, bool on_device) {
+  if (items.empty()) return;
+  std::map<BatchKey, AtenBatch> batches;
+  auto& states = opt.state();
+  for (auto& item : items) {
+    State& state = *item.state;
+    at::Tensor& p = item.work.param;
+    auto& batch = batches[batch_key(p, o.amsgrad())];
+    batch.params.push_back(p);
+    batch.grads.push_back(item.work.grad);
+    batch.buffers_a.push_back(state.exp_avg());
+    batch.buffers_b.push_back(state.exp_avg_sq());
+    if (o.amsgrad()) batch.buffers_c.push_back(state.max_exp_avg_sq());
+    // The count lives on the device across steps (a captured step replays its own update of it).
+    const auto slot_key = state_key(states, item.key);
+    auto set_host = [slot_key](torch::optim::Optimizer& self, int64_t count) {
+      const auto it = self.state().find(slot_key);
+      if (it != self.state().end() && it->second) static_cast<State&>(*it->second).step(count);
+    };
+    batch.steps.push_back(fused.step_context().device_step(item.key, state.step(), p.device(), set_host));
+    if (on_device) {
+      fused.step_context().on_skip_undo([impl = item.key.unsafeGetTensorImpl(), slot_key](torch::optim::Optimizer& self,
+                                                                                      FusedOptimizer& fused_self) {
+        const auto it = self.state().find(slot_key);
+        if (it != self.state().end() && it->second) {
+          auto& counted = static_cast<State&>(*it->second);
+          counted.step(counted.step() - 1);
+        }
+        fused_self.step_context().undo_device_step(impl);
+      });
+    }
+    batch.copy_after(p, item.copy);
+  }
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+  const auto [beta1, beta2] = o.betas();
+  for (auto& [key, batch] : batches) {
+    const bool amsgrad = std::get<2>(key);
+    const auto scale = fused.step_context().aten_grad_scale(batch.params.front());
+    const std::optional<at::Tensor> found_inf = on_device ? std::optional<at::Tensor>(fused.step_context().found_inf()) : std::nullopt;
+    if (decoupled) {
+      at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
+                        o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
+                        found_inf);
+    } else {
+      at::_fused_adam_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
+                       o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
+                       found_inf);
+    }
+    if (on_device) {
+      for (auto& count : batch.steps) count.sub_(fused.step_context().found_inf());  // torch's fused Adam: the skip uncounted
+    }
+    finish_batch(batch);
+  }
+#else
+  (void)decoupled, (void)on_device;
+  TORCH_INTERNAL_ASSERT(false, "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+  for (const auto& item : items) item.work.finish();
+}
+
+// LibTorch's algorithm op for op (what neither the CPU loop nor ATen's kernels take).
+template <class Options, class State>
+void adam_per_op_all(std::vector<Planned<State>>& items, const Options& o, bool decoupled,
+                     const std::optional<double>& grad_scale) {
+  for (auto& item : items) {
+    adam_per_op(item.work.param, item.work.grad, *item.state, o, decoupled, grad_scale);
+    if (item.copy) item.copy->copy_(item.work.param);
+    item.work.finish();
+  }
+}
+
 template <class Options, class State, class CopyOf, class Fused>
 void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of, const LeanTable& lean,
                       bool decoupled, const char* name, StateFormat& format) {
@@ -293,15 +417,11 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
     auto& group = opt.param_groups()[g];
     const auto& o = static_cast<const Options&>(group.options());
-    const auto [beta1, beta2] = o.betas();
-    std::map<BatchKey, AtenBatch> batches;
-    std::vector<Work> after_batches;
-    for (size_t i = 0; i < group.params().size(); ++i) {
-      const at::Tensor& key = group.params()[i];
+    RoutePlan<State> plan;
+    for (const at::Tensor& key : group.params()) {
       if (!key.grad().defined()) continue;
-      Work work = work_for(key, lean);
-      at::Tensor& p = work.param;
-      const at::Tensor& grad = work.grad;
+      Planned<State> item{key, work_for(key, lean)};
+      const at::Tensor& p = item.work.param;
       auto& slot = states[state_key(states, key)];
       const StateFormat::Place place = format.place(key);
       if (!slot) {  // LibTorch's lazy state initialization
@@ -311,7 +431,8 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
         fresh->exp_avg_sq(format.fresh(p, place));
         slot = std::move(fresh);
       }
-      auto& state = static_cast<State&>(*slot);
+      item.state = &static_cast<State&>(*slot);
+      State& state = *item.state;
       if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
         state.max_exp_avg_sq(format.fresh(p, place));  // amsgrad turned on later
       }
@@ -319,88 +440,21 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
       format.adopt(state.exp_avg_sq(), p, place, Moment::kUnsigned);
       format.adopt(state.max_exp_avg_sq(), p, place, Moment::kUnsigned);
       state.step(state.step() + 1);
-      const at::Tensor* copy = copy_of(p);
+      item.copy = copy_of(p);
       if (format.format() != amp::OptimizerStateFormat::kFp32) {
-        adam_stored(key, work, state, o, decoupled, grad_scale, copy, format);
+        plan.stored.push_back(std::move(item));
         continue;
       }
       const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
-      switch (route_for(p, grad, {state.exp_avg(), state.exp_avg_sq(), vmax}, copy)) {
-        case FusedRoute::kAuto: {
-          const cpu::AdamScalars s{o.lr(), beta1, beta2, o.eps(), o.weight_decay(), decoupled, o.amsgrad(),
-                                   state.step(), inverse_scale(grad_scale)};
-          float* pp = p.data_ptr<float>();
-          float* gp = grad.data_ptr<float>();
-          float* mp = state.exp_avg().template data_ptr<float>();
-          float* vp = state.exp_avg_sq().template data_ptr<float>();
-          float* xp = vmax.defined() ? vmax.data_ptr<float>() : nullptr;
-          const cpu::ModelCopy c = model_copy_arg(copy);
-          split(p.numel(), [&](int64_t b, int64_t n) {
-            cpu::adam_step(pp + b, gp + b, mp + b, vp + b, xp ? xp + b : nullptr, n, s, offset(c, b));
-          });
-          bump({p, state.exp_avg(), state.exp_avg_sq(), vmax, copy ? *copy : at::Tensor()});
-          work.finish();
-          break;
-        }
-        case FusedRoute::kAten: {
-          auto& batch = batches[batch_key(p, o.amsgrad())];
-          batch.params.push_back(p);
-          batch.grads.push_back(grad);
-          batch.buffers_a.push_back(state.exp_avg());
-          batch.buffers_b.push_back(state.exp_avg_sq());
-          if (o.amsgrad()) batch.buffers_c.push_back(vmax);
-          // The count lives on the device across steps (a captured step replays its own update of it).
-          const auto slot_key = state_key(states, key);
-          auto set_host = [slot_key](torch::optim::Optimizer& self, int64_t count) {
-            const auto it = self.state().find(slot_key);
-            if (it != self.state().end() && it->second) static_cast<State&>(*it->second).step(count);
-          };
-          batch.steps.push_back(fused.step_context().device_step(key, state.step(), p.device(), set_host));
-          if (on_device) {
-            fused.step_context().on_skip_undo([impl = key.unsafeGetTensorImpl(), slot_key](torch::optim::Optimizer& self,
-                                                                            FusedOptimizer& fused_self) {
-              const auto it = self.state().find(slot_key);
-              if (it != self.state().end() && it->second) {
-                auto& counted = static_cast<State&>(*it->second);
-                counted.step(counted.step() - 1);
-              }
-              fused_self.step_context().undo_device_step(impl);
-            });
-          }
-          batch.copy_after(p, copy);
-          if (work.lean) after_batches.push_back(std::move(work));
-          break;
-        }
-        case FusedRoute::kPerOp:
-          adam_per_op(p, grad, state, o, decoupled, grad_scale);
-          if (copy) copy->copy_(p);
-          work.finish();
-          break;
-      }
+      const FusedRoute route = route_for(p, item.work.grad, {state.exp_avg(), state.exp_avg_sq(), vmax}, item.copy);
+      plan.add(route, std::move(item));
     }
-#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
-    for (auto& [key, batch] : batches) {
-      const bool amsgrad = std::get<2>(key);
-      const auto scale = fused.step_context().aten_grad_scale(batch.params.front());
-      const std::optional<at::Tensor> found_inf = on_device ? std::optional<at::Tensor>(fused.step_context().found_inf()) : std::nullopt;
-      if (decoupled) {
-        at::_fused_adamw_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
-                          o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
-                          found_inf);
-      } else {
-        at::_fused_adam_(batch.params, batch.grads, batch.buffers_a, batch.buffers_b, batch.buffers_c, batch.steps,
-                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), amsgrad, /*maximize=*/false, scale,
-                         found_inf);
-      }
-      if (on_device) {
-        for (auto& count : batch.steps) count.sub_(fused.step_context().found_inf());  // torch's fused Adam: the skip uncounted
-      }
-      finish_batch(batch);
+    for (auto& item : plan.stored) {
+      adam_stored(item.key, item.work, *item.state, o, decoupled, grad_scale, item.copy, format);
     }
-#else
-    TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
-#endif
-    for (const auto& work : after_batches) work.finish();
+    adam_cpu_loop(plan.cpu_loop, o, decoupled, grad_scale);
+    adam_per_op_all(plan.per_op, o, decoupled, grad_scale);
+    adam_aten(plan.aten, o, decoupled, opt, fused, on_device);
   }
   format.end_step();
 }
@@ -438,6 +492,52 @@ void sgd_per_op(at::Tensor& p, const at::Tensor& grad, torch::optim::SGDParamSta
     d_p = o.nesterov() ? d_p.add(buf, o.momentum()) : buf;
   }
   p.add_(d_p, -1 * o.lr());
+}
+
+using SgdPlanned = Planned<torch::optim::SGDParamState>;
+
+// The CPU loop: fp32 contiguous parameters, gradients and buffers on the host (cpu::sgd_step).
+void sgd_cpu_loop(std::vector<SgdPlanned>& items, const torch::optim::SGDOptions& o,
+                  const std::optional<double>& grad_scale) {
+  for (auto& item : items) {
+    at::Tensor& p = item.work.param;
+    const cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), item.first,
+                            inverse_scale(grad_scale)};
+    const at::Tensor buf = item.state ? item.state->momentum_buffer() : at::Tensor();
+    float* pp = p.data_ptr<float>();
+    float* gp = item.work.grad.data_ptr<float>();
+    float* bp = buf.defined() ? buf.data_ptr<float>() : nullptr;
+    const cpu::ModelCopy c = model_copy_arg(item.copy);
+    split(p.numel(), [&](int64_t b, int64_t n) { cpu::sgd_step(pp + b, gp + b, bp ? bp + b : nullptr, n, s, offset(c, b)); });
+    bump({p, buf, item.copy ? *item.copy : at::Tensor()});
+    item.work.finish();
+  }
+}
+
+// ATen's _fused_sgd_, one call per (device, dtype, first step) batch.
+void sgd_aten(std::vector<SgdPlanned>& items, const torch::optim::SGDOptions& o, amp::detail::FusedStepContext& context,
+              const std::optional<at::Tensor>& device_found_inf) {
+  if (items.empty()) return;
+  std::map<BatchKey, AtenBatch> batches;
+  for (const auto& item : items) {
+    auto& batch = batches[batch_key(item.work.param, item.first)];
+    batch.params.push_back(item.work.param);
+    batch.grads.push_back(item.work.grad);
+    if (item.state) batch.buffers_a.push_back(item.state->momentum_buffer());
+    batch.copy_after(item.work.param, item.copy);
+  }
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+  for (auto& [key, batch] : batches) {
+    at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
+                    o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
+                    context.aten_grad_scale(batch.params.front()), device_found_inf);
+    finish_batch(batch);
+  }
+#else
+  (void)o, (void)context, (void)device_found_inf;
+  TORCH_INTERNAL_ASSERT(false, "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+  for (const auto& item : items) item.work.finish();
 }
 
 // ---- LAMB -------------------------------------------------------------------------------------------
@@ -851,71 +951,32 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
   const bool aten_only = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
   const std::optional<double> grad_scale = aten_only ? std::nullopt : step_context().grad_scale();
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    auto& group = param_groups_[g];
+  for (auto& group : param_groups_) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
-    std::map<BatchKey, AtenBatch> batches;
-    std::vector<Work> after_batches;
-    for (size_t i = 0; i < group.params().size(); ++i) {
-      const at::Tensor& key = group.params()[i];
+    RoutePlan<torch::optim::SGDParamState> plan;  // NOTE [Step routes]
+    for (const at::Tensor& key : group.params()) {
       if (!key.grad().defined()) continue;
-      Work work = work_for(key, lean_masters());
-      at::Tensor& p = work.param;
-      const at::Tensor& grad = work.grad;
-      torch::optim::SGDParamState* state = nullptr;
-      bool first = false;
+      Planned<torch::optim::SGDParamState> item{key, work_for(key, lean_masters())};
+      const at::Tensor& p = item.work.param;
       if (o.momentum() != 0) {
         auto& slot = states[state_key(states, key)];
         if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
-        state = static_cast<torch::optim::SGDParamState*>(slot.get());
-        first = !state->momentum_buffer().defined();
+        item.state = static_cast<torch::optim::SGDParamState*>(slot.get());
+        item.first = !item.state->momentum_buffer().defined();
       }
-      const at::Tensor* copy = model_copy(p);
-      const auto route = route_for(p, grad, {state && !first ? state->momentum_buffer() : at::Tensor()}, copy);
-      if (first && route != FusedRoute::kPerOp) state->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
-      switch (route) {
-        case FusedRoute::kAuto: {
-          const cpu::SgdScalars s{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), first,
-                                  inverse_scale(grad_scale)};
-          const at::Tensor buf = state ? state->momentum_buffer() : at::Tensor();
-          float* pp = p.data_ptr<float>();
-          float* gp = grad.data_ptr<float>();
-          float* bp = buf.defined() ? buf.data_ptr<float>() : nullptr;
-          const cpu::ModelCopy c = model_copy_arg(copy);
-          split(p.numel(), [&](int64_t b, int64_t n) {
-            cpu::sgd_step(pp + b, gp + b, bp ? bp + b : nullptr, n, s, offset(c, b));
-          });
-          bump({p, buf, copy ? *copy : at::Tensor()});
-          work.finish();
-          break;
-        }
-        case FusedRoute::kAten: {
-          auto& batch = batches[batch_key(p, first)];
-          batch.params.push_back(p);
-          batch.grads.push_back(grad);
-          if (state) batch.buffers_a.push_back(state->momentum_buffer());
-          batch.copy_after(p, copy);
-          if (work.lean) after_batches.push_back(std::move(work));
-          break;
-        }
-        case FusedRoute::kPerOp:
-          sgd_per_op(p, grad, state, first, o, grad_scale);
-          if (copy) copy->copy_(p);
-          work.finish();
-          break;
-      }
+      item.copy = model_copy(p);
+      const auto route =
+          route_for(p, item.work.grad, {item.state && !item.first ? item.state->momentum_buffer() : at::Tensor()}, item.copy);
+      if (item.first && route != FusedRoute::kPerOp) item.state->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+      plan.add(route, std::move(item));
     }
-#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
-    for (auto& [key, batch] : batches) {
-      at::_fused_sgd_(batch.params, batch.grads, batch.buffers_a, o.weight_decay(), o.momentum(), o.lr(),
-                      o.dampening(), o.nesterov(), /*maximize=*/false, /*is_first_step=*/std::get<2>(key),
-                      step_context().aten_grad_scale(batch.params.front()), device_found_inf);
-      finish_batch(batch);
+    sgd_cpu_loop(plan.cpu_loop, o, grad_scale);
+    for (auto& item : plan.per_op) {
+      sgd_per_op(item.work.param, item.work.grad, item.state, item.first, o, grad_scale);
+      if (item.copy) item.copy->copy_(item.work.param);
+      item.work.finish();
     }
-#else
-    TORCH_INTERNAL_ASSERT(batches.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
-#endif
-    for (const auto& work : after_batches) work.finish();
+    sgd_aten(plan.aten, o, step_context(), device_found_inf);
   }
   return loss;
 }

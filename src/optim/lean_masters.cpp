@@ -114,6 +114,13 @@ void LeanMasters::restore(size_t i, const at::Tensor& aux, const at::Tensor& loa
   mark_synced(i);
 }
 
+void LeanMasters::mark_whole(std::vector<at::Tensor> aux) {
+  TORCH_INTERNAL_ASSERT(aux.size() == aux_.size());
+  shards_.reset();
+  if (aux_sharded_) aux_ = std::move(aux);
+  aux_sharded_ = false;
+}
+
 void LeanMasters::mark_sharded(std::weak_ptr<Shards> shards) {
   shards_ = std::move(shards);
   aux_sharded_ = format_ != amp::MasterWeights::kStochasticRounding;

@@ -117,6 +117,8 @@ class LeanMasters {
   };
   /// From now on `shards` holds the aux in slices and this table keeps none (stores hand theirs over).
   void mark_sharded(std::weak_ptr<Shards> shards);
+  /// Holds every parameter's whole aux again (`aux`, in this table's order: what Shards::gather_aux gave).
+  void mark_whole(std::vector<at::Tensor> aux);
   std::shared_ptr<Shards> shards() const { return shards_.lock(); }
 
   /// Writes the format, the generator and every parameter's weight and aux under "lean/" (the optimizer archive).

@@ -82,6 +82,10 @@ class Sharding {
   /// Collective: runs `fn` with the torch optimizer holding every rank's state whole, keyed by the full tensors, as
   /// an unsharded optimizer holds it (PythonCheckpoint::put_optimizer).
   virtual void with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) = 0;
+  /// Collective: runs `fn` (auto_fp32 moving a module up) with the optimizer whole, as an unsharded one holds it (the
+  /// masters' values, every rank's state keyed by the full tensors, the lean masters' aux); the param-group sync `fn`
+  /// ends with lays every group out again.
+  virtual void with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) = 0;
   /// After state was written for the full tensors (PythonCheckpoint::load_optimizer): each rank keeps its slices.
   virtual void adopt_loaded_state(OptimizerBase& optimizer) = 0;
   /// The storages this object holds, by StateBytes kind (masters, master_grads, grads of direct pieces).

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -213,6 +214,7 @@ class Zero final : public amp::detail::Sharding,
   void held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
             std::vector<at::Tensor>& grads) const override;
   void with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) override;
+  void with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) override;
   void adopt_loaded_state(OptimizerBase& optimizer) override {
     adopt_full_state(OptimizerAccess::torch_optimizer(optimizer), 0);
   }
@@ -1032,6 +1034,50 @@ void Zero::with_full_state(OptimizerBase& optimizer, const std::function<void()>
   end_consolidated();
 }
 
+void Zero::with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) {
+  torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
+  gather_consolidated(optimizer, /*everywhere=*/true);
+  auto& state = opt.state();
+  // State keyed by a whole tensor (a checkpoint torch::load-ed, not sliced yet) is newer than its pieces'.
+  std::set<ShardStateMap::key_type> piece_keys;
+  for (const auto& p : pieces_) piece_keys.insert(amp::detail::state_key(state, p.value));
+  for (auto& [key, slot] : state) {
+    if (slot && !piece_keys.count(key)) (*full_state_)[key] = std::move(slot);
+  }
+  state = std::move(*full_state_);
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      if (e.mastered) e.stepped.set_data(full_masters_[e.master_index]);
+    }
+  }
+  amp::detail::ParamIndex& index = OptimizerAccess::index(optimizer);
+  index.masters().mark_sharded({});
+  if (lean_) lean_->mark_whole(full_aux_ ? std::move(*full_aux_) : std::vector<at::Tensor>(lean_->size()));
+  end_consolidated();
+  // Nothing laid out: the param-group sync lays every group out again (adopt_groups), or, if fn changed nothing the
+  // sync sees, the lines below do.
+  groups_.clear();
+  group_numel_.clear();
+  pieces_.clear();
+  lanes_.clear();
+  used_.clear();
+  unreduced_.clear();
+  piece_places_.clear();
+  whole_numel_ = 0;
+  lean_pieces_.reset();
+  lean_.reset();
+  auto lay_out = [&] {
+    if (groups_.empty()) adopt_groups(optimizer);
+  };
+  try {
+    fn();
+  } catch (...) {
+    lay_out();
+    throw;
+  }
+  lay_out();
+}
+
 void Zero::write_master(size_t i, const at::Tensor& value) {
   c10::NoGradGuard no_grad;
   for (auto& p : pieces_) {
@@ -1328,9 +1374,6 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
                                 : std::string("its per-parameter state is not one amp knows how to slice");
   TORCH_CHECK(kind && !kind->unshardable, kShard, ": this optimizer type can't be sharded (", why, "). Use "
               "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or LibTorch's SGD, Adam or AdamW.");
-  TORCH_CHECK(p.auto_fp32 == 0, kShard, ": auto_fp32 = ", p.auto_fp32, " moves layers to fp32 masters while training, "
-              "which a fixed sharding layout can't follow. Set auto_fp32 = 0 (keep the layers it named in fp32 with "
-              "keep_fp32) to shard.");
   auto zero = std::make_shared<Zero>(core, optimizer, options);
   if (options.stage() == 2) {
     std::weak_ptr<Zero> weak = zero;
