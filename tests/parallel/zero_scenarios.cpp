@@ -927,8 +927,10 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
 // auto_fp32 under ZeRO (scenario_auto_fp32's model): three ordinary steps give every parameter Adam state, then layer
 // "1" gets huge weights and only rank 1's batches overflow it; the ranks agree on it, and the sharded optimizer moves
 // it to fp32 whole (its masters' values, its state, the lean aux gathered, then every group laid out again); then the
-// weights are ordinary again. Against the unsharded run doing the same: bit for bit after every step, with fp32 and
-// split masters; a consolidated archive (which holds the decision) resumes a sharded run bit for bit.
+// weights are ordinary again. Against the unsharded run doing the same: bit for bit after every step on 2 ranks, with
+// fp32 and split masters, and a consolidated archive (which holds the decision) resumes a sharded run bit for bit. On
+// more ranks the moved module's fp32 gradients are summed in another order by the reduce-scatter: there within twice
+// what reordering alone does to the unsharded run (train_side_by_side's bound).
 void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
   auto make_net = [] {
     torch::manual_seed(5);
@@ -957,11 +959,15 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
     auto adamw = [](torch::nn::Sequential& net) {
       return amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3));
     };
-    auto ref_net = make_net(), net = make_net();
+    const int n = group.world_size();
+    auto ref_net = make_net(), net = make_net(), reordered_net = make_net();
     auto [ref_model, ref_optimizer] = amp::initialize(ref_net, adamw(ref_net), options);
     auto [model, optimizer] = amp::initialize(net, adamw(net), options);
-    auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
-    auto ddp = amp::parallel::make_distributed(model, group);
+    auto [reordered_model, reordered_optimizer] = amp::initialize(reordered_net, adamw(reordered_net), options);
+    auto ref_ddp = amp::parallel::make_distributed(ref_model, group, wire_for(n));
+    auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
+    auto reordered_ddp =
+        amp::parallel::make_distributed(reordered_model, group, wire_for(n).bucket_cap_mb(0.0001).delay_allreduce(true));
     amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
     auto train = [&](auto& o, auto& d, int step) {
       torch::manual_seed(9000 + step * 2 + group.rank());
@@ -972,23 +978,27 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
       amp::scale_loss(d(x).pow(2).mean() * 1e-3, o).backward();
       o.step();
     };
-    bool same = true;
+    double worst = 0, spread = 0;
     for (int step = 0; step < 9; ++step) {
       if (step == 3 || step == 6) {
-        torch::NoGradGuard no_grad;  // in place, the same on both ranks
-        ref_net[1]->as<torch::nn::LinearImpl>()->weight.fill_(step == 3 ? 3e38 : 0.5);
-        net[1]->as<torch::nn::LinearImpl>()->weight.fill_(step == 3 ? 3e38 : 0.5);
+        torch::NoGradGuard no_grad;  // in place, the same on every rank
+        for (auto* m : {&ref_net, &net, &reordered_net}) (*m)[1]->as<torch::nn::LinearImpl>()->weight.fill_(step == 3 ? 3e38 : 0.5);
       }
       train(ref_optimizer, ref_ddp, step);
       train(optimizer, ddp, step);
-      same = same && bitwise(state_of(net), state_of(ref_net));
+      train(reordered_optimizer, reordered_ddp, step);
+      const auto b = state_of(ref_net);
+      worst = std::max(worst, bitwise(state_of(net), b) ? 0.0 : std::max(relative_diff(state_of(net), b), 1e-300));
+      spread = std::max(spread, relative_diff(state_of(reordered_net), b));
     }
+    const double bound = n == 2 ? 0.0 : std::max(2 * spread, 1e-6);
     const auto moved = amp::fp32_modules(optimizer);
     report(moved == std::vector<std::string>{"1 (auto_fp32)"} && amp::fp32_modules(ref_optimizer) == moved,
            label + ": the sharded optimizer moved the module rank 1 found", moved.empty() ? "none" : moved.front());
     report(optimizer.skipped_steps() == 3 && ref_optimizer.skipped_steps() == 3, label + ": 3 steps skipped",
            std::to_string(optimizer.skipped_steps()));
-    report(same, label + ": the sharded run equals the unsharded one bit for bit after every step");
+    report(worst <= bound, label + ": the sharded run equals the unsharded one after every step (bit for bit on 2 ranks)",
+           "worst relative " + str(worst) + ", the unsharded run reordered " + str(spread));
     report(same_on_all_ranks(group, net->parameters()), label + ": every rank's replica is identical");
 
     // The consolidated archive holds the decision: a fresh sharded optimizer repeats the move while it loads.
@@ -998,17 +1008,20 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
     group.barrier();
     auto resumed_net = make_net();
     auto [resumed_model, resumed] = amp::initialize(resumed_net, adamw(resumed_net), options);
-    auto resumed_ddp = amp::parallel::make_distributed(resumed_model, group);
+    auto resumed_ddp = amp::parallel::make_distributed(resumed_model, group, wire_for(n));
     amp::parallel::shard_optimizer(resumed_ddp, resumed, amp::parallel::ZeroOptions().stage(stage));
     torch::load(resumed, path);
     torch::load(resumed_net, path + ".model");
-    bool continues = amp::fp32_modules(resumed) == moved;
+    const bool moved_again = amp::fp32_modules(resumed) == moved;
+    double resumed_worst = 0;
     for (int step = 9; step < 12; ++step) {
-      train(ref_optimizer, ref_ddp, step);
+      train(optimizer, ddp, step);
       train(resumed, resumed_ddp, step);
-      continues = continues && bitwise(state_of(resumed_net), state_of(ref_net));
+      const auto a = state_of(resumed_net), b = state_of(net);  // against the sharded run that did not stop
+      resumed_worst = std::max(resumed_worst, bitwise(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
     }
-    report(continues, label + ": the consolidated archive resumes a sharded run bit for bit (the module moved again)");
+    report(moved_again && resumed_worst == 0, label + ": the consolidated archive resumes a sharded run bit for bit "
+           "(the module moved again)", "worst relative " + str(resumed_worst));
   }
 }
 
@@ -1030,6 +1043,13 @@ void scenario_zero(const ProcessGroup& group) {
                        amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8(
                            amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)),
                        0});
+    // The recipes that scale slices and blocks (no amax history to agree on): the GEMMs change, the sharding doesn't.
+    for (const auto scaling : {amp::Fp8Options::Scaling::kRowwise, amp::Fp8Options::Scaling::kMxfp8}) {
+      configs.push_back({std::string("O2 bf16 FP8 ") + amp::to_string(scaling) + " FusedAdamW",
+                         amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8(
+                             amp::Fp8Options().scaling(scaling)),
+                         0});
+    }
   }
 #if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no fp16 GEMM on the CPU
   configs.push_back({"O2 fp16 FusedSGD", amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0), 1});
