@@ -1001,27 +1001,39 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
            "worst relative " + str(worst) + ", the unsharded run reordered " + str(spread));
     report(same_on_all_ranks(group, net->parameters()), label + ": every rank's replica is identical");
 
-    // The consolidated archive holds the decision: a fresh sharded optimizer repeats the move while it loads.
+    // The archives hold the decision: a fresh sharded optimizer repeats the move while it loads the consolidated
+    // archive or this rank's own.
     const std::string path = dir + "/zero_auto_fp32_" + std::to_string(stage) + ".pt";
+    const std::string own = path + ".rank" + std::to_string(group.rank());
     amp::parallel::save_consolidated(optimizer, path);
+    torch::save(optimizer, own);
     if (group.rank() == 0) torch::save(net, path + ".model");
     group.barrier();
-    auto resumed_net = make_net();
+    auto resumed_net = make_net(), own_net = make_net();
     auto [resumed_model, resumed] = amp::initialize(resumed_net, adamw(resumed_net), options);
+    auto [own_model, own_optimizer] = amp::initialize(own_net, adamw(own_net), options);
     auto resumed_ddp = amp::parallel::make_distributed(resumed_model, group, wire_for(n));
+    auto own_ddp = amp::parallel::make_distributed(own_model, group, wire_for(n));
     amp::parallel::shard_optimizer(resumed_ddp, resumed, amp::parallel::ZeroOptions().stage(stage));
+    amp::parallel::shard_optimizer(own_ddp, own_optimizer, amp::parallel::ZeroOptions().stage(stage));
     torch::load(resumed, path);
     torch::load(resumed_net, path + ".model");
-    const bool moved_again = amp::fp32_modules(resumed) == moved;
+    torch::load(own_optimizer, own);
+    torch::load(own_net, path + ".model");
+    const bool moved_again = amp::fp32_modules(resumed) == moved && amp::fp32_modules(own_optimizer) == moved;
     double resumed_worst = 0;
     for (int step = 9; step < 12; ++step) {
       train(optimizer, ddp, step);
       train(resumed, resumed_ddp, step);
-      const auto a = state_of(resumed_net), b = state_of(net);  // against the sharded run that did not stop
-      resumed_worst = std::max(resumed_worst, bitwise(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
+      train(own_optimizer, own_ddp, step);
+      const auto b = state_of(net);  // the sharded run that did not stop
+      for (auto* other : {&resumed_net, &own_net}) {
+        const auto a = state_of(*other);
+        resumed_worst = std::max(resumed_worst, bitwise(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
+      }
     }
-    report(moved_again && resumed_worst == 0, label + ": the consolidated archive resumes a sharded run bit for bit "
-           "(the module moved again)", "worst relative " + str(resumed_worst));
+    report(moved_again && resumed_worst == 0, label + ": the consolidated archive and a rank's own resume a sharded run "
+           "bit for bit (the module moved again)", "worst relative " + str(resumed_worst));
   }
 }
 
