@@ -21,8 +21,10 @@
 #include <iomanip>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "amp/amp.h"
@@ -82,6 +84,18 @@ void with_optimizer(int kind, torch::nn::Sequential& net, Body body) {
     default:
       return body(build<amp::optim::FusedAdam>(net, torch::optim::AdamOptions(1e-2).amsgrad(true), 5e-3f));
   }
+}
+
+// The config's optimizer for `net` as the type `Opt` with_optimizer gives for `kind`: a second optimizer of a body's
+// type without nesting with_optimizer once more (each level multiplies the body's instantiations by five).
+template <class Opt>
+Opt optimizer_like(int kind, torch::nn::Sequential& net) {
+  std::optional<Opt> out;
+  with_optimizer(kind, net, [&](auto o) {
+    if constexpr (std::is_same_v<decltype(o), Opt>) out.emplace(std::move(o));
+  });
+  TORCH_INTERNAL_ASSERT(out, "optimizer_like: kind ", kind, " is another type");
+  return std::move(*out);
 }
 
 std::vector<torch::Tensor> params_of(torch::nn::Sequential& net) { return clones(net->parameters()); }
@@ -806,8 +820,9 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
                                      .optimizer_state_format(c.moments)
                                      .verbosity(0);
     auto ref_net = make_net(), net = make_net();
-    with_optimizer(c.optimizer, ref_net, [&](auto ref_opt) {
-      with_optimizer(c.optimizer, net, [&](auto opt) {
+    with_optimizer(c.optimizer, net, [&](auto opt) {
+      auto ref_opt = optimizer_like<decltype(opt)>(c.optimizer, ref_net);
+      {
         // Each rank seeds the rounding differently: make_distributed hands every rank rank 0's generator.
         torch::manual_seed(5 + group.rank());
         auto [ref_model, ref_optimizer] = amp::initialize(ref_net, std::move(ref_opt), options);
@@ -855,9 +870,11 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         amp::parallel::save_consolidated(optimizer, path);
         torch::save(optimizer, own);
         auto resumed_net = make_net(), sharded_net = make_net(), own_net = make_net();
-        with_optimizer(c.optimizer, resumed_net, [&](auto resumed_opt) {
-          with_optimizer(c.optimizer, sharded_net, [&](auto sharded_opt) {
-           with_optimizer(c.optimizer, own_net, [&](auto own_opt) {
+        {
+          using Opt = decltype(opt);
+          auto resumed_opt = optimizer_like<Opt>(c.optimizer, resumed_net);
+          auto sharded_opt = optimizer_like<Opt>(c.optimizer, sharded_net);
+          auto own_opt = optimizer_like<Opt>(c.optimizer, own_net);
             auto [resumed_model, resumed] = amp::initialize(resumed_net, std::move(resumed_opt), options);
             auto [sharded_model, resharded] = amp::initialize(sharded_net, std::move(sharded_opt), options);
             auto [own_model, own_optimizer] = amp::initialize(own_net, std::move(own_opt), options);
@@ -890,9 +907,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
             }
             report(resumed_same, label + ": the consolidated archive resumes sharded and unsharded runs, a rank's own "
                    "archive a sharded one, bit for bit", differs);
-           });
-          });
-        });
+        }
 
         // load_weights: fp32 values written whole on every rank, the pieces follow.
         const std::string weights = dir + "/zero_lean_weights_" + std::to_string(stage) + ".pt";
@@ -919,7 +934,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         const auto edited = lean_state(net), ref_edited = lean_state(ref_net);
         report(bitwise(edited.first, ref_edited.first) && edited.second == ref_edited.second,
                label + ": after a weight edited in place the sharded run steps as the unsharded one");
-      });
+      }
     });
   }
 }
