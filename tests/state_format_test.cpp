@@ -19,6 +19,7 @@
 #include <random>
 #include <sstream>
 
+#include "optim/cpu_optimizer_kernels.h"
 #include "optim/fused_route.h"
 #include "optim/fused_step_context.h"
 #include "optim/optimizer_state_key.h"
@@ -343,22 +344,24 @@ TEST(StateFormatCodecTest, Bf16StochasticRoundingIsUnbiased) {
 
 // The CPU loop's codes are torchao's ATen ops' (quantize_with_map), block scales included; decoding is
 // map[code] * scale; slicing and joining by blocks (ZeRO's pieces) is lossless.
-// Runs `body` on the codec's AVX2 loops (where the CPU has them) and on its portable ones.
+// Runs `body` on each of the codec's loops this CPU has: AVX-512, AVX2 and portable.
 template <class Body>
-void on_both_codecs(Body body) {
-  struct PortableLoopsGuard {
-    explicit PortableLoopsGuard(bool portable) { amp::detail::cpu::force_portable_loops(portable); }
-    ~PortableLoopsGuard() { amp::detail::cpu::force_portable_loops(false); }
+void on_every_codec(Body body) {
+  using amp::detail::cpu::CodecLoops;
+  struct CodecLoopsGuard {
+    explicit CodecLoopsGuard(CodecLoops widest) { amp::detail::cpu::force_codec_loops(widest); }
+    ~CodecLoopsGuard() { amp::detail::cpu::force_codec_loops(CodecLoops::kAvx512); }
   };
-  for (const bool portable : {false, true}) {
-    SCOPED_TRACE(portable ? "portable loops" : "the CPU's loops");
-    const PortableLoopsGuard loops(portable);
+  for (const auto level : {CodecLoops::kAvx512, CodecLoops::kAvx2, CodecLoops::kPortable}) {
+    if (!amp::detail::cpu::codec_loops_at(level)) continue;
+    SCOPED_TRACE(level == CodecLoops::kAvx512 ? "AVX-512 loops" : level == CodecLoops::kAvx2 ? "AVX2 loops" : "portable loops");
+    const CodecLoopsGuard loops(level);
     body();
   }
 }
 
 TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
-  on_both_codecs([] {
+  on_every_codec([] {
     torch::manual_seed(1);
     auto values = torch::randn({64, 256}) * torch::logspace(-8, 2, 64).view({-1, 1});
     values[3].zero_();           // a block of zeros: scale 1e-12
@@ -391,7 +394,7 @@ TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
 // where codes change: every rounding midpoint of both maps and the 6 floats on each side of it, and each map value's
 // neighbours, in blocks whose absmax is 1 (so the values are divided by exactly 1).
 TEST(StateFormatCodecTest, BucketTableGivesTheSearchsCodesAtEveryBoundary) {
-  on_both_codecs([] {
+  on_every_codec([] {
     for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
       const auto& map = amp::detail::quantization_map(moment);
       std::vector<float> values;
@@ -432,7 +435,7 @@ TEST(StateFormatCodecTest, BucketTableGivesTheSearchsCodesAtEveryBoundary) {
 // the reciprocal route's limits, random ones) and its values are the scale times each rounding midpoint of the map,
 // with their float neighbours, so x / s lands on, just below and just above where codes change.
 TEST(StateFormatCodecTest, QuotientsByTheScaleAreTheDivisionsAtEveryBoundary) {
-  on_both_codecs([] {
+  on_every_codec([] {
     std::vector<float> scales;
     for (int e = -64; e <= 104; e += 4) {
       scales.push_back(std::ldexp(1.0f, e));                              // a power of two
@@ -466,6 +469,62 @@ TEST(StateFormatCodecTest, QuotientsByTheScaleAreTheDivisionsAtEveryBoundary) {
       EXPECT_EQ(mismatches, 0) << (moment == Moment::kSigned ? "signed" : "unsigned") << " map, " << n << " values";
     }
   });
+}
+
+// The 8-bit Adam step on each loop this CPU has (NOTE [The 8-bit step in one pass] in cpu_optimizer_kernels.cpp: the
+// AVX-512 one decodes, updates and encodes in one pass) gives the portable loops' parameters, unscaled gradients,
+// codes, scales and O2 copy bit for bit: Adam and AdamW, a loss scale or none, a step over a slice starting past the
+// tensor's first chunk and ending inside one, a block whose moments become NaN (an inf gradient: the codec's search)
+// a block of zero moments (scale 1e-12) and one of tiny ones (scales below 2^-60: divided, not multiplied by 1 / s).
+TEST(StateFormatCodecTest, EightBitAdamStepOnEveryLoop) {
+  namespace cpu = amp::detail::cpu;
+  const int64_t n = 3 * cpu::kStoredChunk + 512;
+  torch::manual_seed(5);
+  const auto param0 = torch::randn({n});
+  auto grad0 = torch::randn({n}) * torch::logspace(-6, 0, n);
+  grad0[cpu::kStoredChunk + 300] = std::numeric_limits<float>::infinity();
+  auto m0 = torch::randn({n}) * 1e-3, v0 = torch::rand({n}) * 1e-6;
+  m0.narrow(0, 2 * cpu::kStoredChunk, 256).zero_(), v0.narrow(0, 2 * cpu::kStoredChunk, 256).zero_();
+  grad0.narrow(0, 2 * cpu::kStoredChunk, 512).zero_();
+  m0.narrow(0, 2 * cpu::kStoredChunk + 256, 256).mul_(1e-20), v0.narrow(0, 2 * cpu::kStoredChunk + 256, 256).mul_(1e-28);
+  auto packed = [&](const torch::Tensor& values, Moment moment) {
+    auto out = torch::zeros({n + n / 64}, torch::kUInt8);
+    amp::detail::encode_moment(values, out, moment);
+    return out;
+  };
+  struct Result {
+    torch::Tensor param, grad, m, v, copy;
+  };
+  for (const bool decoupled : {true, false}) {
+    for (const float inv : {1.0f, 1.0f / 1024}) {
+      for (const int64_t begin : {int64_t{0}, cpu::kStoredChunk}) {
+        SCOPED_TRACE(std::string(decoupled ? "AdamW" : "Adam") + ", inv " + std::to_string(inv) + ", from " +
+                     std::to_string(begin));
+        std::vector<Result> results;
+        on_every_codec([&] {
+          Result r{param0.clone(), grad0.clone() / inv, packed(m0, Moment::kSigned), packed(v0, Moment::kUnsigned),
+                   torch::zeros({n}, torch::kBFloat16)};
+          const auto m = amp::detail::cpu_view(r.m, Moment::kSigned), v = amp::detail::cpu_view(r.v, Moment::kUnsigned);
+          ASSERT_TRUE(m && v);
+          const cpu::AdamScalars scalars{1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, false, 3, inv};
+          cpu::adam_step_stored(r.param.data_ptr<float>(), r.grad.data_ptr<float>(), *m, *v, nullptr, begin, n, scalars,
+                                cpu::ModelCopy{cpu::Dtype::BFloat16, r.copy.data_ptr()});
+          results.push_back(r);
+        });
+        ASSERT_FALSE(results.empty());
+        const Result& portable = results.back();
+        EXPECT_FALSE(torch::isfinite(amp::detail::decode_moment(portable.v, {n}, Moment::kUnsigned)).all().item<bool>());
+        for (size_t i = 0; i + 1 < results.size(); ++i) {
+          EXPECT_TRUE(amp_test::bitwise_equal(results[i].param, portable.param)) << "loop " << i;
+          EXPECT_TRUE(amp_test::bitwise_equal(results[i].grad, portable.grad)) << "loop " << i;
+          EXPECT_TRUE(torch::equal(results[i].m, portable.m)) << "loop " << i;
+          EXPECT_TRUE(torch::equal(results[i].v, portable.v)) << "loop " << i;
+          EXPECT_TRUE(amp_test::bitwise_equal(results[i].copy, portable.copy)) << "loop " << i;
+        }
+        EXPECT_TRUE(amp_test::bitwise_equal(portable.param.narrow(0, 0, begin), param0.narrow(0, 0, begin)));
+      }
+    }
+  }
 }
 
 // ---- through amp::initialize: levels, master formats, routes ---------------------------------------------

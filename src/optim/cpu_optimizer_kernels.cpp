@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "optim/codes_avx512.h"
+
 // NOTE [Fused step arithmetic]
 // Per element, the loops below do what LibTorch's optimizers do with one ATen op after another, in the same
 // order and with the same scalars rounded to float (ATen's opmath for fp32): `add(x, alpha)` and addcmul's
@@ -229,6 +231,107 @@ void stored_chunks(const StateView& m, const StateView& v, const StateView* thir
   }
 }
 
+#ifdef AMP_HAVE_AVX512_CODES
+// NOTE [The 8-bit step in one pass]
+// Adam's division and square root bound its arithmetic (fp32 moments: about 2 cycles a value on a Xeon for them
+// alone), and the out-of-order core runs other work beside them only when it is in the same loop. So with both
+// moments 8-bit, one loop per block of 256 decodes the block's codes, updates it (adam_lerp_body's arithmetic) and
+// encodes the block before it, whose scale needed all of it first: the codec's work runs in the divider's shadow
+// instead of in passes of its own. Every operation is the portable loops' (adam_lerp_body, the codec's), so the
+// parameters, codes and scales are theirs bit for bit (StateFormatCodecTest.EightBitAdamStepOnEveryLoop).
+struct PendingBlock {
+  float* m = nullptr;  // the block's updated moments (scratch), encoded at element `at`
+  float* v = nullptr;
+  int64_t at = -1;
+};
+
+AMP_AVX512 inline void encode_scratch(const StateView& view, int64_t at, const float* values, __m512i absmax) {
+  const float s = avx512::block_scale(absmax);
+  if (!std::isfinite(s)) return encode(view, at, kCodeBlock, values);  // inf or NaN: the codec's search
+  view.scales[at / kCodeBlock] = s;
+  const __m512 sv = _mm512_set1_ps(s), r = _mm512_set1_ps(1.0f / s);
+  const bool by_reciprocal = divides_by_reciprocal(s);
+  auto* codes = static_cast<uint8_t*>(view.data) + at;
+  for (int64_t j = 0; j < kCodeBlock; j += 16) {
+    avx512::codes16(avx512::divide16(_mm512_load_ps(values + j), sv, r, by_reciprocal), view.buckets, codes + j);
+  }
+}
+
+template <bool L2, bool STORE_GRAD>
+AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
+                                int64_t end, const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
+  alignas(64) float scratch[2][2][kCodeBlock];  // [block parity][moment]
+  const __m512 decay = _mm512_set1_ps(f.decay), inv = _mm512_set1_ps(f.inv), wd = _mm512_set1_ps(f.wd);
+  const __m512 coeff1 = _mm512_set1_ps(w.coeff1), coeff2 = _mm512_set1_ps(w.coeff2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(f.bc2_sqrt), eps = _mm512_set1_ps(f.eps);
+  const __m512 neg_step = _mm512_set1_ps(f.neg_step_size);
+  const auto* m_codes = static_cast<const uint8_t*>(m.data);
+  const auto* v_codes = static_cast<const uint8_t*>(v.data);
+  PendingBlock pending;
+  __m512i pending_m_max = _mm512_setzero_si512(), pending_v_max = _mm512_setzero_si512();
+  // The pending block's encoding, 16 values at a time inside the next block's loop (its scale is known by then).
+  __m512 pm_s = _mm512_setzero_ps(), pm_r = pm_s, pv_s = pm_s, pv_r = pm_s;
+  bool pm_fast = false, pv_fast = false, pm_recip = false, pv_recip = false;
+  for (int64_t c = begin; c < end; c += kCodeBlock) {
+    float* m_out = scratch[(c / kCodeBlock) & 1][0];
+    float* v_out = scratch[(c / kCodeBlock) & 1][1];
+    const __m512 m_scale = _mm512_set1_ps(m.scales[c / kCodeBlock]), v_scale = _mm512_set1_ps(v.scales[c / kCodeBlock]);
+    __m512i m_max = _mm512_setzero_si512(), v_max = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kCodeBlock; j += 16) {
+      const int64_t i = c + j;
+      const __m512 mo = avx512::decode16(m_codes + i, m_scale, m.map);
+      const __m512 vo = avx512::decode16(v_codes + i, v_scale, v.map);
+      const __m512 param = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
+      __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), inv);
+      if constexpr (STORE_GRAD) _mm512_storeu_ps(g + i, gi);
+      if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, param));
+      const __m512 square = _mm512_mul_ps(gi, gi);
+      const __m512 mi = _mm512_fmadd_ps(coeff1, _mm512_sub_ps(gi, mo), w.small1 ? mo : gi);
+      const __m512 vi = _mm512_fmadd_ps(coeff2, _mm512_sub_ps(square, vo), w.small2 ? vo : square);
+      _mm512_store_ps(m_out + j, mi);
+      _mm512_store_ps(v_out + j, vi);
+      m_max = avx512::absmax_bits(m_max, mi);
+      v_max = avx512::absmax_bits(v_max, vi);
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
+      _mm512_storeu_ps(p + i, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
+      if (pm_fast) {
+        avx512::codes16(avx512::divide16(_mm512_load_ps(pending.m + j), pm_s, pm_r, pm_recip), m.buckets,
+                        static_cast<uint8_t*>(m.data) + pending.at + j);
+      }
+      if (pv_fast) {
+        avx512::codes16(avx512::divide16(_mm512_load_ps(pending.v + j), pv_s, pv_r, pv_recip), v.buckets,
+                        static_cast<uint8_t*>(v.data) + pending.at + j);
+      }
+    }
+    if (pending.at >= 0) {  // a moment with inf or NaN: the codec's own loop, after
+      if (!pm_fast) encode_scratch(m, pending.at, pending.m, pending_m_max);
+      if (!pv_fast) encode_scratch(v, pending.at, pending.v, pending_v_max);
+    }
+    if (copy.data != nullptr) {
+      const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+      convert(p + c, copy.dtype, static_cast<char*>(copy.data) + c * bytes, kCodeBlock);
+    }
+    // This block becomes the pending one; its scales are written now, as nothing reads them again.
+    pending = PendingBlock{m_out, v_out, c};
+    pending_m_max = m_max, pending_v_max = v_max;
+    const float sm = avx512::block_scale(m_max), sv = avx512::block_scale(v_max);
+    pm_fast = std::isfinite(sm), pv_fast = std::isfinite(sv);
+    if (pm_fast) {
+      m.scales[c / kCodeBlock] = sm;
+      pm_s = _mm512_set1_ps(sm), pm_r = _mm512_set1_ps(1.0f / sm), pm_recip = divides_by_reciprocal(sm);
+    }
+    if (pv_fast) {
+      v.scales[c / kCodeBlock] = sv;
+      pv_s = _mm512_set1_ps(sv), pv_r = _mm512_set1_ps(1.0f / sv), pv_recip = divides_by_reciprocal(sv);
+    }
+  }
+  if (pending.at >= 0) {
+    encode_scratch(m, pending.at, pending.m, pending_m_max);
+    encode_scratch(v, pending.at, pending.v, pending_v_max);
+  }
+}
+#endif
+
 }  // namespace
 
 void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const StateView& exp_avg_sq,
@@ -238,6 +341,15 @@ void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const
   const bool l2 = !s.decoupled_weight_decay && s.weight_decay != 0;
   const auto w1 = static_cast<float>(1 - s.beta1), w2 = static_cast<float>(1 - s.beta2);  // torchao's lerp weights
   const LerpWeights w{w1 < 0.5f ? w1 : w1 - 1.0f, w2 < 0.5f ? w2 : w2 - 1.0f, w1 < 0.5f, w2 < 0.5f};
+#ifdef AMP_HAVE_AVX512_CODES
+  if (!s.amsgrad && exp_avg.kind == StateKind::kCodes && exp_avg_sq.kind == StateKind::kCodes &&
+      codec_loops_at(CodecLoops::kAvx512)) {
+    const bool store = s.inv_scale != 1.0f;
+    const auto loop = l2 ? (store ? adam_lerp_codes<true, true> : adam_lerp_codes<true, false>)
+                         : (store ? adam_lerp_codes<false, true> : adam_lerp_codes<false, false>);
+    return loop(param, grad, exp_avg, exp_avg_sq, begin, end, f, w, copy);
+  }
+#endif
   const auto range = l2 ? (s.amsgrad ? adam_lerp_l2_amsgrad : adam_lerp_l2) : (s.amsgrad ? adam_lerp_amsgrad : adam_lerp_plain);
   stored_chunks(exp_avg, exp_avg_sq, s.amsgrad ? max_exp_avg_sq : nullptr, begin, end,
                 [&](int64_t c, int64_t n, float* m, float* v, float* x) {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 
+#include "optim/codes_avx512.h"
 #include "optim/stochastic_rounding.h"
 #include "scaling/cpu_kernels.h"
 
@@ -40,10 +41,9 @@ namespace {
 // the second gives the correctly rounded quotient, provided nothing underflows. With 2^-60 <= s <= 2^100 every
 // remainder of a quotient >= 2^-24 is exact; quotients below that fall in a one-code bucket either way (above). Other
 // scales divide. On a Xeon a loop of vector divisions took 0.18 ns per value, one of the four multiply-adds 0.067.
-constexpr int kMantissaBits = 7;
-constexpr int kMinExponent = -24;
-constexpr int64_t kPerSign = (0 - kMinExponent + 2) * (int64_t{1} << kMantissaBits);
-static_assert(2 * kPerSign == kCodeBuckets, "the bucket table's size");
+constexpr int kMantissaBits = kCodeMantissaBits;
+constexpr int kMinExponent = kCodeMinExponent;
+constexpr int64_t kPerSign = kCodeBucketsPerSign;
 
 float float_from(uint32_t b) {
   float f;
@@ -181,9 +181,6 @@ __attribute__((target("avx2"))) void codes_by_buckets_avx2(const float* y, uint8
   }
 }
 
-// The scales NOTE [Dividing by the scale] divides by with multiply-adds.
-inline bool divides_by_reciprocal(float s) { return s >= 0x1p-60f && s <= 0x1p100f; }
-
 // scale_block with AVX2 (GCC keeps the NaN-aware maximum scalar): max_ps never picks a NaN, which the unordered
 // comparison reports instead; the quotients are the correctly rounded ones (NOTE [Dividing by the scale]).
 __attribute__((target("avx2,fma"))) float scale_block_avx2(const float* in, float* scaled) {
@@ -223,24 +220,43 @@ __attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, flo
   }
 }
 
-std::atomic<bool> portable_forced{false};
+// A block with AVX-512 (codes_avx512.h): the same scale, quotients and codes as the loops above.
+AMP_AVX512 bool encode_block_avx512(const float* in, uint8_t* codes, float* scale, const CodeBucket* buckets) {
+  __m512i bits = _mm512_setzero_si512();
+  for (int64_t i = 0; i < kCodeBlock; i += 16) bits = avx512::absmax_bits(bits, _mm512_loadu_ps(in + i));
+  const float s = avx512::block_scale(bits);
+  if (!std::isfinite(s)) return false;
+  *scale = s;
+  const __m512 sv = _mm512_set1_ps(s), r = _mm512_set1_ps(1.0f / s);
+  const bool by_reciprocal = divides_by_reciprocal(s);
+  for (int64_t i = 0; i < kCodeBlock; i += 16) {
+    avx512::codes16(avx512::divide16(_mm512_loadu_ps(in + i), sv, r, by_reciprocal), buckets, codes + i);
+  }
+  return true;
+}
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes && !portable_forced;
+AMP_AVX512 void decode_block_avx512(const uint8_t* codes, float scale, const float* map, float* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kCodeBlock; i += 16) _mm512_storeu_ps(out + i, avx512::decode16(codes + i, s, map));
 }
 #endif
 
+std::atomic<CodecLoops> widest_allowed{CodecLoops::kAvx512};
+
 void encode_block(const float* in, uint8_t* codes, float* scale, const float* map, const CodeBucket* buckets) {
+#ifdef AMP_HAVE_AVX512_CODES
+  if (codec_loops_at(CodecLoops::kAvx512) && encode_block_avx512(in, codes, scale, buckets)) return;
+#endif
   float scaled[kCodeBlock];
 #ifdef AMP_HAVE_AVX2_CODES
-  *scale = has_avx2() ? scale_block_avx2(in, scaled) : scale_block(in, scaled);
+  const bool avx2 = codec_loops_at(CodecLoops::kAvx2);
+  *scale = avx2 ? scale_block_avx2(in, scaled) : scale_block(in, scaled);
 #else
   *scale = scale_block(in, scaled);
 #endif
   if (std::isfinite(*scale)) {
 #ifdef AMP_HAVE_AVX2_CODES
-    if (has_avx2()) return codes_by_buckets_avx2(scaled, codes, buckets);
+    if (avx2) return codes_by_buckets_avx2(scaled, codes, buckets);
 #endif
     codes_by_buckets(scaled, codes, buckets);
   } else {  // inf or NaN in the block: the search, as torchao's
@@ -288,9 +304,17 @@ void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64
 
 }  // namespace
 
-void force_portable_loops(bool portable) {
-#ifdef AMP_HAVE_AVX2_CODES
-  portable_forced = portable;
+void force_codec_loops(CodecLoops widest) { widest_allowed = widest; }
+
+bool codec_loops_at(CodecLoops level) {
+#if defined(AMP_HAVE_AVX2_CODES)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool has = level == CodecLoops::kPortable || (level == CodecLoops::kAvx2 ? avx2 : avx512);
+  return has && static_cast<int>(level) >= static_cast<int>(widest_allowed.load());
+#else
+  return level == CodecLoops::kPortable;
 #endif
 }
 
@@ -306,8 +330,14 @@ void decode(const StateView& view, int64_t begin, int64_t n, float* out) {
     case StateKind::kCodes: {
       const auto* codes = static_cast<const uint8_t*>(view.data);
       for (int64_t b = 0; b < n; b += kCodeBlock) {
+#ifdef AMP_HAVE_AVX512_CODES
+        if (codec_loops_at(CodecLoops::kAvx512)) {
+          decode_block_avx512(codes + begin + b, view.scales[(begin + b) / kCodeBlock], view.map, out + b);
+          continue;
+        }
+#endif
 #ifdef AMP_HAVE_AVX2_CODES
-        if (has_avx2()) {
+        if (codec_loops_at(CodecLoops::kAvx2)) {
           decode_block_avx2(codes + begin + b, view.scales[(begin + b) / kCodeBlock], view.map, out + b);
           continue;
         }

@@ -26,7 +26,11 @@ struct StateView {
 
 constexpr int64_t kCodeBlock = 256;
 
-constexpr int64_t kCodeBuckets = 2 * 26 * 128;
+// The buckets: per sign, one for |y| < 2^kCodeMinExponent and 2^kCodeMantissaBits for each exponent up to 0.
+constexpr int kCodeMantissaBits = 7;
+constexpr int kCodeMinExponent = -24;
+constexpr int64_t kCodeBucketsPerSign = (2 - kCodeMinExponent) * (int64_t{1} << kCodeMantissaBits);
+constexpr int64_t kCodeBuckets = 2 * kCodeBucketsPerSign;
 /// Fills `table` (kCodeBuckets entries) for `map` (256 floats); false if a bucket spans more than two codes or a
 /// bucket of values below 2^-24 more than one.
 bool code_buckets(const float* map, CodeBucket* table);
@@ -35,8 +39,15 @@ bool code_buckets(const float* map, CodeBucket* table);
 /// the reference the bucket table is built from (and the route for blocks holding inf or NaN).
 uint8_t code_by_search(float y, const float* map);
 
-/// Tests: the portable loops even where the CPU has AVX2 (which the codec otherwise takes), so both are checked.
-void force_portable_loops(bool portable);
+/// Whether x / s is computed with multiply-adds from 1 / s (NOTE [Dividing by the scale] in the .cpp).
+inline bool divides_by_reciprocal(float s) { return s >= 0x1p-60f && s <= 0x1p100f; }
+
+/// The loops the codec and the 8-bit Adam step run: the widest this CPU has (AVX-512, else AVX2, else portable),
+/// capped by force_codec_loops (tests, so every level is checked on one CPU; kAvx512 lifts the cap).
+enum class CodecLoops { kAvx512, kAvx2, kPortable };
+void force_codec_loops(CodecLoops widest);
+/// Whether the loops of `level` run here: the CPU has them and force_codec_loops allows them.
+bool codec_loops_at(CodecLoops level);
 
 /// out[0, n) = the fp32 values of elements [begin, begin + n); kCodes: begin and n are multiples of the block.
 void decode(const StateView& view, int64_t begin, int64_t n, float* out);

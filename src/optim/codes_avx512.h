@@ -1,0 +1,75 @@
+#pragma once
+// The 8-bit codec's AVX-512 steps, 16 values at a time: decoding codes, a block's scale, and finding codes through
+// the bucket table. Included by the codec's block loops (cpu_state_codec.cpp) and by the 8-bit Adam step that
+// decodes, updates and encodes in one pass (cpu_optimizer_kernels.cpp); each caller has AMP_AVX512 on its function
+// and runs where codec_loops_at(CodecLoops::kAvx512).
+// The arithmetic is the portable loops' (the same roundings, the same comparisons), so the codes are the same bits.
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define AMP_HAVE_AVX512_CODES 1
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "optim/cpu_state_codec.h"
+
+#define AMP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+namespace amp::detail::cpu::avx512 {
+
+/// map[code] * scale for 16 codes.
+AMP_AVX512 inline __m512 decode16(const uint8_t* codes, __m512 scale, const float* map) {
+  const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return _mm512_mul_ps(_mm512_i32gather_ps(index, map, 4), scale);
+}
+
+/// The running maximum of |x|'s bits: integers order non-negative floats as floats do and put a NaN above inf.
+AMP_AVX512 inline __m512i absmax_bits(__m512i running, __m512 x) {
+  return _mm512_max_epu32(running, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+}
+
+/// torchao's block scale from absmax_bits' lanes: the absmax clipped to 1e-12, NaN where a value is NaN.
+AMP_AVX512 inline float block_scale(__m512i bits) {
+  const uint32_t top = static_cast<uint32_t>(_mm512_reduce_max_epu32(bits));
+  if (top > 0x7f800000u) return std::numeric_limits<float>::quiet_NaN();
+  float amax;
+  std::memcpy(&amax, &top, sizeof amax);
+  return amax > 1e-12f ? amax : 1e-12f;
+}
+
+/// x / s correctly rounded (NOTE [Dividing by the scale] in cpu_state_codec.cpp); r = 1 / s, by_reciprocal =
+/// divides_by_reciprocal(s).
+AMP_AVX512 inline __m512 divide16(__m512 x, __m512 s, __m512 r, bool by_reciprocal) {
+  if (!by_reciprocal) return _mm512_div_ps(x, s);
+  __m512 q = _mm512_mul_ps(x, r);
+  q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
+}
+
+/// The codes of 16 values already divided by their scale (|y| <= 1, finite), through the bucket table (NOTE [Finding
+/// a code]): the bucket is y's top 16 bits less the sign, shifted so exponent kCodeMinExponent's first is 1 (below
+/// it: bucket 0), plus kCodeBucketsPerSign for negative y.
+AMP_AVX512 inline void codes16(__m512 y, const CodeBucket* table, uint8_t* out) {
+  constexpr int32_t kFirst = (127 + kCodeMinExponent) << kCodeMantissaBits;  // the top bits of 2^kCodeMinExponent
+  const __m512i b = _mm512_castps_si512(y);
+  const __m512i top = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x7fff));
+  const __mmask16 normal = _mm512_cmpge_epi32_mask(top, _mm512_set1_epi32(kFirst));
+  __m512i at = _mm512_maskz_sub_epi32(normal, top, _mm512_set1_epi32(kFirst - (1 << kCodeMantissaBits)));
+  at = _mm512_min_epi32(at, _mm512_set1_epi32(static_cast<int32_t>(kCodeBucketsPerSign) - 1));
+  const __mmask16 negative = _mm512_movepi32_mask(b);
+  at = _mm512_mask_add_epi32(at, negative, at, _mm512_set1_epi32(static_cast<int32_t>(kCodeBucketsPerSign)));
+  const __m512i word = _mm512_i32gather_epi32(at, reinterpret_cast<const int*>(table), 4);
+  // The key: the low 16 bits, reversed for negative y ((b ^ sign) & 0xffff is the truth table 0x28).
+  const __m512i key = _mm512_ternarylogic_epi32(b, _mm512_srai_epi32(b, 31), _mm512_set1_epi32(0xffff), 0x28);
+  const __mmask16 up = _mm512_cmpge_epu32_mask(key, _mm512_srli_epi32(word, 8));
+  const __m512i code = _mm512_and_si512(word, _mm512_set1_epi32(0xff));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1))));
+}
+
+}  // namespace amp::detail::cpu::avx512
+
+#endif
