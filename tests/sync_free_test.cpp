@@ -118,6 +118,12 @@ std::string nw_name(const NwCase& c) {
 template <class Run>
 void with_optimizer(const std::string& name, const std::vector<torch::Tensor>& params, Run run) {
   if (name == "FusedSGD") run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
+  if (name == "FusedSGD_nesterov") {
+    run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01)));
+  }
+  if (name == "FusedSGD_dampening") {
+    run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.25)));
+  }
   if (name == "FusedAdam") run(amp::optim::FusedAdam(params, torch::optim::AdamOptions(1e-3).eps(1e-4)));
   if (name == "FusedAdamW") {
     run(amp::optim::FusedAdamW(params, torch::optim::AdamWOptions(1e-3).eps(1e-4).weight_decay(0.01)));
@@ -142,7 +148,8 @@ const std::vector<std::vector<double>> kNwSchedule = {{1}, {1}, {kNwInf}, {1}, {
 // LibTorch's optimizers (HostDecidesGuard).
 enum class NwPath { kCpu, kDevice, kHost };
 
-NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false) {
+NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false,
+                   const std::vector<std::vector<double>>& schedule = kNwSchedule) {
   std::optional<amp::optim::detail::FusedRouteGuard> route;
   if (aten_kernels) route.emplace(amp::optim::detail::FusedRoute::kAten);
   torch::manual_seed(0);
@@ -161,7 +168,7 @@ NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false) {
       std::optional<amp::detail::HostDecidesGuard> host_decides;
       if (path == NwPath::kDevice) deferred.emplace();
       if (path == NwPath::kHost) host_decides.emplace();
-      for (const auto& factors : kNwSchedule) {
+      for (const auto& factors : schedule) {
         optimizer.zero_grad();
         for (const double factor : factors) {  // several: gradient accumulation
           const torch::Tensor loss = torch::nn::functional::cross_entropy(model(x), y);
@@ -182,8 +189,8 @@ NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false) {
 class SyncFreeStepTest : public ::testing::TestWithParam<NwCase> {};
 
 // The waits of the whole schedule (14 steps, 15 backwards) as a device makes them (NOTE [Counting host syncs]): none
-// where the step's kernels take the flag; FusedLAMB reads it every step, FusedSGD on its first (the momentum buffers
-// are made then); per op (no ATen fused kernels before 2.4) every step reads it. The host's path reads it after every
+// where the step's kernels take the flag (FusedSGD's first step too: NOTE [A first momentum buffer on the device]);
+// FusedLAMB reads it every step; per op (no ATen fused kernels before 2.4) every step reads it. The host's path reads it after every
 // unscaled backward, and on an overflowing one checks each gradient (the report).
 int64_t nw_expected_syncs(const std::string& optimizer, NwPath path, int64_t num_params) {
   const auto steps = static_cast<int64_t>(kNwSchedule.size());
@@ -198,7 +205,7 @@ int64_t nw_expected_syncs(const std::string& optimizer, NwPath path, int64_t num
     return backwards + overflows * num_params;
   }
   if (optimizer == "FusedLAMB" || !amp::optim::detail::has_aten_fused_optimizers()) return steps;
-  return optimizer == "FusedSGD" ? 1 : 0;
+  return 0;
 }
 
 // The device's path (the flag passed into the step, the scale updated there, the host learning it all at the end)
@@ -275,6 +282,33 @@ INSTANTIATE_TEST_SUITE_P(Levels, SyncFreeAtenStepTest,
                                            NwCase{"O2", torch::kBFloat16, "FusedSGD"},
                                            NwCase{"O3", torch::kBFloat16, "FusedAdamW"}),
                          [](const auto& info) { return nw_name(info.param); });
+
+// A first step that overflows (NOTE [A first momentum buffer on the device]): without dampening the step makes -0.0
+// buffers and the kernels skip on the device, so the next step is the first, bit for bit the host's path (which made
+// no buffer); with dampening the first steps clone, so the host reads the flag until one is taken. ATen's kernels as
+// on CUDA, and amp's CPU loop.
+TEST(SyncFreeFirstStepTest, FirstMomentumBuffersWaitForNothing) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  const std::vector<std::vector<double>> schedule = {{kNwInf}, {1}, {kNwInf}, {1}, {1}};
+  for (const char* optimizer : {"FusedSGD", "FusedSGD_nesterov", "FusedSGD_dampening"}) {
+    for (const bool aten : {true, false}) {
+      SCOPED_TRACE(std::string(optimizer) + (aten ? ", ATen's kernels" : ", amp's CPU loop"));
+      const NwCase c{"O2", torch::kBFloat16, optimizer};
+      const NwOutcome host = nw_train(c, NwPath::kHost, aten, schedule);
+      const NwOutcome device = nw_train(c, NwPath::kDevice, aten, schedule);
+      EXPECT_EQ(device.syncs_while_training, std::string(optimizer) == "FusedSGD_dampening" ? 2 : 0);
+      EXPECT_EQ(host.skipped, 2);
+      EXPECT_EQ(device.skipped, host.skipped);
+      EXPECT_EQ(device.loss_scale, host.loss_scale);
+      for (size_t i = 0; i < host.params.size(); ++i) {
+        EXPECT_TRUE(amp_test::bitwise_equal(device.params[i], host.params[i])) << "model parameter " << i;
+      }
+      for (size_t i = 0; i < host.masters.size(); ++i) {
+        EXPECT_TRUE(amp_test::bitwise_equal(device.masters[i], host.masters[i])) << "master " << i;
+      }
+    }
+  }
+}
 
 // The pieces of one O2 bf16 FusedAdam run that the tests below drive by hand.
 struct NwRig {

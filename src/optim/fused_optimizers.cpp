@@ -929,19 +929,24 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   });
   c10::NoGradGuard no_grad;
   auto& states = state_;
-  // A first momentum buffer is created on the host and would be counted as initialized after a skip the host can't
-  // see: the flag stays on the device only where every buffer exists and every update is ATen's.
-  bool buffers_exist = true;
+  // NOTE [A first momentum buffer on the device]
+  // LibTorch's first step clones the gradient into the buffer; a later one computes momentum * buf + (1 - dampening) * g.
+  // Without dampening, a buffer of -0.0 makes the later formula the first's bit for bit (momentum * -0.0 = -0.0, and
+  // -0.0 + g = g for every g, -0.0 included), so where the flag stays on the device the step makes such buffers and
+  // runs as a later step: skipped there, the buffers stay -0.0 and the next step is the first one. With dampening the
+  // first step must clone, and the host reads the flag until every buffer exists.
+  bool buffers_ready = true;
   for (const auto& group : param_groups_) {
-    if (static_cast<const torch::optim::SGDOptions&>(group.options()).momentum() == 0) continue;
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    if (o.momentum() == 0 || o.dampening() == 0) continue;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const auto it = states.find(state_key(states, p));
-      buffers_exist = buffers_exist && it != states.end() && it->second &&
+      buffers_ready = buffers_ready && it != states.end() && it->second &&
                       static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
     }
   }
-  const bool plain = !lean_masters() && buffers_exist;
+  const bool plain = !lean_masters() && buffers_ready;
   const Skip skip = step_context().found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
                                        plain && all_on_aten_there(*this));
   if (skip == Skip::kYes) return loss;
@@ -963,6 +968,10 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
         if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
         item.state = static_cast<torch::optim::SGDParamState*>(slot.get());
         item.first = !item.state->momentum_buffer().defined();
+        if (item.first && skip == Skip::kOnDevice) {  // NOTE [A first momentum buffer on the device]
+          item.state->momentum_buffer(at::full_like(p, -0.0, at::MemoryFormat::Preserve));
+          item.first = false;
+        }
       }
       item.copy = model_copy(p);
       const auto route =

@@ -84,7 +84,7 @@ class FusedStepContext {
   /// a 0-dim fp32 tensor, non-zero when the step must change nothing. The step skips inside, as torch's fused
   /// optimizers do: ATen's kernels take the flag on a device (step counts on the device with it), amp's CPU loops read
   /// it where a device's kernels would. Where a step keeps host-side counts that the flag decides (FusedLAMB, the bf16
-  /// and 8-bit state formats, lean masters, a first momentum buffer, the per-op route), it is read on the host, a wait
+  /// and 8-bit state formats, lean masters, a first momentum buffer with dampening, the per-op route), it is read on the host, a wait
   /// on a device (counted on every device: amp::host_sync_count).
   /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard), whose flag stays on
   /// the device wherever the step's kernels can take it and whose skips the host never settles.

@@ -22,6 +22,7 @@ void scenario_auto_fp32(const amp::parallel::ProcessGroup& group);
 void scenario_zero(const amp::parallel::ProcessGroup& group);
 void scenario_zero_bench(const amp::parallel::ProcessGroup& group);
 void scenario_zero_python(const amp::parallel::ProcessGroup& group);
+void scenario_zero_fsdp2(const amp::parallel::ProcessGroup& group);
 void scenario_zero_dies(const amp::parallel::ProcessGroup& group);
 // zero_script_scenarios.cpp (2 ranks)
 void scenario_zero_scripts(const amp::parallel::ProcessGroup& group);

@@ -17,8 +17,9 @@
 //            to a head only one rank reached, heads no rank reached keep no gradient (torch's find_unused_parameters).
 //   clip, checkpoint, lean, policy, fp8, torchscript, auto_fp32: amp's features under amp::parallel (feature_scenarios.cpp).
 //   zero     ZeRO stage 1 and 2 (2 or 4 ranks) against unsharded replicas, archives, misuse (zero_scenarios.cpp);
-//            zero_python: O0 against torch's DDP + ZeroRedundancyOptimizer (tests/python/zero.py); zero_dies: a rank
-//            exits mid-step under stage 2; zero_bench: the byte table.
+//            zero_python: O0 against torch's DDP + ZeroRedundancyOptimizer (tests/python/zero.py); zero_fsdp2: O2 bf16
+//            against PyTorch's FSDP2 (tests/python/fsdp2.py); zero_dies: a rank exits mid-step under stage 2;
+//            zero_bench: the byte table.
 //   zero_scripts  what real scripts change under ZeRO: param groups added (progressive unfreezing), lr schedules,
 //            no_sync() accumulation in fp32, and the changes refused (zero_script_scenarios.cpp).
 //
@@ -60,6 +61,7 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"zero", amp_worker::scenario_zero},
     {"zero_bench", amp_worker::scenario_zero_bench},
     {"zero_python", amp_worker::scenario_zero_python},
+    {"zero_fsdp2", amp_worker::scenario_zero_fsdp2},
     {"zero_dies", amp_worker::scenario_zero_dies},
     {"zero_scripts", amp_worker::scenario_zero_scripts},
 };

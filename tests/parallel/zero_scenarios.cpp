@@ -1239,6 +1239,56 @@ void scenario_zero_python(const ProcessGroup& group) {
   }
 }
 
+
+// amp's ZeRO at O2 bf16 with fp32 reductions against PyTorch's FSDP2 (MixedPrecisionPolicy param_dtype bf16,
+// reduce_dtype fp32) on Gloo, computed at test time by tests/python/fsdp2.py (AMP_ZERO_DIR/fsdp2.pt). The same
+// numerics: bf16 weights rounded from fp32 masters, bf16 gradients summed in fp32 and halved, Adam on the fp32 shards.
+// With LibTorch's Adam on both sides the masters equal FSDP2's bit for bit at stages 0 (no sharding), 1 and 2, and
+// so do the losses; torch.optim.Adam lerps its first moment, which is what separates it (reported).
+void scenario_zero_fsdp2(const ProcessGroup& group) {
+  const char* dir = std::getenv("AMP_ZERO_DIR");
+  report(dir != nullptr, "AMP_ZERO_DIR names the Python reference's directory");
+  if (!dir) return;
+  const auto reference = amp::PythonCheckpoint::load(std::string(dir) + "/fsdp2.pt");
+  const auto xs = reference.get("x").toTensorVector(), ys = reference.get("y").toTensorVector();
+  const double lr = reference.get("lr").toDouble();
+  const int64_t rows_per_rank = xs.front().size(0) / group.world_size();
+  auto expected = [&](const std::string& optimizer) {
+    auto net = make_mlp(0);
+    reference.load_model(*net, optimizer + "_final");
+    return params_of(net);
+  };
+  const auto fsdp2 = expected("libtorch_adam"), fsdp2_torch_adam = expected("torch_adam");
+  std::vector<double> losses;
+  for (const auto& loss : reference.get("libtorch_adam_losses").toList()) losses.push_back(loss.get().toDouble());
+  for (int stage : {0, 1, 2}) {
+    auto net = make_mlp(0);
+    reference.load_model(*net, "model");
+    auto [model, optimizer] = amp::initialize(net, torch::optim::Adam(net->parameters(), torch::optim::AdamOptions(lr)),
+                                              amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+    auto ddp = amp::parallel::make_distributed(
+        model, group, amp::parallel::DistributedDataParallelOptions().allreduce_always_fp32(true));
+    if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
+    bool same_losses = true;
+    for (size_t step = 0; step < xs.size(); ++step) {
+      optimizer.zero_grad();
+      const auto x = xs[step].narrow(0, group.rank() * rows_per_rank, rows_per_rank);
+      const auto y = ys[step].narrow(0, group.rank() * rows_per_rank, rows_per_rank);
+      const torch::Tensor loss = torch::nn::functional::cross_entropy(ddp(x), y);
+      if (group.rank() == 0) same_losses = same_losses && loss.item<double>() == losses[step];
+      amp::scale_loss(loss, optimizer).backward();
+      optimizer.step();
+    }
+    std::vector<torch::Tensor> masters;  // collective when sharded
+    for (const auto& item : amp::detail::fp32_state(*net)) masters.push_back(item.second.clone());
+    const std::string at = "O2 bf16 stage " + std::to_string(stage);
+    report(same_losses, at + ": rank 0's losses are FSDP2's bit for bit");
+    report(bitwise(masters, fsdp2), at + ": the fp32 masters equal FSDP2's (LibTorch's Adam on both sides) bit for bit");
+    std::cout << "[ measured ] " << at << ": against FSDP2 with torch.optim.Adam, worst relative "
+              << relative_diff(masters, fsdp2_torch_adam) << std::endl;
+  }
+}
+
 }  // namespace amp_worker
 
 namespace amp_worker {
