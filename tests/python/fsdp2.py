@@ -7,9 +7,9 @@ bf16 with allreduce_always_fp32 is compared with.
 
 Two optimizers step the fp32 shards: torch.optim.Adam (foreach=False), and LibTorch's Adam op for op (exp_avg.mul_
 .add_, where torch.optim.Adam lerps), the optimizer the C++ side runs; each from the same start. fsdp2.pt holds
-'model' (the initial state_dict of zero.py's 12 -> 32 -> 32 -> 5 MLP), 'x' and 'y' (the global batch of every
+'torch_version', 'model' (the initial state_dict of zero.py's 12 -> 32 -> 32 -> 5 MLP), 'x' and 'y' (the global batch of every
 step), 'lr', and for each optimizer ('torch_adam', 'libtorch_adam') NAME_final, the full parameters after the
-steps, and NAME_losses, rank 0's losses.
+steps, and NAME_losses, each rank's losses.
 """
 import math
 import os
@@ -74,10 +74,12 @@ def run(rank, world, port, directory):
     out = {}
     for name in ("torch_adam", "libtorch_adam"):
         final, losses = train(rank, world, name)
-        out[name + "_final"], out[name + "_losses"] = final, losses
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, losses)
+        out[name + "_final"], out[name + "_losses"] = final, every_rank
     if rank == 0:
         xs, ys = batches()
-        torch.save({"model": make_mlp().state_dict(), "x": xs, "y": ys, "lr": LR, **out},
+        torch.save({"model": make_mlp().state_dict(), "x": xs, "y": ys, "lr": LR, "torch_version": torch.__version__, **out},
                    os.path.join(directory, "fsdp2.pt"))
     dist.barrier()
     dist.destroy_process_group()
