@@ -189,8 +189,8 @@ NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false,
 class SyncFreeStepTest : public ::testing::TestWithParam<NwCase> {};
 
 // The waits of the whole schedule (14 steps, 15 backwards) as a device makes them (NOTE [Counting host syncs]): none
-// where the step's kernels take the flag (FusedSGD's first step too: NOTE [A first momentum buffer on the device]);
-// FusedLAMB reads it every step; per op (no ATen fused kernels before 2.4) every step reads it. The host's path reads it after every
+// where the step's kernels take the flag (FusedSGD's first step too: NOTE [A first momentum buffer on the device];
+// FusedLAMB's per-op step: NOTE [LAMB on the device]); per op (no ATen fused kernels before 2.4) every step reads it. The host's path reads it after every
 // unscaled backward, and on an overflowing one checks each gradient (the report).
 int64_t nw_expected_syncs(const std::string& optimizer, NwPath path, int64_t num_params) {
   const auto steps = static_cast<int64_t>(kNwSchedule.size());
@@ -204,7 +204,7 @@ int64_t nw_expected_syncs(const std::string& optimizer, NwPath path, int64_t num
     }
     return backwards + overflows * num_params;
   }
-  if (optimizer == "FusedLAMB" || !amp::optim::detail::has_aten_fused_optimizers()) return steps;
+  if (optimizer != "FusedLAMB" && !amp::optim::detail::has_aten_fused_optimizers()) return steps;
   return 0;
 }
 
@@ -280,6 +280,9 @@ INSTANTIATE_TEST_SUITE_P(Levels, SyncFreeAtenStepTest,
                                            NwCase{"O2", torch::kBFloat16, "FusedAdamW"},
                                            NwCase{"O2", torch::kHalf, "FusedAdam"},
                                            NwCase{"O2", torch::kBFloat16, "FusedSGD"},
+                                           NwCase{"O2", torch::kBFloat16, "FusedLAMB"},
+                                           NwCase{"O2", torch::kHalf, "FusedLAMB"},
+                                           NwCase{"O3", torch::kBFloat16, "FusedLAMB"},
                                            NwCase{"O3", torch::kBFloat16, "FusedAdamW"}),
                          [](const auto& info) { return nw_name(info.param); });
 
@@ -393,18 +396,34 @@ TEST(SyncFreeReadsTest, ZeroGradBeforeTheStepCancelsAnUnseenSkip) {
 
 // A checkpoint written while the host has not seen the last steps holds what the device did: resuming it on the
 // host's path continues bit for bit as the uninterrupted host run.
-TEST(SyncFreeReadsTest, CheckpointOfUnseenStepsResumesExactly) {
-  auto run = [](bool deferred, bool resume) {
+// FusedAdam on amp's CPU loop, and FusedLAMB on its device route (ATen's, forced on the CPU: its groups' step counts on
+// the device, NOTE [LAMB on the device]); the host learns of the first skip midway and of the second at the save.
+// The model's weights and the fp32 masters, flattened into one fp32 tensor (the bf16 weights alone can hide a master's
+// difference).
+template <class Model, class Optimizer>
+torch::Tensor weights_and_masters(Model& model, Optimizer& optimizer) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : model->parameters()) parts.push_back(p.detach().flatten().to(torch::kFloat));
+  for (const auto& p : amp::master_params(optimizer)) parts.push_back(p.detach().flatten().to(torch::kFloat));
+  return torch::cat(parts);
+}
+
+template <class Make>
+void checkpoint_of_unseen_steps(Make make, bool aten) {
+  std::optional<amp::optim::detail::FusedRouteGuard> route;
+  if (aten) route.emplace(amp::optim::detail::FusedRoute::kAten);
+  auto run = [&](bool deferred, bool resume) {
     torch::manual_seed(0);
     NwRig rig;
-    auto [model, optimizer] = amp::initialize(
-        rig.net, amp::optim::FusedAdam(rig.net->parameters(), torch::optim::AdamOptions(1e-3)), rig.options);
+    auto [model, optimizer] = amp::initialize(rig.net, make(rig.net), rig.options);
     std::stringstream model_bytes, optimizer_bytes;
     {
       std::optional<DeferredHostReadsGuard> guard;
       if (deferred) guard.emplace();
+      int step = 0;
       for (const double factor : {1.0, kNwInf, 1.0, 1.0, kNwInf}) {
         amp_test::train_step(model, optimizer, rig.x, rig.y, amp_test::StepOptions().loss_factor(factor));
+        if (++step == 3) EXPECT_EQ(optimizer.skipped_steps(), 1);  // the host learns of the first skip midway
       }
       if (resume) {
         torch::save(rig.net, model_bytes);
@@ -414,20 +433,29 @@ TEST(SyncFreeReadsTest, CheckpointOfUnseenStepsResumesExactly) {
     if (resume) {
       torch::manual_seed(1);
       amp_test::Mlp fresh(8, 16, 4);
-      auto [fresh_model, fresh_optimizer] = amp::initialize(
-          fresh, amp::optim::FusedAdam(fresh->parameters(), torch::optim::AdamOptions(1e-3)), rig.options);
+      auto [fresh_model, fresh_optimizer] = amp::initialize(fresh, make(fresh), rig.options);
       torch::load(fresh, model_bytes);
       torch::load(fresh_optimizer, optimizer_bytes);
       for (int i = 0; i < 4; ++i) amp_test::train_step(fresh_model, fresh_optimizer, rig.x, rig.y);
-      return std::make_pair(fresh_model->fc1->weight.detach().clone(), amp::loss_scale(fresh_optimizer));
+      return std::make_pair(weights_and_masters(fresh_model, fresh_optimizer), amp::loss_scale(fresh_optimizer));
     }
     for (int i = 0; i < 4; ++i) amp_test::train_step(model, optimizer, rig.x, rig.y);
-    return std::make_pair(model->fc1->weight.detach().clone(), amp::loss_scale(optimizer));
+    return std::make_pair(weights_and_masters(model, optimizer), amp::loss_scale(optimizer));
   };
   const auto uninterrupted = run(/*deferred=*/false, /*resume=*/false);
   const auto resumed = run(/*deferred=*/true, /*resume=*/true);
-  EXPECT_TRUE(amp_test::bitwise_equal(resumed.first, uninterrupted.first));
+  EXPECT_TRUE(amp_test::bitwise_equal(resumed.first, uninterrupted.first)) << (aten ? "ATen's route" : "amp's CPU loop");
   EXPECT_EQ(resumed.second, uninterrupted.second);
+}
+
+TEST(SyncFreeReadsTest, CheckpointOfUnseenStepsResumesExactly) {
+  checkpoint_of_unseen_steps(
+      [](amp_test::Mlp& net) { return amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)); }, false);
+  if (!amp::optim::detail::has_aten_fused_optimizers()) return;
+  checkpoint_of_unseen_steps(
+      [](amp_test::Mlp& net) { return amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)); }, true);
+  checkpoint_of_unseen_steps(
+      [](amp_test::Mlp& net) { return amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(1e-3)); }, true);
 }
 
 // Two fused optimizers under one loss share its outcome; a LibTorch optimizer among them puts the decision back
@@ -574,7 +602,7 @@ TEST(GraphCaptureGuardTest, RefusesWhatAReplayCantDo) {
     amp_test::Mlp net(8, 16, 4);
     auto [model, optimizer] =
         amp::initialize(net, amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(1e-3)), rig.options);
-    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "is amp::optim::FusedLAMB, whose step counts");
+    ASSERT_THROWS_WITH(amp::GraphCaptureGuard{optimizer}, "is amp::optim::FusedLAMB, whose step amp does not capture");
   }
   {
     amp_test::Mlp net(8, 16, 4);

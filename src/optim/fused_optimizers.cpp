@@ -569,17 +569,37 @@ float lamb_ratio(const FusedLAMBOptions& o, float param_norm, float update_norm)
   return update_norm != 0.0f && param_norm != 0.0f ? lr * (param_norm / update_norm) : lr;
 }
 
+// NOTE [LAMB on the device]
+// FusedLAMB's step counts are its groups' (Apex's), and its bias corrections 1 - beta^step are computed from them on
+// the host. Where the flag stays on the device, each group's count also lives there (FusedStepContext::device_step,
+// the flag subtracted after the step, the host's count put back when it learns of the skip), the bias corrections
+// are computed from it there with the host's arithmetic (pow in double, then rounded to float: on the CPU the same
+// std::pow), and a skipped step keeps every old value (where(flag, old, new)): no wait, and the host's bits.
+struct LambOnDevice {
+  at::Tensor bias_correction1, bias_correction2;  // 0-dim fp32; undefined without bias_correction (1)
+  at::Tensor found_inf;
+};
+
+// `o`'s bias correction 1 - beta^step from the device's step count `count` (fp32), as lamb_scalars computes it.
+at::Tensor lamb_bias_correction(double beta, const at::Tensor& count) {
+  return at::rsub(at::pow(static_cast<double>(static_cast<float>(beta)), count.to(at::kDouble)), 1).to(at::kFloat);
+}
+
 // The same update with ATen ops, in fp32 whatever the tensors' dtype (bf16/fp16 parameters at O3, CUDA,
-// non-contiguous tensors), without a host sync: the clip divisor and the norms stay tensors.
+// non-contiguous tensors), without a host sync: the clip divisor and the norms stay tensors, and with `device` the
+// bias corrections and the skip too (NOTE [LAMB on the device]).
 void lamb_per_op(at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& state, const FusedLAMBOptions& o,
-                 const at::Tensor& clip) {
+                 const at::Tensor& clip, const LambOnDevice* device = nullptr) {
   const cpu::LambScalars s = lamb_scalars(o, 1.0f);
   const at::Tensor p32 = p.to(at::kFloat);
   at::Tensor scaled = grad.to(at::kFloat).div(clip.to(p.device()));
   if (!s.adam_w_mode) scaled = scaled.add(p32.mul(s.weight_decay));
   const at::Tensor m = state.exp_avg().to(at::kFloat).mul(s.beta1).add(scaled.mul(s.beta3));
   const at::Tensor v = state.exp_avg_sq().to(at::kFloat).mul(s.beta2).add(scaled.mul(1.0f - s.beta2).mul(scaled));
-  at::Tensor update = m.div(s.bias_correction1).div(v.div(s.bias_correction2).sqrt().add(s.eps));
+  const bool corrected_there = device != nullptr && device->bias_correction1.defined();
+  const at::Tensor corrected_v = corrected_there ? v.div(device->bias_correction2) : v.div(s.bias_correction2);
+  const at::Tensor corrected_m = corrected_there ? m.div(device->bias_correction1) : m.div(s.bias_correction1);
+  at::Tensor update = corrected_m.div(corrected_v.sqrt().add(s.eps));
   if (s.adam_w_mode) update = update.add(p32.mul(s.weight_decay));
   const auto lr = static_cast<float>(o.lr());
   at::Tensor ratio = at::full({}, lr, p32.options());
@@ -587,9 +607,16 @@ void lamb_per_op(at::Tensor& p, const at::Tensor& grad, FusedLAMBParamState& sta
     const at::Tensor param_norm = amp::detail::total_norm({p32}, 2.0), update_norm = amp::detail::total_norm({update}, 2.0);
     ratio = at::where(update_norm.ne(0).logical_and(param_norm.ne(0)), param_norm.div(update_norm).mul(lr), ratio);
   }
-  p.copy_(p32.sub(update.mul(ratio)));
-  state.exp_avg().copy_(m);
-  state.exp_avg_sq().copy_(v);
+  if (device == nullptr) {
+    p.copy_(p32.sub(update.mul(ratio)));
+    state.exp_avg().copy_(m);
+    state.exp_avg_sq().copy_(v);
+    return;
+  }
+  const at::Tensor skip = device->found_inf.to(p.device()).ne(0);
+  p.copy_(at::where(skip, p32, p32.sub(update.mul(ratio))));
+  state.exp_avg().copy_(at::where(skip, state.exp_avg(), m));
+  state.exp_avg_sq().copy_(at::where(skip, state.exp_avg_sq(), v));
 }
 
 // The LAMB state of `key` (the tensor param_groups holds), created for `p` (the tensor stepped) on first use, in
@@ -758,7 +785,10 @@ void FusedLAMB::add_param_group(const torch::optim::OptimizerParamGroup& param_g
   if (param_group.has_options()) param_groups_.back().set_options(param_group.options().clone());
 }
 
-void FusedLAMB::save(torch::serialize::OutputArchive& archive) const { serialize(*this, archive); }
+void FusedLAMB::save(torch::serialize::OutputArchive& archive) const {
+  if (step_context().counts_ahead()) const_cast<FusedLAMB*>(this)->pull_device_steps();
+  serialize(*this, archive);
+}
 void FusedLAMB::load(torch::serialize::InputArchive& archive) {
   serialize(*this, archive);
   detail::install_saved_group_options<FusedLAMBOptions>(archive, param_groups_, "amp::optim::FusedLAMB::load");
@@ -769,8 +799,18 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   check_all(*this, "amp::optim::FusedLAMB", [](const torch::optim::OptimizerOptions& o, size_t g) {
     check_lamb_options(static_cast<const FusedLAMBOptions&>(o), g);
   });
-  // Its step counts are the groups' options, on the host: the flag is read there (a wait on a device).
-  if (step_context().found_inf_decision(/*aten_only=*/false, /*on_device_there=*/false) == Skip::kYes) return loss;
+  const std::shared_ptr<StateFormat> format = format_for(state_format());
+  // NOTE [LAMB on the device]: the flag stays there where every update is lamb_per_op's (every route but amp's CPU
+  // loop: a device's always) with fp32 moments and copy masters, unsharded; else the host reads it (a wait on a device).
+  const bool plain = !lean_masters() && format->format() == amp::OptimizerStateFormat::kFp32 && !shard_sums();
+  bool per_op_only = plain;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) per_op_only = per_op_only && route_for(p, p.grad(), {}, model_copy(p)) != FusedRoute::kAuto;
+    }
+  }
+  const Skip skip = step_context().found_inf_decision(per_op_only, plain);
+  if (skip == Skip::kYes) return loss;
   const detail::LeanStepGuard lean_step(lean_masters());
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
@@ -779,7 +819,6 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   if (step_context().grad_scale() && !grads.empty()) {
     amp::detail::mul_(grads, at::full({}, inverse_scale(step_context().grad_scale()), at::TensorOptions().dtype(at::kFloat)));
   }
-  const std::shared_ptr<StateFormat> format = format_for(state_format());
   format->begin_step(*this);
   if (shard_sums()) {
     sharded_step(grads, *format);
@@ -795,10 +834,41 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
     clip = at::where(norm.gt(max), norm.div(max), at::ones_like(norm));
   }
   std::optional<float> clip_on_host;  // amp's CPU loop takes it as a float (a CPU tensor: no device sync)
+  // A group's count on the device, keyed by its first tensor (NOTE [LAMB on the device]).
+  auto lamb_on_device = [this](torch::optim::OptimizerParamGroup& group) {
+    const auto& o = static_cast<const FusedLAMBOptions&>(group.options());
+    const at::Tensor& key = group.params().front();
+    const c10::TensorImpl* impl = key.unsafeGetTensorImpl();
+    auto options_of = [impl](torch::optim::Optimizer& self) -> FusedLAMBOptions* {
+      for (auto& g : self.param_groups()) {
+        if (!g.params().empty() && g.params().front().unsafeGetTensorImpl() == impl) {
+          return &static_cast<FusedLAMBOptions&>(g.options());
+        }
+      }
+      return nullptr;
+    };
+    at::Tensor count = step_context().device_step(key, o.step(), key.device(), [options_of](torch::optim::Optimizer& self, int64_t n) {
+      if (FusedLAMBOptions* found = options_of(self)) found->step(n);
+    });
+    step_context().on_skip_undo([options_of, impl](torch::optim::Optimizer& self, FusedOptimizer& fused) {
+      if (FusedLAMBOptions* found = options_of(self)) found->step(found->step() - 1);
+      fused.step_context().undo_device_step(impl);
+    });
+    LambOnDevice out;
+    out.found_inf = step_context().found_inf();
+    if (o.bias_correction()) {
+      out.bias_correction1 = lamb_bias_correction(std::get<0>(o.betas()), count);
+      out.bias_correction2 = lamb_bias_correction(std::get<1>(o.betas()), count);
+    }
+    count.sub_(out.found_inf.to(count.device()));  // a skipped step uncounted there, as torch's fused Adam
+    return out;
+  };
   auto& states = state_;
   for (auto& group : param_groups_) {
     auto& o = static_cast<FusedLAMBOptions&>(group.options());
     o.step(o.step() + 1);  // per group, with or without gradients, as Apex
+    std::optional<LambOnDevice> on_device;
+    if (skip == Skip::kOnDevice && !group.params().empty()) on_device = lamb_on_device(group);
     for (const auto& key : group.params()) {
       if (!key.grad().defined()) continue;
       Work work = work_for(key, lean_masters());
@@ -810,7 +880,9 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       std::optional<std::vector<cpu::StateView>> views;
       const bool on_cpu = lamb_on_cpu(p, grad, state, copy, *format, place, views);
       if (!on_cpu || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
-        in_fp32(state, p, *format, place, [&](FusedLAMBParamState& fp32) { lamb_per_op(p, grad, fp32, o, clip); });
+        in_fp32(state, p, *format, place, [&](FusedLAMBParamState& fp32) {
+          lamb_per_op(p, grad, fp32, o, clip, on_device ? &*on_device : nullptr);
+        });
         if (copy) copy->copy_(p);
         work.finish();
         continue;
@@ -955,7 +1027,8 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
       skip == Skip::kOnDevice ? std::optional<at::Tensor>(step_context().found_inf()) : std::nullopt;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
   const bool aten_only = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
-  const std::optional<double> grad_scale = aten_only ? std::nullopt : step_context().grad_scale();
+  std::optional<double> grad_scale;
+  if (!aten_only) grad_scale = step_context().grad_scale();
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
     RoutePlan<torch::optim::SGDParamState> plan;  // NOTE [Step routes]

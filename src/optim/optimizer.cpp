@@ -778,6 +778,12 @@ void OptimizerBase::load_amp_state(torch::serialize::InputArchive& archive) {
 
 void OptimizerBase::run_own(OwnCall call, const std::function<void()>& fn, torch::serialize::InputArchive* loading) const {
   auto& opt = const_cast<OptimizerBase&>(*this).torch_optimizer();
+  // The optimizer's own archive first holds what the device did: a skip the host has not seen yet puts back the step
+  // counts the step advanced (Adam's on ATen's route, FusedLAMB's groups') before they are written.
+  if (call == OwnCall::kSave) {
+    const detail::HostSyncScope syncs({this});
+    settle(/*wait=*/true);
+  }
   if (call == OwnCall::kLoad && detail::Sharding::is_shard_archive(*loading)) {
     if (!sharding_) {
       torch::serialize::InputArchive amp_archive;

@@ -85,7 +85,8 @@ OptimizerKind row(const char* name) {
 
 const std::vector<OptimizerKind>& kinds() {
   static const std::vector<OptimizerKind> table = [] {
-    const char* lamb_host = "is amp::optim::FusedLAMB, whose step counts and trust ratios are host numbers in its step";
+    const char* lamb_host = "is amp::optim::FusedLAMB, whose step amp does not capture (its global norm's clip and the "
+                            "CPU loop's trust ratios are host numbers)";
     std::vector<OptimizerKind> t;
     // The fused ones first: each derives from its LibTorch base (FusedAdam from Adam, ...).
     t.push_back(row<optim::FusedSGD, torch::optim::SGDParamState>("amp::optim::FusedSGD"));
