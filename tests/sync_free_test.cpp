@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <filesystem>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -396,8 +397,6 @@ TEST(SyncFreeReadsTest, ZeroGradBeforeTheStepCancelsAnUnseenSkip) {
 
 // A checkpoint written while the host has not seen the last steps holds what the device did: resuming it on the
 // host's path continues bit for bit as the uninterrupted host run.
-// FusedAdam on amp's CPU loop, and FusedLAMB on its device route (ATen's, forced on the CPU: its groups' step counts on
-// the device, NOTE [LAMB on the device]); the host learns of the first skip midway and of the second at the save.
 // The model's weights and the fp32 masters, flattened into one fp32 tensor (the bf16 weights alone can hide a master's
 // difference).
 template <class Model, class Optimizer>
@@ -408,10 +407,15 @@ torch::Tensor weights_and_masters(Model& model, Optimizer& optimizer) {
   return torch::cat(parts);
 }
 
+// A checkpoint taken while the host has not seen every skip (DeferredHostReadsGuard: it learns of the first midway
+// and of the second at the save) resumes as the run that did not stop: FusedAdam on amp's CPU loop, FusedAdam and
+// FusedLAMB on ATen's route (forced on the CPU: their step counts on the device, NOTE [LAMB on the device]), through
+// torch::save and through a Python checkpoint (`python`).
 template <class Make>
-void checkpoint_of_unseen_steps(Make make, bool aten) {
+void checkpoint_of_unseen_steps(Make make, bool aten, bool python) {
   std::optional<amp::optim::detail::FusedRouteGuard> route;
   if (aten) route.emplace(amp::optim::detail::FusedRoute::kAten);
+  const std::string path = (std::filesystem::temp_directory_path() / "amp_unseen_steps.pt").string();
   auto run = [&](bool deferred, bool resume) {
     torch::manual_seed(0);
     NwRig rig;
@@ -425,7 +429,13 @@ void checkpoint_of_unseen_steps(Make make, bool aten) {
         amp_test::train_step(model, optimizer, rig.x, rig.y, amp_test::StepOptions().loss_factor(factor));
         if (++step == 3) EXPECT_EQ(optimizer.skipped_steps(), 1);  // the host learns of the first skip midway
       }
-      if (resume) {
+      if (resume && python) {
+        amp::PythonCheckpoint out;
+        out.put_model("model", *model);
+        out.put_optimizer("optimizer", optimizer);
+        out.put_amp("amp", optimizer);
+        out.save(path);
+      } else if (resume) {
         torch::save(rig.net, model_bytes);
         torch::save(optimizer, optimizer_bytes);
       }
@@ -434,8 +444,16 @@ void checkpoint_of_unseen_steps(Make make, bool aten) {
       torch::manual_seed(1);
       amp_test::Mlp fresh(8, 16, 4);
       auto [fresh_model, fresh_optimizer] = amp::initialize(fresh, make(fresh), rig.options);
-      torch::load(fresh, model_bytes);
-      torch::load(fresh_optimizer, optimizer_bytes);
+      if (python) {
+        const auto checkpoint = amp::PythonCheckpoint::load(path);
+        checkpoint.load_model(*fresh_model);
+        checkpoint.load_optimizer(fresh_optimizer);
+        checkpoint.load_amp(fresh_optimizer, "amp");
+        std::filesystem::remove(path);
+      } else {
+        torch::load(fresh, model_bytes);
+        torch::load(fresh_optimizer, optimizer_bytes);
+      }
       for (int i = 0; i < 4; ++i) amp_test::train_step(fresh_model, fresh_optimizer, rig.x, rig.y);
       return std::make_pair(weights_and_masters(fresh_model, fresh_optimizer), amp::loss_scale(fresh_optimizer));
     }
@@ -444,18 +462,20 @@ void checkpoint_of_unseen_steps(Make make, bool aten) {
   };
   const auto uninterrupted = run(/*deferred=*/false, /*resume=*/false);
   const auto resumed = run(/*deferred=*/true, /*resume=*/true);
-  EXPECT_TRUE(amp_test::bitwise_equal(resumed.first, uninterrupted.first)) << (aten ? "ATen's route" : "amp's CPU loop");
+  EXPECT_TRUE(amp_test::bitwise_equal(resumed.first, uninterrupted.first))
+      << (aten ? "ATen's route" : "amp's CPU loop") << (python ? ", a Python checkpoint" : ", torch::save");
   EXPECT_EQ(resumed.second, uninterrupted.second);
 }
 
 TEST(SyncFreeReadsTest, CheckpointOfUnseenStepsResumesExactly) {
-  checkpoint_of_unseen_steps(
-      [](amp_test::Mlp& net) { return amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)); }, false);
-  if (!amp::optim::detail::has_aten_fused_optimizers()) return;
-  checkpoint_of_unseen_steps(
-      [](amp_test::Mlp& net) { return amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)); }, true);
-  checkpoint_of_unseen_steps(
-      [](amp_test::Mlp& net) { return amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(1e-3)); }, true);
+  auto adam = [](amp_test::Mlp& net) { return amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)); };
+  auto lamb = [](amp_test::Mlp& net) { return amp::optim::FusedLAMB(net->parameters(), amp::optim::FusedLAMBOptions(1e-3)); };
+  for (const bool python : {false, true}) {
+    checkpoint_of_unseen_steps(adam, /*aten=*/false, python);
+    if (!amp::optim::detail::has_aten_fused_optimizers()) continue;
+    checkpoint_of_unseen_steps(adam, /*aten=*/true, python);
+    checkpoint_of_unseen_steps(lamb, /*aten=*/true, python);
+  }
 }
 
 // Two fused optimizers under one loss share its outcome; a LibTorch optimizer among them puts the decision back

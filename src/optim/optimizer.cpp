@@ -311,6 +311,13 @@ void detail::OptimizerAccess::restore_loss_scalers(OptimizerBase& o, std::vector
 
 torch::optim::Optimizer& detail::OptimizerAccess::synced_torch_optimizer(OptimizerBase& o) {
   if (o.properties_.enabled) o.sync_param_groups();
+  {  // what the device did: unseen skips put the step counts back; a capture's counts come from the device
+    const detail::HostSyncScope syncs({&o});
+    o.settle(/*wait=*/true);
+  }
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&o.torch_optimizer())) {
+    if (fused->step_context().counts_ahead()) fused->pull_device_steps();
+  }
   return o.torch_optimizer();
 }
 
