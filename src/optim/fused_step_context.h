@@ -83,9 +83,10 @@ class FusedStepContext {
   /// src/scaling/device_scale.h; on the CPU, where the host has seen the outcome already, too), undefined otherwise:
   /// a 0-dim fp32 tensor, non-zero when the step must change nothing. The step skips inside, as torch's fused
   /// optimizers do: ATen's kernels take the flag on a device (step counts on the device with it), amp's CPU loops read
-  /// it where a device's kernels would. Where a step keeps host-side counts that the flag decides (FusedLAMB, the bf16
-  /// and 8-bit state formats, lean masters, a first momentum buffer with dampening, the per-op route), it is read on the host, a wait
-  /// on a device (counted on every device: amp::host_sync_count).
+  /// it where a device's kernels would (FusedLAMB's per-op step too: NOTE [LAMB on the device]). Where a step keeps
+  /// host-side counts that the flag decides (the bf16 and 8-bit state formats, lean masters, a first momentum buffer
+  /// with dampening, the others' per-op route), it is read on the host, a wait on a device (counted on every device:
+  /// amp::host_sync_count).
   /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard), whose flag stays on
   /// the device wherever the step's kernels can take it and whose skips the host never settles.
   void set_found_inf(at::Tensor found_inf, uint64_t step_id) {
