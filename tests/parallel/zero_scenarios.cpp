@@ -1239,10 +1239,9 @@ void scenario_zero_python(const ProcessGroup& group) {
   }
 }
 
-
 // amp's ZeRO at O2 bf16 with fp32 reductions against PyTorch's FSDP2 (MixedPrecisionPolicy param_dtype bf16,
 // reduce_dtype fp32) on Gloo, computed at test time by tests/python/fsdp2.py (AMP_ZERO_DIR/fsdp2.pt). The same
-// numerics: bf16 weights rounded from fp32 masters, bf16 gradients summed in fp32 and halved, Adam on the fp32 shards.
+// numerics: bf16 weights rounded from fp32 masters, bf16 gradients averaged in fp32, Adam on the fp32 shards.
 // With LibTorch's Adam on both sides the masters equal FSDP2's bit for bit at stages 0 (no sharding), 1 and 2, and
 // so do the losses; torch.optim.Adam lerps its first moment, which is what separates it (reported). ZeroTest runs it
 // where Python's torch is this build's LibTorch.

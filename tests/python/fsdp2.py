@@ -13,15 +13,13 @@ steps, and NAME_losses, each rank's losses.
 """
 import math
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from zero import GLOBAL, LR, batches, make_mlp
+from zero import GLOBAL, LR, batches, make_mlp, spawn_ranks
 
 
 def libtorch_adam_step(params, states, step, lr, beta1=0.9, beta2=0.999, eps=1e-8):
@@ -85,12 +83,5 @@ def run(rank, world, port, directory):
     dist.destroy_process_group()
 
 
-def main(directory, world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(world, port, directory), nprocs=world, join=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    spawn_ranks(run, sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)

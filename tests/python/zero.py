@@ -57,12 +57,13 @@ def run(rank, world, port, directory):
     dist.destroy_process_group()
 
 
-def main(directory, world):
+def spawn_ranks(rank_main, directory, world):
+    """Runs rank_main(rank, world, port, directory) in `world` processes on a free port of 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(world, port, directory), nprocs=world, join=True)
+    mp.spawn(rank_main, args=(world, port, directory), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    spawn_ranks(run, sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
