@@ -136,6 +136,7 @@ bool cpu_computes(c10::ScalarType dtype) {
 
 bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  if (a.numel() == 0) return true;  // (an empty tensor's data pointer may be null, which memcmp must not see)
   auto ca = a.contiguous(), cb = b.contiguous();
   return std::memcmp(ca.data_ptr(), cb.data_ptr(), static_cast<size_t>(ca.numel()) * ca.element_size()) == 0;
 }
