@@ -18,6 +18,7 @@
 
 #include "core/host_sync.h"
 #include "optim/fused_route.h"
+#include "optim/fused_step_context.h"
 #include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "support/models.h"
@@ -312,6 +313,30 @@ TEST(SyncFreeFirstStepTest, FirstMomentumBuffersWaitForNothing) {
       }
     }
   }
+}
+
+// The -0.0 of NOTE [A first momentum buffer on the device]: a first step on the device whose gradient holds -0.0 and
+// +0.0 leaves the buffer LibTorch's clone leaves, each zero's sign included, and the same parameter (buffers of +0.0
+// would turn the -0.0 gradients into +0.0).
+TEST(SyncFreeFirstStepTest, ZeroGradientsKeepTheirSignInTheBuffer) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  auto run = [](bool on_device) {
+    const amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);
+    auto p = torch::tensor({1.0f, -0.0f, 0.5f, 0.0f, -2.0f}).requires_grad_();
+    p.mutable_grad() = torch::tensor({-0.0f, 0.0f, -1.5f, -0.0f, 2.0f});
+    amp::optim::FusedSGD sgd(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+    std::optional<DeferredHostReadsGuard> deferred;
+    if (on_device) {  // the flag stays on the device, clear
+      deferred.emplace();
+      sgd.step_context().set_found_inf(torch::zeros({}), /*step_id=*/1);
+    }
+    sgd.step();
+    const auto& state = static_cast<const torch::optim::SGDParamState&>(*sgd.state().begin()->second);
+    return std::make_pair(p.detach().clone(), state.momentum_buffer().clone());
+  };
+  const auto host = run(false), device = run(true);
+  EXPECT_TRUE(amp_test::bitwise_equal(device.second, host.second)) << device.second << " vs " << host.second;
+  EXPECT_TRUE(amp_test::bitwise_equal(device.first, host.first));
 }
 
 // The pieces of one O2 bf16 FusedAdam run that the tests below drive by hand.
