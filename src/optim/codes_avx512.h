@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -68,6 +69,21 @@ AMP_AVX512 inline void codes16(__m512 y, const CodeBucket* table, uint8_t* out) 
   const __m512i code = _mm512_and_si512(word, _mm512_set1_epi32(0xff));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
                    _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1))));
+}
+
+/// Encodes a block of kCodeBlock values whose absmax_bits are `absmax` (codes and scale), or returns false leaving both
+/// as they were where the scale is inf or NaN (the codec's search handles those).
+AMP_AVX512 inline bool encode_block(const float* values, __m512i absmax, uint8_t* codes, float* scale,
+                                    const CodeBucket* table) {
+  const float s = block_scale(absmax);
+  if (!std::isfinite(s)) return false;
+  *scale = s;
+  const __m512 sv = _mm512_set1_ps(s), r = _mm512_set1_ps(1.0f / s);
+  const bool by_reciprocal = divides_by_reciprocal(s);
+  for (int64_t j = 0; j < kCodeBlock; j += 16) {
+    codes16(divide16(_mm512_loadu_ps(values + j), sv, r, by_reciprocal), table, codes + j);
+  }
+  return true;
 }
 
 }  // namespace amp::detail::cpu::avx512

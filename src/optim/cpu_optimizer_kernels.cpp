@@ -246,14 +246,9 @@ struct PendingBlock {
 };
 
 AMP_AVX512 inline void encode_scratch(const StateView& view, int64_t at, const float* values, __m512i absmax) {
-  const float s = avx512::block_scale(absmax);
-  if (!std::isfinite(s)) return encode(view, at, kCodeBlock, values);  // inf or NaN: the codec's search
-  view.scales[at / kCodeBlock] = s;
-  const __m512 sv = _mm512_set1_ps(s), r = _mm512_set1_ps(1.0f / s);
-  const bool by_reciprocal = divides_by_reciprocal(s);
-  auto* codes = static_cast<uint8_t*>(view.data) + at;
-  for (int64_t j = 0; j < kCodeBlock; j += 16) {
-    avx512::codes16(avx512::divide16(_mm512_load_ps(values + j), sv, r, by_reciprocal), view.buckets, codes + j);
+  if (!avx512::encode_block(values, absmax, static_cast<uint8_t*>(view.data) + at, view.scales + at / kCodeBlock,
+                            view.buckets)) {
+    encode(view, at, kCodeBlock, values);  // inf or NaN: the codec's search
   }
 }
 

@@ -224,15 +224,7 @@ __attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, flo
 AMP_AVX512 bool encode_block_avx512(const float* in, uint8_t* codes, float* scale, const CodeBucket* buckets) {
   __m512i bits = _mm512_setzero_si512();
   for (int64_t i = 0; i < kCodeBlock; i += 16) bits = avx512::absmax_bits(bits, _mm512_loadu_ps(in + i));
-  const float s = avx512::block_scale(bits);
-  if (!std::isfinite(s)) return false;
-  *scale = s;
-  const __m512 sv = _mm512_set1_ps(s), r = _mm512_set1_ps(1.0f / s);
-  const bool by_reciprocal = divides_by_reciprocal(s);
-  for (int64_t i = 0; i < kCodeBlock; i += 16) {
-    avx512::codes16(avx512::divide16(_mm512_loadu_ps(in + i), sv, r, by_reciprocal), buckets, codes + i);
-  }
-  return true;
+  return avx512::encode_block(in, bits, codes, scale, buckets);
 }
 
 AMP_AVX512 void decode_block_avx512(const uint8_t* codes, float scale, const float* map, float* out) {
