@@ -19,6 +19,7 @@
 #include "core/host_sync.h"
 #include "optim/fused_route.h"
 #include "optim/fused_step_context.h"
+#include "optim/optimizer_state_key.h"
 #include "scaling/device_scale.h"
 #include "scaling/multi_tensor.h"
 #include "support/models.h"
@@ -111,10 +112,14 @@ struct NwCase {
   const char* level;
   c10::ScalarType dtype;
   const char* optimizer;  // "FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB"
+  amp::OptimizerStateFormat format = amp::OptimizerStateFormat::kFp32;
 };
 
 std::string nw_name(const NwCase& c) {
-  return std::string(c.level) + "_" + amp_test::dtype_label(c.dtype) + "_" + c.optimizer;
+  const std::string format = c.format == amp::OptimizerStateFormat::kFp32 ? ""
+                             : c.format == amp::OptimizerStateFormat::kBf16 ? "_bf16_moments"
+                                                                            : "_8bit_moments";
+  return std::string(c.level) + "_" + amp_test::dtype_label(c.dtype) + "_" + c.optimizer + format;
 }
 
 template <class Run>
@@ -155,11 +160,14 @@ NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false,
   std::optional<amp::optim::detail::FusedRouteGuard> route;
   if (aten_kernels) route.emplace(amp::optim::detail::FusedRoute::kAten);
   torch::manual_seed(0);
-  amp_test::Mlp net(8, 16, 4);
+  // With a state format, a first layer of 4096 weights: 8-bit moments for it, its dtype's for the rest.
+  const bool formatted = c.format != amp::OptimizerStateFormat::kFp32;
+  amp_test::Mlp net(8, formatted ? 512 : 16, 4);
   const auto options = amp::Options(c.level)
                            .low_precision_dtype(c.dtype)
                            .loss_scale(amp::LossScale::dynamic())
                            .growth_interval(3)
+                           .optimizer_state_format(c.format)
                            .verbosity(0);
   const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
   NwOutcome out;
@@ -257,6 +265,14 @@ std::vector<NwCase> nw_cases() {
 INSTANTIATE_TEST_SUITE_P(Levels, SyncFreeStepTest, ::testing::ValuesIn(nw_cases()),
                          [](const auto& info) { return nw_name(info.param); });
 
+// bf16 and 8-bit moments on amp's CPU loop, which reads the CPU's flag where a device's kernels take it.
+INSTANTIATE_TEST_SUITE_P(
+    Formats, SyncFreeStepTest,
+    ::testing::Values(NwCase{"O2", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::kBf16},
+                      NwCase{"O2", torch::kBFloat16, "FusedAdam", amp::OptimizerStateFormat::k8Bit},
+                      NwCase{"O3", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::k8Bit}),
+    [](const auto& info) { return nw_name(info.param); });
+
 class SyncFreeAtenStepTest : public ::testing::TestWithParam<NwCase> {};
 
 // ATen's fused kernels, the route of CUDA parameters, forced on the CPU: the flag goes into _fused_sgd_ /
@@ -287,6 +303,18 @@ INSTANTIATE_TEST_SUITE_P(Levels, SyncFreeAtenStepTest,
                                            NwCase{"O3", torch::kBFloat16, "FusedLAMB"},
                                            NwCase{"O3", torch::kBFloat16, "FusedAdamW"}),
                          [](const auto& info) { return nw_name(info.param); });
+
+// bf16 and 8-bit moments on ATen's route (NOTE [Stored moments on the device]): decoded, the fp32 kernel with the
+// flag, encoded back with the stored bytes kept on a skip and bf16's draws counted on the device.
+INSTANTIATE_TEST_SUITE_P(
+    Formats, SyncFreeAtenStepTest,
+    ::testing::Values(NwCase{"O2", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::kBf16},
+                      NwCase{"O2", torch::kBFloat16, "FusedAdam", amp::OptimizerStateFormat::k8Bit},
+                      NwCase{"O2", torch::kHalf, "FusedAdam", amp::OptimizerStateFormat::kBf16},
+                      NwCase{"O1", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::k8Bit},
+                      NwCase{"O3", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::kBf16},
+                      NwCase{"O3", torch::kBFloat16, "FusedAdam", amp::OptimizerStateFormat::k8Bit}),
+    [](const auto& info) { return nw_name(info.param); });
 
 // A first step that overflows (NOTE [A first momentum buffer on the device]): without dampening the step makes -0.0
 // buffers and the kernels skip on the device, so the next step is the first, bit for bit the host's path (which made
@@ -437,13 +465,15 @@ torch::Tensor weights_and_masters(Model& model, Optimizer& optimizer) {
 // FusedLAMB on ATen's route (forced on the CPU: their step counts on the device, NOTE [LAMB on the device]), through
 // torch::save and through a Python checkpoint (`python`).
 template <class Make>
-void checkpoint_of_unseen_steps(Make make, bool aten, bool python) {
+void checkpoint_of_unseen_steps(Make make, bool aten, bool python,
+                                amp::OptimizerStateFormat format = amp::OptimizerStateFormat::kFp32) {
   std::optional<amp::optim::detail::FusedRouteGuard> route;
   if (aten) route.emplace(amp::optim::detail::FusedRoute::kAten);
   const std::string path = (std::filesystem::temp_directory_path() / "amp_unseen_steps.pt").string();
   auto run = [&](bool deferred, bool resume) {
     torch::manual_seed(0);
     NwRig rig;
+    rig.options.optimizer_state_format(format);
     auto [model, optimizer] = amp::initialize(rig.net, make(rig.net), rig.options);
     std::stringstream model_bytes, optimizer_bytes;
     {
@@ -500,6 +530,52 @@ TEST(SyncFreeReadsTest, CheckpointOfUnseenStepsResumesExactly) {
     if (!amp::optim::detail::has_aten_fused_optimizers()) continue;
     checkpoint_of_unseen_steps(adam, /*aten=*/true, python);
     checkpoint_of_unseen_steps(lamb, /*aten=*/true, python);
+    // bf16 moments: the generator's counter the archive holds (NOTE [Stored moments on the device])
+    checkpoint_of_unseen_steps(adam, /*aten=*/true, python, amp::OptimizerStateFormat::kBf16);
+  }
+}
+
+// NOTE [Stored moments on the device]: a skip the device decides leaves every stored byte as it was, where encoding
+// the decoded moments again would not: here an 8-bit block whose codes stop short of the map's 1.0 (as a moment
+// converted from another run's or edited can), which a new encode would give another scale.
+TEST(SyncFreeFormatTest, ASkipOnTheDeviceKeepsTheStoredBytes) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);
+  for (const auto format : {amp::OptimizerStateFormat::k8Bit, amp::OptimizerStateFormat::kBf16}) {
+    SCOPED_TRACE(format == amp::OptimizerStateFormat::k8Bit ? "8-bit moments" : "bf16 moments");
+    torch::manual_seed(0);
+    NwRig rig;
+    amp_test::Mlp net(8, 512, 4);
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)),
+        amp::Options(rig.options).optimizer_state_format(format));
+    amp_test::train_step(model, optimizer, rig.x, rig.y);
+    const torch::Tensor weight = amp::master_params(optimizer).at(0);  // fc1's, 4096 values: 8-bit moments
+    ASSERT_EQ(weight.numel(), 4096);
+    auto& states = optimizer.state();
+    auto& state = static_cast<torch::optim::AdamParamState&>(*states.at(amp::detail::state_key(states, weight)));
+    if (format == amp::OptimizerStateFormat::k8Bit) {
+      ASSERT_EQ(state.exp_avg().scalar_type(), torch::kByte);
+      state.exp_avg().narrow(0, 0, weight.numel()).fill_(200);  // one code below the map's 1.0 (255) in every block
+    } else {
+      state.exp_avg().view(torch::kShort)[0] = static_cast<int16_t>(0x7fa1);  // a NaN whose payload encoding quiets
+    }
+    std::vector<torch::Tensor> before;
+    for (const auto& [key, s] : states) {
+      auto& adam = static_cast<torch::optim::AdamParamState&>(*s);
+      before.push_back(adam.exp_avg().clone()), before.push_back(adam.exp_avg_sq().clone());
+    }
+    {
+      const DeferredHostReadsGuard deferred;
+      amp_test::train_step(model, optimizer, rig.x, rig.y, amp_test::StepOptions().loss_factor(kNwInf));
+    }
+    EXPECT_EQ(optimizer.skipped_steps(), 1);
+    size_t i = 0;
+    for (const auto& [key, s] : states) {
+      auto& adam = static_cast<torch::optim::AdamParamState&>(*s);
+      EXPECT_TRUE(torch::equal(adam.exp_avg().view(torch::kByte), before[i++].view(torch::kByte)));
+      EXPECT_TRUE(torch::equal(adam.exp_avg_sq().view(torch::kByte), before[i++].view(torch::kByte)));
+    }
   }
 }
 

@@ -289,7 +289,7 @@ struct Planned {
 
 template <class State>
 struct RoutePlan {
-  std::vector<Planned<State>> cpu_loop, aten, per_op, stored;
+  std::vector<Planned<State>> cpu_loop, aten, per_op, stored, stored_aten;  // stored: moments in a state format
   void add(FusedRoute route, Planned<State> item) {
     (route == FusedRoute::kAuto ? cpu_loop : route == FusedRoute::kAten ? aten : per_op).push_back(std::move(item));
   }
@@ -395,6 +395,66 @@ void adam_per_op_all(std::vector<Planned<State>>& items, const Options& o, bool 
   }
 }
 
+// NOTE [Stored moments on the device]
+// bf16 and 8-bit moments on ATen's route (a device's) take the fp32 moments' kernel: each moment decoded to fp32,
+// _fused_adam_ / _fused_adamw_ on those with the step counts, the loss scale and the flag on the device (adam_aten),
+// each encoded back. The host reads nothing. A skip the device decides leaves the parameter and the decoded moments
+// as they were; the stored bytes are kept by a where() on the flag (encoding decoded values need not give the same
+// bytes back: an 8-bit block's scale is recomputed, a NaN's payload quieted); bf16's stochastic rounding counts its
+// draws from the generator's counter on the device (StateFormat::draws_on, stochastic_rounding_ops.h), which the flag
+// holds back on a skip, while the host's counter runs ahead until it learns of the skip (StateFormat::rewind) or reads
+// a capture's counter back (pull_device_counter). O3's bf16 / fp16 parameters step in fp32, rounded to nearest once,
+// as on the per-op route.
+template <class Options, class State, class Fused>
+void adam_stored_aten(std::vector<Planned<State>>& items, const Options& o, bool decoupled, torch::optim::Optimizer& opt,
+                      Fused& fused, bool on_device, StateFormat& format) {
+  if (items.empty()) return;
+  std::vector<State> decoded(items.size());  // what ATen's kernel updates: the moments in fp32
+  std::vector<std::vector<StoredMoment>> stores(items.size());
+  std::vector<Planned<State>> planned;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Planned<State>& item = items[i];
+    State& state = *item.state;
+    const at::Tensor& p = item.work.param;
+    stores[i] = {{&state.exp_avg(), Moment::kSigned, 0}, {&state.exp_avg_sq(), Moment::kUnsigned, 1}};
+    if (o.amsgrad()) stores[i].push_back({&state.max_exp_avg_sq(), Moment::kUnsigned, 2});
+    decoded[i].step(state.step());
+    decoded[i].exp_avg(amp::detail::decode_moment(state.exp_avg(), p.sizes(), Moment::kSigned));
+    decoded[i].exp_avg_sq(amp::detail::decode_moment(state.exp_avg_sq(), p.sizes(), Moment::kUnsigned));
+    if (o.amsgrad()) decoded[i].max_exp_avg_sq(amp::detail::decode_moment(state.max_exp_avg_sq(), p.sizes(), Moment::kUnsigned));
+    Planned<State> fp32{item.key, item.work};
+    fp32.state = &decoded[i];
+    fp32.copy = item.copy;
+    if (p.scalar_type() != at::kFloat) {  // O3
+      fp32.work.param = p.to(at::kFloat);
+      fp32.work.grad = item.work.grad.to(at::kFloat);
+    }
+    planned.push_back(std::move(fp32));
+  }
+  adam_aten(planned, o, decoupled, opt, fused, on_device);
+  const at::Tensor skipped = on_device ? fused.step_context().found_inf().ne(0) : at::Tensor();
+  for (size_t i = 0; i < items.size(); ++i) {
+    Work& work = items[i].work;
+    if (!planned[i].work.param.is_same(work.param)) {
+      work.param.copy_(planned[i].work.param);
+      work.grad.copy_(planned[i].work.grad);  // stored back unscaled, as on every route
+    }
+    const StateFormat::Place place = format.place(items[i].key);
+    const std::vector<at::Tensor> values{decoded[i].exp_avg(), decoded[i].exp_avg_sq(),
+                                         o.amsgrad() ? decoded[i].max_exp_avg_sq() : at::Tensor()};
+    for (const StoredMoment& m : stores[i]) {
+      const auto draws = format.draws_on(place, m.slot, work.param.device());
+      if (!skipped.defined()) {
+        amp::detail::encode_moment(values[m.slot], *m.stored, m.moment, draws);
+        continue;
+      }
+      const at::Tensor taken = at::empty_like(*m.stored);
+      amp::detail::encode_moment(values[m.slot], taken, m.moment, draws);
+      m.stored->copy_(at::where(skipped, *m.stored, taken));
+    }
+  }
+}
+
 template <class Options, class State, class CopyOf, class Fused>
 void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of, const LeanTable& lean,
                       bool decoupled, const char* name, StateFormat& format) {
@@ -402,11 +462,11 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
     check_adam_options(static_cast<const Options&>(o), name, g);
   });
   c10::NoGradGuard no_grad;
-  // NOTE [A step that never waits]: the flag stays on the device where every update is ATen's kernel with fp32
-  // states (the step counts then live there too).
-  const bool plain = !lean && format.format() == amp::OptimizerStateFormat::kFp32;
-  const bool aten_only = plain && all_on_aten(opt, copy_of);
-  const auto skip = fused.step_context().found_inf_decision(aten_only, plain && all_on_aten_there(opt));
+  // NOTE [A step that never waits]: the flag stays on the device where every update is ATen's kernel (the step
+  // counts then live there too; stored moments: NOTE [Stored moments on the device]) and no lean master keeps a
+  // host-side stream.
+  const bool aten_only = !lean && all_on_aten(opt, copy_of);
+  const auto skip = fused.step_context().found_inf_decision(aten_only, !lean && all_on_aten_there(opt));
   if (skip == Skip::kYes) return;
   const detail::LeanStepGuard lean_step(lean);
   const bool on_device = skip == Skip::kOnDevice;
@@ -442,7 +502,8 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
       state.step(state.step() + 1);
       item.copy = copy_of(p);
       if (format.format() != amp::OptimizerStateFormat::kFp32) {
-        plan.stored.push_back(std::move(item));
+        const bool aten = route_for(p, item.work.grad, {}, item.copy) == FusedRoute::kAten;
+        (aten ? plan.stored_aten : plan.stored).push_back(std::move(item));
         continue;
       }
       const at::Tensor vmax = o.amsgrad() ? state.max_exp_avg_sq() : at::Tensor();
@@ -455,8 +516,14 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
     adam_cpu_loop(plan.cpu_loop, o, decoupled, grad_scale);
     adam_per_op_all(plan.per_op, o, decoupled, grad_scale);
     adam_aten(plan.aten, o, decoupled, opt, fused, on_device);
+    adam_stored_aten(plan.stored_aten, o, decoupled, opt, fused, on_device, format);
   }
-  format.end_step();
+  const uint64_t draws = format.end_step(on_device ? fused.step_context().found_inf() : at::Tensor());
+  if (on_device && draws != 0) {  // the host's counter back when it learns the device skipped
+    fused.step_context().on_skip_undo([draws](torch::optim::Optimizer&, FusedOptimizer& self) {
+      if (const auto& f = self.step_context().state_format()) f->rewind(draws);
+    });
+  }
 }
 
 // ---- SGD -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 
 #include "amp/fused_optimizer.h"
 #include "core/host_sync.h"
+#include "optim/state_format.h"
 #include "scaling/device_scale.h"
 
 namespace amp::detail {
@@ -68,6 +69,7 @@ at::Tensor FusedStepContext::device_step(const at::Tensor& key, int64_t host_ste
 
 void FusedStepContext::pull_device_steps(optim::FusedOptimizer& owner) {
   counts_ahead_ = false;
+  if (state_format_) state_format_->pull_device_counter();
   auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);
   for (auto& [key, entry] : device_steps_) {
     if (!entry.count.defined() || !entry.set_host) continue;

@@ -7,7 +7,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
 #include <vector>
+
+#include "optim/stochastic_rounding_ops.h"
 
 namespace amp::detail {
 namespace {
@@ -42,9 +47,19 @@ std::array<float, 256> state_dynamic_map(bool is_signed) {
 
 int64_t state_packed_numel(const at::Tensor& stored) { return stored.numel() / (kStateBlock + 4) * kStateBlock; }
 
+// Made once per device: a host-to-device copy waits for the device (kept for the process, as a device's tensors
+// must not be freed after its runtime shuts down).
 at::Tensor state_map_tensor(Moment moment, const at::Device& device) {
-  const auto& map = quantization_map(moment);
-  return at::from_blob(const_cast<float*>(map.data()), {256}, at::TensorOptions().dtype(at::kFloat)).to(device, false, true);
+  static std::mutex mutex;
+  static auto* maps = new std::map<std::pair<int, std::string>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& map = (*maps)[{moment == Moment::kSigned ? 0 : 1, device.str()}];
+  if (!map.defined()) {
+    const auto& values = quantization_map(moment);
+    map = at::from_blob(const_cast<float*>(values.data()), {256}, at::TensorOptions().dtype(at::kFloat))
+              .to(device, false, true);
+  }
+  return map;
 }
 
 }  // namespace
@@ -123,7 +138,11 @@ class Bf16Moment final : public MomentStorage {
     return plain_moments().decode(stored, shape, moment);
   }
   void encode(const at::Tensor& flat, const at::Tensor& stored, Moment moment, Draws draws) const override {
-    if (draws) {  // the draws are the CPU loop's, whatever the device
+    if (draws && draws->on_device.defined()) {  // counted on the device: ATen ops there
+      stored.copy_(round_bf16_stochastically(flat, draws->seed, draws->on_device).view(stored.sizes()));
+      return;
+    }
+    if (draws) {  // the CPU loop's draws, whatever the device
       at::Tensor host = at::empty(stored.sizes(), stored.options().device(at::kCPU));
       encode_moment(flat.cpu(), host, moment, draws);
       stored.copy_(host);
@@ -137,8 +156,8 @@ class Bf16Moment final : public MomentStorage {
     v.data = stored.data_ptr();
     if (draws) {
       v.stochastic = true;
-      v.seed = draws->first;
-      v.first = draws->second;
+      v.seed = draws->seed;
+      v.first = draws->first;
     }
     return v;
   }
@@ -253,7 +272,8 @@ void encode_moment(const at::Tensor& values, const at::Tensor& stored, Moment mo
   const MomentStorage& storage = moment_storage_of(stored);
   TORCH_INTERNAL_ASSERT(flat.numel() == storage.values(stored), "amp: encoding ", flat.numel(), " values into a moment of ",
                         stored.numel(), " elements");
-  if (const auto v = cpu_view(stored, moment, draws); v && flat.device().is_cpu()) {  // the CPU loops, any class
+  const bool counted_on_device = draws && draws->on_device.defined();
+  if (const auto v = counted_on_device ? std::nullopt : cpu_view(stored, moment, draws); v && flat.device().is_cpu()) {  // the CPU loops, any class
     cpu::encode(*v, 0, flat.numel(), flat.data_ptr<float>());
     stored.unsafeGetTensorImpl()->bump_version();
     return;

@@ -20,8 +20,15 @@
 
 namespace amp::detail {
 
-/// A bf16 moment's stochastic rounding draws: the generator's seed and the first draw's number.
-using Draws = std::optional<std::pair<uint64_t, uint64_t>>;
+/// A bf16 moment's stochastic rounding draws: the generator's seed and the first draw's number, which a step on a
+/// device's route counts there (`on_device`, a 0-dim int64 tensor; NOTE [Stored moments on the device] in
+/// fused_optimizers.cpp) and the CPU loops on the host (`first`).
+struct DrawStream {
+  uint64_t seed = 0;
+  uint64_t first = 0;
+  at::Tensor on_device;  // undefined: `first`
+};
+using Draws = std::optional<DrawStream>;
 
 /// Which map an 8-bit moment takes: exp_avg the signed one, the squares (exp_avg_sq, max_exp_avg_sq) the unsigned.
 enum class Moment { kSigned, kUnsigned };

@@ -62,6 +62,7 @@ class StateFormat {
   void set_generator(uint64_t seed, uint64_t counter) noexcept {
     seed_ = seed;
     counter_ = counter;
+    device_counter_ = at::Tensor();  // made again from the host's at the next draws_on
   }
   /// Set by ZeRO for as long as the optimizer's param_groups hold its pieces; `total`: the values of every whole
   /// tensor (the numbering's length).
@@ -70,13 +71,24 @@ class StateFormat {
     placement_total_ = total;
   }
 
-  /// Numbers the tensors of `opt`'s param_groups for one step; end_step() advances the generator past it.
+  /// Numbers the tensors of `opt`'s param_groups for one step; end_step() advances the generator past it, and
+  /// returns by how much the host's counter moved. With `found_inf` (the step's skip decided on the device) the
+  /// device's counter moves only where the step was taken, the host's always, until rewind() (NOTE [Stored moments
+  /// on the device] in fused_optimizers.cpp).
   void begin_step(const torch::optim::Optimizer& opt);
-  void end_step();
+  uint64_t end_step(const at::Tensor& found_inf = at::Tensor());
+  /// A skip the host learned of after end_step: its counter back by `by` (end_step's advance).
+  void rewind(uint64_t by) noexcept;
+  /// The device's counter read into the host's (a graph capture's steps, which the host never settles); counted as
+  /// a host sync.
+  void pull_device_counter();
   Place place(const at::Tensor& stepped) const;
   /// The draws of moment `slot` (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) of the tensor at `place` in this step;
   /// nullopt unless kBf16.
   Draws draws(const Place& place, int slot) const;
+  /// The same draws counted on `device` (a device's route): the first number a tensor there, from the generator's
+  /// counter kept there across steps (made from the host's where that changed, as after a load).
+  Draws draws_on(const Place& place, int slot, const c10::Device& device);
 
   /// Where ZeRO may cut a tensor of `numel` values so each piece's moments are its own (NOTE [ZeRO layout]): the
   /// multiple its start in a flat run must be (an 8-bit moment's block, or 1), and the multiple every rank's slice
@@ -102,6 +114,8 @@ class StateFormat {
   int64_t placement_total_ = 0;
   std::unordered_map<const void*, Place> places_;  // this step's whole tensors, by TensorImpl
   int64_t total_ = 0;
+  at::Tensor device_counter_;         // int64 bits of the counter, on the device of the last draws_on
+  uint64_t device_counter_host_ = 0;  // the host counter it equals unless the device skipped
 };
 
 }  // namespace amp::detail
