@@ -459,12 +459,14 @@ TEST(FusedMuonTest, Bf16And8BitMomentumStepFromTheDecodedBuffer) {
 
 TEST(FusedMuonTest, ASkipOnlyTheDeviceKnowsChangesNothingAndWaitsForNothing) {
   // O2 bf16 with a dynamic scale, steps 0-4 with step 3 overflowing: no host sync in any step (Muon keeps no step
-  // count), the same values whether the CPU behaves as a device that never finishes or as the host deciding.
-  auto run = [](bool deferred) {
+  // count), the same values whether the CPU behaves as a device that never finishes or as the host deciding; with
+  // fp32, bf16 and 8-bit momentum (NOTE [Stored moments on the device]).
+  auto run = [](bool deferred, amp::OptimizerStateFormat format) {
     auto pair = muon_pair();
     auto [models, optimizers] = amp::initialize(
         std::make_tuple(pair.net), std::make_tuple(std::move(pair.muon)),
-        amp::Options("O2").low_precision_dtype(torch::kBFloat16).loss_scale(amp::LossScale::dynamic()).verbosity(0));
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).loss_scale(amp::LossScale::dynamic())
+            .optimizer_state_format(format).verbosity(0));
     auto& model = std::get<0>(models);
     auto& muon = std::get<0>(optimizers);
     const auto [x, y] = amp_test::blobs(16, 8, 4, 3);
@@ -484,23 +486,31 @@ TEST(FusedMuonTest, ASkipOnlyTheDeviceKnowsChangesNothingAndWaitsForNothing) {
     for (const auto& m : muon.master_params()) out.push_back(m.detach().clone());
     return out;
   };
-  const auto device_path = run(true), host_path = run(false);
-  for (size_t i = 0; i < device_path.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(device_path[i], host_path[i])) << i;
+  for (const auto format : {amp::OptimizerStateFormat::kFp32, amp::OptimizerStateFormat::kBf16,
+                            amp::OptimizerStateFormat::k8Bit}) {
+    SCOPED_TRACE(std::string(amp::to_string(format)) + " momentum");
+    const auto device_path = run(true, format), host_path = run(false, format);
+    for (size_t i = 0; i < device_path.size(); ++i) {
+      EXPECT_TRUE(amp_test::bitwise_equal(device_path[i], host_path[i])) << i;
+    }
+  }
 }
 
 TEST(FusedMuonTest, StepsUnderGraphCaptureGuardGiveTheHostPathsBits) {
   // Under the guard (without a capture: the host code a capture records) the flag and the scale stay on the device
-  // and the host reads nothing; the result is the host path's, bit for bit (as GraphCaptureGuardTest for FusedAdamW).
+  // and the host reads nothing; the result is the host path's, bit for bit (as GraphCaptureGuardTest for FusedAdamW),
+  // with fp32, bf16 and 8-bit momentum.
   struct Outcome {
     std::vector<torch::Tensor> params;
     double loss_scale = 0;
     int64_t skipped = 0, syncs = -1;
   };
-  auto run = [](bool guarded) {
+  auto run = [](bool guarded, amp::OptimizerStateFormat format) {
     auto pair = muon_pair();
     auto [models, optimizers] = amp::initialize(
         std::make_tuple(pair.net), std::make_tuple(std::move(pair.muon)),
-        amp::Options("O2").low_precision_dtype(torch::kBFloat16).growth_interval(3).verbosity(0));
+        amp::Options("O2").low_precision_dtype(torch::kBFloat16).growth_interval(3).optimizer_state_format(format)
+            .verbosity(0));
     auto& model = std::get<0>(models);
     auto& muon = std::get<0>(optimizers);
     const auto [x, y] = amp_test::blobs(32, 8, 4, 4);
@@ -521,12 +531,18 @@ TEST(FusedMuonTest, StepsUnderGraphCaptureGuardGiveTheHostPathsBits) {
     out.skipped = muon.skipped_steps();
     return out;
   };
-  const Outcome host = run(false), graph = run(true);
-  EXPECT_EQ(graph.syncs, 0);
-  EXPECT_EQ(host.skipped, 2);
-  EXPECT_EQ(graph.skipped, host.skipped);
-  EXPECT_EQ(graph.loss_scale, host.loss_scale);
-  for (size_t i = 0; i < host.params.size(); ++i) EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << i;
+  for (const auto format : {amp::OptimizerStateFormat::kFp32, amp::OptimizerStateFormat::kBf16,
+                            amp::OptimizerStateFormat::k8Bit}) {
+    SCOPED_TRACE(std::string(amp::to_string(format)) + " momentum");
+    const Outcome host = run(false, format), graph = run(true, format);
+    EXPECT_EQ(graph.syncs, 0);
+    EXPECT_EQ(host.skipped, 2);
+    EXPECT_EQ(graph.skipped, host.skipped);
+    EXPECT_EQ(graph.loss_scale, host.loss_scale);
+    for (size_t i = 0; i < host.params.size(); ++i) {
+      EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << i;
+    }
+  }
 }
 
 TEST(FusedMuonTest, MomentumFormatsTrainAndSkipAtO2AndO3) {

@@ -219,9 +219,10 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
   });
   c10::NoGradGuard no_grad;
   const std::shared_ptr<StateFormat> format = detail::format_for(state_format());
-  // NOTE [A step that never waits]: Muon keeps no step count, so with fp32 momentum and no lean masters every write
-  // can keep its old value on the device where the flag says so; the other formats' generators are host counters.
-  const bool plain = !lean_masters() && format->format() == amp::OptimizerStateFormat::kFp32;
+  // NOTE [A step that never waits]: Muon keeps no step count, so without lean masters (a host-side stream) every
+  // write can keep its old value on the device where the flag says so, a stored momentum's bytes and bf16's draw
+  // counter too (NOTE [Stored moments on the device] in fused_optimizers.cpp).
+  const bool plain = !lean_masters();
   const Skip skip = step_context().found_inf_decision(/*aten_only=*/plain, /*on_device_there=*/plain);
   if (skip == Skip::kYes) return loss;
   const detail::LeanStepGuard lean_step(lean_masters());
@@ -260,13 +261,14 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
                                at::Tensor p32 = p.to(at::kFloat);
                                muon_update(p32, shape, work.grad.to(at::kFloat), fp32[0], o, found_inf);
                                p.copy_(p32);
-                             });
+                             },
+                             found_inf);
       }
       if (const at::Tensor* copy = model_copy(p)) copy->copy_(p);
       work.finish();
     }
   }
-  format->end_step();
+  step_context().end_format_step(*format, found_inf.defined());
   return loss;
 }
 

@@ -60,6 +60,7 @@ using detail::evaluate;
 using detail::format_for;
 using detail::LeanTable;
 using detail::StoredMoment;
+using detail::store_moments;
 using detail::through_fp32;
 using detail::Work;
 using detail::work_for;
@@ -207,7 +208,7 @@ void split_chunks(int64_t n, Update update) {
 
 template <class Options, class State>
 void adam_stored(const at::Tensor& key, Work& work, State& state, const Options& o, bool decoupled,
-                 const std::optional<double>& grad_scale, const at::Tensor* copy, const StateFormat& format) {
+                 const std::optional<double>& grad_scale, const at::Tensor* copy, StateFormat& format) {
   at::Tensor& p = work.param;
   const at::Tensor& grad = work.grad;
   const StateFormat::Place place = format.place(key);
@@ -439,19 +440,9 @@ void adam_stored_aten(std::vector<Planned<State>>& items, const Options& o, bool
       work.param.copy_(planned[i].work.param);
       work.grad.copy_(planned[i].work.grad);  // stored back unscaled, as on every route
     }
-    const StateFormat::Place place = format.place(items[i].key);
-    const std::vector<at::Tensor> values{decoded[i].exp_avg(), decoded[i].exp_avg_sq(),
-                                         o.amsgrad() ? decoded[i].max_exp_avg_sq() : at::Tensor()};
-    for (const StoredMoment& m : stores[i]) {
-      const auto draws = format.draws_on(place, m.slot, work.param.device());
-      if (!skipped.defined()) {
-        amp::detail::encode_moment(values[m.slot], *m.stored, m.moment, draws);
-        continue;
-      }
-      const at::Tensor taken = at::empty_like(*m.stored);
-      amp::detail::encode_moment(values[m.slot], taken, m.moment, draws);
-      m.stored->copy_(at::where(skipped, *m.stored, taken));
-    }
+    std::vector<at::Tensor> values{decoded[i].exp_avg(), decoded[i].exp_avg_sq()};
+    if (o.amsgrad()) values.push_back(decoded[i].max_exp_avg_sq());
+    store_moments(stores[i], values, format, format.place(items[i].key), /*on_device=*/true, skipped);
   }
 }
 
@@ -518,12 +509,7 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
     adam_aten(plan.aten, o, decoupled, opt, fused, on_device);
     adam_stored_aten(plan.stored_aten, o, decoupled, opt, fused, on_device, format);
   }
-  const uint64_t draws = format.end_step(on_device ? fused.step_context().found_inf() : at::Tensor());
-  if (on_device && draws != 0) {  // the host's counter back when it learns the device skipped
-    fused.step_context().on_skip_undo([draws](torch::optim::Optimizer&, FusedOptimizer& self) {
-      if (const auto& f = self.step_context().state_format()) f->rewind(draws);
-    });
-  }
+  fused.step_context().end_format_step(format, on_device);
 }
 
 // ---- SGD -------------------------------------------------------------------------------------------
@@ -723,18 +709,21 @@ bool lamb_on_cpu(const at::Tensor& p, const at::Tensor& grad, FusedLAMBParamStat
 // Runs `step` on the LAMB state with its moments in fp32: the state itself, or its moments decoded from a state
 // format and encoded back after.
 template <class Step>
-void in_fp32(FusedLAMBParamState& state, const at::Tensor& p, const StateFormat& format, const StateFormat::Place& place,
-             Step step) {
+void in_fp32(FusedLAMBParamState& state, const at::Tensor& p, StateFormat& format, const StateFormat::Place& place,
+             Step step, const at::Tensor& found_inf = at::Tensor()) {
   if (format.format() == amp::OptimizerStateFormat::kFp32) {
     step(state);
     return;
   }
-  through_fp32(lamb_moments(state), p, format, place, [&](std::vector<at::Tensor>& v) {
-    FusedLAMBParamState fp32;
-    fp32.exp_avg(v[0]);
-    fp32.exp_avg_sq(v[1]);
-    step(fp32);
-  });
+  through_fp32(
+      lamb_moments(state), p, format, place,
+      [&](std::vector<at::Tensor>& v) {
+        FusedLAMBParamState fp32;
+        fp32.exp_avg(v[0]);
+        fp32.exp_avg_sq(v[1]);
+        step(fp32);
+      },
+      found_inf);
 }
 
 // LAMB's first stage on the CPU loop's route: the moments updated and the update written into `update`, with the
@@ -868,8 +857,9 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   });
   const std::shared_ptr<StateFormat> format = format_for(state_format());
   // NOTE [LAMB on the device]: the flag stays there where every update is lamb_per_op's (every route but amp's CPU
-  // loop: a device's always) with fp32 moments and copy masters, unsharded; else the host reads it (a wait on a device).
-  const bool plain = !lean_masters() && format->format() == amp::OptimizerStateFormat::kFp32 && !shard_sums();
+  // loop: a device's always) with copy masters, unsharded (stored moments: NOTE [Stored moments on the device]); else
+  // the host reads it (a wait on a device).
+  const bool plain = !lean_masters() && !shard_sums();
   bool per_op_only = plain;
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {
@@ -947,9 +937,10 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       std::optional<std::vector<cpu::StateView>> views;
       const bool on_cpu = lamb_on_cpu(p, grad, state, copy, *format, place, views);
       if (!on_cpu || !clip.device().is_cpu()) {  // no ATen LAMB kernel: per-op elsewhere
-        in_fp32(state, p, *format, place, [&](FusedLAMBParamState& fp32) {
-          lamb_per_op(p, grad, fp32, o, clip, on_device ? &*on_device : nullptr);
-        });
+        in_fp32(
+            state, p, *format, place,
+            [&](FusedLAMBParamState& fp32) { lamb_per_op(p, grad, fp32, o, clip, on_device ? &*on_device : nullptr); },
+            on_device ? on_device->found_inf : at::Tensor());
         if (copy) copy->copy_(p);
         work.finish();
         continue;
@@ -969,7 +960,7 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
       work.finish();
     }
   }
-  format->end_step();
+  step_context().end_format_step(*format, skip == Skip::kOnDevice);
   return loss;
 }
 

@@ -3,6 +3,7 @@
 // before writing anything, evaluate a closure, find what one parameter's update reads and writes (the parameter,
 // or a lean master's fp32 value), and run an update on moments held in a state format through fp32.
 
+#include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <torch/optim/optimizer.h>
@@ -120,17 +121,34 @@ struct StoredMoment {
   int slot;  // its draws (StateFormat::draws)
 };
 
+// Encodes fp32 `values` (one per moment) into the stored moments. `on_device`: bf16's draws counted on the stepped
+// tensor's device, and, with `skipped` (the device's flag, as a 0-dim bool), each stored tensor keeps its bytes where
+// it is set (NOTE [Stored moments on the device] in fused_optimizers.cpp).
+inline void store_moments(const std::vector<StoredMoment>& moments, const std::vector<at::Tensor>& values,
+                          amp::detail::StateFormat& format, const amp::detail::StateFormat::Place& place, bool on_device,
+                          const at::Tensor& skipped = at::Tensor()) {
+  for (size_t i = 0; i < moments.size(); ++i) {
+    const StoredMoment& m = moments[i];
+    const auto draws = on_device ? format.draws_on(place, m.slot, values[i].device()) : format.draws(place, m.slot);
+    if (!skipped.defined()) {
+      amp::detail::encode_moment(values[i], *m.stored, m.moment, draws);
+      continue;
+    }
+    const at::Tensor taken = at::empty_like(*m.stored);
+    amp::detail::encode_moment(values[i], taken, m.moment, draws);
+    m.stored->copy_(at::where(skipped, *m.stored, taken));
+  }
+}
+
 // Any route but the CPU loops': the moments decoded to fp32, `step` on them (the fp32 route's per-op arithmetic),
-// encoded back.
+// encoded back (store_moments; `found_inf`: the device's flag, which `step` takes too).
 template <class Step>
-void through_fp32(const std::vector<StoredMoment>& moments, const at::Tensor& like, const amp::detail::StateFormat& format,
-                  const amp::detail::StateFormat::Place& place, Step step) {
+void through_fp32(const std::vector<StoredMoment>& moments, const at::Tensor& like, amp::detail::StateFormat& format,
+                  const amp::detail::StateFormat::Place& place, Step step, const at::Tensor& found_inf = at::Tensor()) {
   std::vector<at::Tensor> values;
   for (const auto& m : moments) values.push_back(amp::detail::decode_moment(*m.stored, like.sizes(), m.moment));
   step(values);
-  for (size_t i = 0; i < moments.size(); ++i) {
-    amp::detail::encode_moment(values[i], *moments[i].stored, moments[i].moment, format.draws(place, moments[i].slot));
-  }
+  store_moments(moments, values, format, place, found_inf.defined(), found_inf.defined() ? found_inf.ne(0) : at::Tensor());
 }
 
 }  // namespace amp::optim::detail

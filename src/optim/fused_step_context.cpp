@@ -79,6 +79,14 @@ void FusedStepContext::pull_device_steps(optim::FusedOptimizer& owner) {
   }
 }
 
+void FusedStepContext::end_format_step(StateFormat& format, bool on_device) {
+  const uint64_t draws = format.end_step(on_device ? found_inf_ : at::Tensor());
+  if (!on_device || draws == 0) return;
+  on_skip_undo([draws](torch::optim::Optimizer&, optim::FusedOptimizer& self) {
+    if (const auto& f = self.step_context().state_format()) f->rewind(draws);
+  });
+}
+
 void FusedStepContext::undo_device_step(const c10::TensorImpl* key) {
   const auto it = device_steps_.find(key);
   if (it != device_steps_.end()) --it->second.host;

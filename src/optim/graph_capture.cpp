@@ -40,10 +40,6 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     TORCH_CHECK(kind == nullptr || kind->uncapturable == nullptr, where, ": optimizer ", i, " ", kind->uncapturable,
                 ". Capture with FusedAdam, FusedAdamW or FusedMuon, or run its steps eagerly (they never wait for the "
                 "device).");
-    TORCH_CHECK(p.optimizer_state_format == OptimizerStateFormat::kFp32, where, ": optimizer ", i, " keeps its state "
-                "as ", p.optimizer_state_format == OptimizerStateFormat::kBf16 ? "bf16" : "8bit", " (optimizer_state_format), "
-                "whose step runs per-op routes that decide the skip on the host. Capture with optimizer_state_format = "
-                "fp32.");
     TORCH_CHECK(p.master_weights_format == MasterWeights::kCopy, where, ": optimizer ", i, " has master_weights_format "
                 "= ", to_string(p.master_weights_format), ", whose step decides the skip on the host. Capture with the "
                 "default master_weights_format = copy.");

@@ -1,6 +1,7 @@
 #include "optim/stochastic_rounding_ops.h"
 
 #include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <c10/core/GradMode.h>
 
 namespace amp::detail {
