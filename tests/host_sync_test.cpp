@@ -105,9 +105,9 @@ struct HsFormatCase {
 
 class HostSyncFormatTest : public ::testing::TestWithParam<HsFormatCase> {};
 
-// bf16 and 8-bit moments keep their generator's counter on the device too (NOTE [Stored moments on the device]): no
-// wait. The lean master formats keep a host-side stream the flag decides: on a device their fused step reads the flag
-// once per step, overflowing or not. (Per op, before LibTorch 2.4's fused kernels, the formats read it too.)
+// bf16 and 8-bit moments and the lean master formats keep their generators' counters on the device too (NOTE [Stored
+// moments on the device], NOTE [Lean masters on the device]): no wait. (Per op, before LibTorch 2.4's fused kernels,
+// a step reads it once.)
 TEST_P(HostSyncFormatTest, WaitsOfTheFormatsStep) {
   const HsFormatCase c = GetParam();
   torch::manual_seed(0);
@@ -134,10 +134,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         HsFormatCase{"bf16_moments", hs_o2_bf16().optimizer_state_format(amp::OptimizerStateFormat::kBf16), false, 0},
         HsFormatCase{"8bit_moments", hs_o2_bf16().optimizer_state_format(amp::OptimizerStateFormat::k8Bit), false, 0},
-        HsFormatCase{"split_masters", hs_o2_bf16().master_weights_format(amp::MasterWeights::kSplit), false, 1},
+        HsFormatCase{"split_masters", hs_o2_bf16().master_weights_format(amp::MasterWeights::kSplit), false, 0},
         HsFormatCase{"stochastic_rounding_masters",
-                     hs_o2_bf16().master_weights_format(amp::MasterWeights::kStochasticRounding), true, 1},
-        HsFormatCase{"kahan_masters", hs_o2_bf16().master_weights_format(amp::MasterWeights::kKahan), true, 1}),
+                     hs_o2_bf16().master_weights_format(amp::MasterWeights::kStochasticRounding), true, 0},
+        HsFormatCase{"kahan_masters", hs_o2_bf16().master_weights_format(amp::MasterWeights::kKahan), true, 0},
+        HsFormatCase{"residual8_masters_8bit_moments",
+                     hs_o2_bf16().master_weights_format(amp::MasterWeights::kResidual8)
+                         .optimizer_state_format(amp::OptimizerStateFormat::k8Bit), false, 0}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Two optimizers under one scale_loss share its one read of the overflow flag: each counts it, as each waited.

@@ -9,6 +9,8 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include "../examples/common/memory_meter.h"
@@ -283,6 +285,73 @@ TEST(LeanMastersTest, StochasticRoundingDrawsByPlaceOncePerStep) {
   EXPECT_FALSE(amp_test::bitwise_equal(in_order->param(1), reversed->param(1)));
   reversed->store(0, a);
   EXPECT_EQ(reversed->counter(), uint64_t{5 + 8000});
+}
+
+// NOTE [Lean masters on the device]: value() and store() in ATen ops (a device's route; on the CPU under ATen's route
+// forced) give the CPU loops' weights, aux and values bit for bit, for every format and every class of float (signs,
+// subnormals, bf16 midpoints, the largest finite values, which round up to inf, inf and NaN), in a step and outside
+// one; and a step whose flag the device holds keeps each weight and aux on a skip, its draws held back.
+TEST(LeanMastersTest, DeviceRouteIsTheCpuLoopsBitForBit) {
+  torch::manual_seed(4);
+  const auto values = torch::cat(
+      {torch::randn({5000}) * torch::logspace(-44, 38, 5000), torch::randn({1000}),
+       torch::tensor({0.0f, -0.0f, 1e-45f, -3e-41f, 1.00390625f, -1.01171875f, 3.3961776e38f,
+                      std::numeric_limits<float>::max(), -std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()})});
+  const auto later = values * 1.001f + 1e-3f;
+  for (const auto format : {MasterWeights::kSplit, MasterWeights::kKahan, MasterWeights::kStochasticRounding,
+                            MasterWeights::kResidual8}) {
+    SCOPED_TRACE(amp::to_string(format));
+    auto table = [&] {
+      auto t = std::make_shared<amp::detail::LeanMasters>(format, 77, 9);
+      t->add("a", torch::zeros({17}, torch::kBFloat16));
+      t->add("b", values.clone());
+      t->cast_from_float(1);  // a store outside a step
+      return t;
+    };
+    auto run = [&](bool device_route, bool skip) {
+      std::optional<amp::optim::detail::FusedRouteGuard> route;
+      if (device_route) route.emplace(amp::optim::detail::FusedRoute::kAten);
+      auto t = table();
+      std::vector<torch::Tensor> out{t->value(1)};
+      t->begin_step(skip ? torch::ones({}) : torch::Tensor());
+      t->store(1, later);
+      t->end_step();
+      if (skip) t->rewind_step();  // the host learns of the skip
+      out.push_back(t->param(1).clone());
+      if (t->aux(1).defined()) out.push_back(t->aux(1).clone());
+      out.push_back(t->value(1));
+      t->begin_step();
+      t->store(1, later * 3);  // the next step draws what the host's run draws
+      t->end_step();
+      out.push_back(t->param(1).clone());
+      out.push_back(torch::tensor(static_cast<int64_t>(t->counter())));
+      return out;
+    };
+    const auto host = run(false, false), device = run(true, false);
+    ASSERT_EQ(host.size(), device.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      EXPECT_TRUE(torch::equal(host[i].view({-1}).view(torch::kByte), device[i].view({-1}).view(torch::kByte))) << i;
+    }
+    // Skipped on the device: the weight, aux and value as cast, then the same next step as a run without the skip's
+    // store.
+    auto unskipped = [&] {
+      auto t = table();
+      std::vector<torch::Tensor> out{t->value(1), t->param(1).clone()};
+      if (t->aux(1).defined()) out.push_back(t->aux(1).clone());
+      out.push_back(t->value(1));
+      t->begin_step();
+      t->store(1, later * 3);
+      t->end_step();
+      out.push_back(t->param(1).clone());
+      out.push_back(torch::tensor(static_cast<int64_t>(t->counter())));
+      return out;
+    }();
+    const auto skipped = run(true, true);
+    for (size_t i = 0; i < skipped.size(); ++i) {
+      EXPECT_TRUE(torch::equal(skipped[i].view({-1}).view(torch::kByte), unskipped[i].view({-1}).view(torch::kByte))) << i;
+    }
+  }
 }
 
 TEST(Residual8ReferenceTest, WeightResidualAndValueAreFlashOptimsBits) {

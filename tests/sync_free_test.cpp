@@ -113,13 +113,15 @@ struct NwCase {
   c10::ScalarType dtype;
   const char* optimizer;  // "FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB"
   amp::OptimizerStateFormat format = amp::OptimizerStateFormat::kFp32;
+  amp::MasterWeights master = amp::MasterWeights::kCopy;
 };
 
 std::string nw_name(const NwCase& c) {
   const std::string format = c.format == amp::OptimizerStateFormat::kFp32 ? ""
                              : c.format == amp::OptimizerStateFormat::kBf16 ? "_bf16_moments"
                                                                             : "_8bit_moments";
-  return std::string(c.level) + "_" + amp_test::dtype_label(c.dtype) + "_" + c.optimizer + format;
+  const std::string master = c.master == amp::MasterWeights::kCopy ? "" : std::string("_") + amp::to_string(c.master);
+  return std::string(c.level) + "_" + amp_test::dtype_label(c.dtype) + "_" + c.optimizer + format + master;
 }
 
 template <class Run>
@@ -168,6 +170,7 @@ NwOutcome nw_train(const NwCase& c, NwPath path, bool aten_kernels = false,
                            .loss_scale(amp::LossScale::dynamic())
                            .growth_interval(3)
                            .optimizer_state_format(c.format)
+                           .master_weights_format(c.master)
                            .verbosity(0);
   const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
   NwOutcome out;
@@ -274,6 +277,23 @@ INSTANTIATE_TEST_SUITE_P(
                       NwCase{"O2", torch::kBFloat16, "FusedLAMB", amp::OptimizerStateFormat::kBf16}),
     [](const auto& info) { return nw_name(info.param); });
 
+// The lean master formats (NOTE [Lean masters on the device]), alone and beside 8-bit moments.
+const amp::OptimizerStateFormat kNwFp32 = amp::OptimizerStateFormat::kFp32;
+std::vector<NwCase> nw_lean_cases() {
+  return {NwCase{"O2", torch::kBFloat16, "FusedAdamW", kNwFp32, amp::MasterWeights::kSplit},
+          NwCase{"O2", torch::kBFloat16, "FusedAdam", kNwFp32, amp::MasterWeights::kKahan},
+          NwCase{"O2", torch::kBFloat16, "FusedSGD", kNwFp32, amp::MasterWeights::kStochasticRounding},
+          NwCase{"O2", torch::kBFloat16, "FusedAdamW", kNwFp32, amp::MasterWeights::kStochasticRounding},
+          NwCase{"O2", torch::kBFloat16, "FusedLAMB", kNwFp32, amp::MasterWeights::kResidual8},
+          NwCase{"O2", torch::kBFloat16, "FusedLAMB", kNwFp32, amp::MasterWeights::kSplit},
+          NwCase{"O2", torch::kBFloat16, "FusedAdam", kNwFp32, amp::MasterWeights::kResidual8},
+          NwCase{"O2", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
+          NwCase{"O2", torch::kBFloat16, "FusedAdamW", amp::OptimizerStateFormat::kBf16,
+                 amp::MasterWeights::kStochasticRounding}};
+}
+INSTANTIATE_TEST_SUITE_P(LeanMasters, SyncFreeStepTest, ::testing::ValuesIn(nw_lean_cases()),
+                         [](const auto& info) { return nw_name(info.param); });
+
 class SyncFreeAtenStepTest : public ::testing::TestWithParam<NwCase> {};
 
 // ATen's fused kernels, the route of CUDA parameters, forced on the CPU: the flag goes into _fused_sgd_ /
@@ -320,6 +340,11 @@ INSTANTIATE_TEST_SUITE_P(
                       NwCase{"O2", torch::kHalf, "FusedLAMB", amp::OptimizerStateFormat::k8Bit},
                       NwCase{"O3", torch::kBFloat16, "FusedLAMB", amp::OptimizerStateFormat::k8Bit}),
     [](const auto& info) { return nw_name(info.param); });
+
+// Lean masters on ATen's route: value and store in ATen ops, the stores keeping the old weight and aux on a device
+// skip, kStochasticRounding's draws counted on the device (NOTE [Lean masters on the device]).
+INSTANTIATE_TEST_SUITE_P(LeanMasters, SyncFreeAtenStepTest, ::testing::ValuesIn(nw_lean_cases()),
+                         [](const auto& info) { return nw_name(info.param); });
 
 // A first step that overflows (NOTE [A first momentum buffer on the device]): without dampening the step makes -0.0
 // buffers and the kernels skip on the device, so the next step is the first, bit for bit the host's path (which made

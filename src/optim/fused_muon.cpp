@@ -219,13 +219,12 @@ torch::Tensor FusedMuon::step(LossClosure closure) {
   });
   c10::NoGradGuard no_grad;
   const std::shared_ptr<StateFormat> format = detail::format_for(state_format());
-  // NOTE [A step that never waits]: Muon keeps no step count, so without lean masters (a host-side stream) every
-  // write can keep its old value on the device where the flag says so, a stored momentum's bytes and bf16's draw
-  // counter too (NOTE [Stored moments on the device] in fused_optimizers.cpp).
-  const bool plain = !lean_masters();
-  const Skip skip = step_context().found_inf_decision(/*aten_only=*/plain, /*on_device_there=*/plain);
+  // NOTE [A step that never waits]: Muon keeps no step count, so every write can keep its old value on the device
+  // where the flag says so, a stored momentum's bytes, a lean master's weight and aux and their draw counters too
+  // (NOTE [Stored moments on the device] in fused_optimizers.cpp, NOTE [Lean masters on the device]).
+  const Skip skip = step_context().found_inf_decision(/*aten_only=*/true, /*on_device_there=*/true);
   if (skip == Skip::kYes) return loss;
-  const detail::LeanStepGuard lean_step(lean_masters());
+  const detail::LeanStepGuard lean_step(lean_masters(), skip == Skip::kOnDevice ? &step_context() : nullptr);
   const at::Tensor found_inf = skip == Skip::kOnDevice ? step_context().found_inf() : at::Tensor();
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's scale comes off first and the gradients keep it off (torch's unscale_ before the step), except

@@ -37,6 +37,7 @@ std::atomic<FusedRoute> forced_route{FusedRoute::kAuto};
 }  // namespace
 
 void force_fused_route(FusedRoute route) { forced_route = route; }
+FusedRoute forced_fused_route() { return forced_route; }
 
 bool has_aten_fused_optimizers() {
 #ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
@@ -88,6 +89,17 @@ FusedRoute route_for(const at::Tensor& p, const at::Tensor& grad, at::TensorList
   if (own) return FusedRoute::kAuto;
   if (!p.device().is_cpu() && aten_ok) return FusedRoute::kAten;
   return FusedRoute::kPerOp;
+}
+
+// The route of `p`'s update: its lean master's fp32 value (work_for) where it has one in `lean`, else its own.
+FusedRoute update_route(const at::Tensor& p, const at::Tensor* copy, const detail::LeanTable& lean) {
+  if (lean) {
+    if (const auto found = amp::detail::find_lean(p); found && found->first == lean) {
+      const at::Tensor fp32 = at::empty({0}, p.options().dtype(at::kFloat));  // stands for the value and its gradient
+      return route_for(fp32, fp32, {}, copy);
+    }
+  }
+  return route_for(p, p.grad(), {}, copy);
 }
 
 cpu::ModelCopy model_copy_arg(const at::Tensor* copy) {
@@ -454,13 +466,13 @@ void adam_family_step(torch::optim::Optimizer& opt, Fused& fused, CopyOf copy_of
   });
   c10::NoGradGuard no_grad;
   // NOTE [A step that never waits]: the flag stays on the device where every update is ATen's kernel (the step
-  // counts then live there too; stored moments: NOTE [Stored moments on the device]) and no lean master keeps a
-  // host-side stream.
-  const bool aten_only = !lean && all_on_aten(opt, copy_of);
-  const auto skip = fused.step_context().found_inf_decision(aten_only, !lean && all_on_aten_there(opt));
+  // counts then live there too; stored moments: NOTE [Stored moments on the device]; lean masters: NOTE [Lean masters
+  // on the device] in lean_masters.h).
+  const bool aten_only = all_on_aten(opt, copy_of);
+  const auto skip = fused.step_context().found_inf_decision(aten_only, all_on_aten_there(opt));
   if (skip == Skip::kYes) return;
-  const detail::LeanStepGuard lean_step(lean);
   const bool on_device = skip == Skip::kOnDevice;
+  const detail::LeanStepGuard lean_step(lean, on_device ? &fused.step_context() : nullptr);
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
   const std::optional<double> grad_scale = aten_only ? std::nullopt : fused.step_context().grad_scale();
   format.begin_step(opt);
@@ -857,18 +869,18 @@ torch::Tensor FusedLAMB::step(LossClosure closure) {
   });
   const std::shared_ptr<StateFormat> format = format_for(state_format());
   // NOTE [LAMB on the device]: the flag stays there where every update is lamb_per_op's (every route but amp's CPU
-  // loop: a device's always) with copy masters, unsharded (stored moments: NOTE [Stored moments on the device]); else
-  // the host reads it (a wait on a device).
-  const bool plain = !lean_masters() && !shard_sums();
+  // loop: a device's always), unsharded (stored moments: NOTE [Stored moments on the device]; lean masters: NOTE
+  // [Lean masters on the device]); else the host reads it (a wait on a device).
+  const bool plain = !shard_sums();
   bool per_op_only = plain;
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {
-      if (p.grad().defined()) per_op_only = per_op_only && route_for(p, p.grad(), {}, model_copy(p)) != FusedRoute::kAuto;
+      if (p.grad().defined()) per_op_only = per_op_only && update_route(p, model_copy(p), lean_masters()) != FusedRoute::kAuto;
     }
   }
   const Skip skip = step_context().found_inf_decision(per_op_only, plain);
   if (skip == Skip::kYes) return loss;
-  const detail::LeanStepGuard lean_step(lean_masters());
+  const detail::LeanStepGuard lean_step(lean_masters(), skip == Skip::kOnDevice ? &step_context() : nullptr);
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = amp::detail::defined_grads(*this);
   // A GradScaler's loss scale comes off first and the unscaled gradients are stored back (as ATen's fused
@@ -1076,15 +1088,15 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
                       static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
     }
   }
-  const bool plain = !lean_masters() && buffers_ready;
+  const bool plain = buffers_ready;  // lean masters: NOTE [Lean masters on the device]
   const Skip skip = step_context().found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
                                        plain && all_on_aten_there(*this));
   if (skip == Skip::kYes) return loss;
-  const detail::LeanStepGuard lean_step(lean_masters());
+  const detail::LeanStepGuard lean_step(lean_masters(), skip == Skip::kOnDevice ? &step_context() : nullptr);
   const std::optional<at::Tensor> device_found_inf =
       skip == Skip::kOnDevice ? std::optional<at::Tensor>(step_context().found_inf()) : std::nullopt;
   // The scale a GradScaler left in the gradients, on the host for the routes that are not ATen's kernels.
-  const bool aten_only = !lean_masters() && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
+  const bool aten_only = all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); });
   std::optional<double> grad_scale;
   if (!aten_only) grad_scale = step_context().grad_scale();
   for (auto& group : param_groups_) {

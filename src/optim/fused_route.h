@@ -12,6 +12,8 @@ enum class FusedRoute {
 
 /// Forces a route for every later step in the process (kAuto restores the default). For tests.
 void force_fused_route(FusedRoute route);
+/// The route force_fused_route set (kAuto: none).
+FusedRoute forced_fused_route();
 
 /// Forces `route` for its lifetime and restores the default after (tests that run one route).
 class FusedRouteGuard {

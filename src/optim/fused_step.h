@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "optim/fused_step_context.h"
 #include "optim/lean_masters.h"
 #include "optim/state_format.h"
 
@@ -94,11 +95,15 @@ inline Work work_for(const at::Tensor& p, const LeanTable& lean) {
 }
 
 // A taken step's stores, in one numbering of stochastic rounding's draws; the generator moves past it however the
-// step ends (NOTE [Lean masters]).
+// step ends (NOTE [Lean masters]). `on_device`: the step's context where its flag stays on the device, whose skip
+// the stores then keep on the device too, the host's counter going back when it learns of it (NOTE [Lean masters on
+// the device]).
 class LeanStepGuard {
  public:
-  explicit LeanStepGuard(const LeanTable& lean) : lean_(lean.get()) {
-    if (lean_) lean_->begin_step();
+  explicit LeanStepGuard(const LeanTable& lean, amp::detail::FusedStepContext* on_device = nullptr) : lean_(lean.get()) {
+    if (!lean_) return;
+    lean_->begin_step(on_device ? on_device->found_inf() : at::Tensor());
+    if (on_device) on_device->rewind_lean_draws_on_skip();
   }
   ~LeanStepGuard() {
     if (lean_) lean_->end_step();

@@ -5,6 +5,7 @@
 
 #include "amp/fused_optimizer.h"
 #include "core/host_sync.h"
+#include "optim/lean_masters.h"
 #include "optim/state_format.h"
 #include "scaling/device_scale.h"
 
@@ -70,6 +71,7 @@ at::Tensor FusedStepContext::device_step(const at::Tensor& key, int64_t host_ste
 void FusedStepContext::pull_device_steps(optim::FusedOptimizer& owner) {
   counts_ahead_ = false;
   if (state_format_) state_format_->pull_device_counter();
+  if (lean_) lean_->pull_device_counter();
   auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);
   for (auto& [key, entry] : device_steps_) {
     if (!entry.count.defined() || !entry.set_host) continue;
@@ -84,6 +86,13 @@ void FusedStepContext::end_format_step(StateFormat& format, bool on_device) {
   if (!on_device || draws == 0) return;
   on_skip_undo([draws](torch::optim::Optimizer&, optim::FusedOptimizer& self) {
     if (const auto& f = self.step_context().state_format()) f->rewind(draws);
+  });
+}
+
+void FusedStepContext::rewind_lean_draws_on_skip() {
+  if (!lean_ || lean_->format() != amp::MasterWeights::kStochasticRounding) return;
+  on_skip_undo([](torch::optim::Optimizer&, optim::FusedOptimizer& self) {
+    if (const auto& lean = self.step_context().lean_masters()) lean->rewind_step();
   });
 }
 

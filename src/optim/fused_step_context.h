@@ -124,6 +124,9 @@ class FusedStepContext {
   at::Tensor device_step(const at::Tensor& key, int64_t host_step, const c10::Device& device, SetHostCount set_host);
   /// Puts back device_step's host count of `key` (its step was skipped on the device).
   void undo_device_step(const c10::TensorImpl* key);
+  /// Where the lean masters' step keeps its flag on the device: their generator's host counter goes back if the host
+  /// learns the step was skipped (NOTE [Lean masters on the device]).
+  void rewind_lean_draws_on_skip();
   /// Ends a step's numbering of stochastic rounding draws (StateFormat::end_step), with this step's flag where it
   /// stayed on the device (`on_device`): the host's counter goes back if the host learns the step was skipped.
   void end_format_step(StateFormat& format, bool on_device);

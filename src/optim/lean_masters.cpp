@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/BFloat16.h>
 #include <torch/serialize/archive.h>
@@ -12,10 +13,13 @@
 #include <unordered_map>
 
 #include "amp/properties.h"
+#include "core/host_sync.h"
 #include "optim/float32_bytes.h"
+#include "optim/fused_route.h"
 #include "optim/residual8.h"
 #include "optim/sharding.h"
 #include "optim/stochastic_rounding.h"
+#include "optim/stochastic_rounding_ops.h"
 
 namespace amp::detail {
 namespace {
@@ -53,6 +57,13 @@ struct LeanEntry {
 std::unordered_map<const c10::TensorImpl*, LeanEntry> lean_registry;
 
 at::Tensor lean_cpu_contiguous(const at::Tensor& t) { return t.device().is_cpu() ? t.contiguous() : t.cpu().contiguous(); }
+
+// round_to_nearest in ATen ops: ATen's vectorized conversions and CUDA's keep a NaN's sign and payload where c10's
+// scalar conversion, the loops', writes 0x7fc0.
+at::Tensor to_bf16_nearest(const at::Tensor& v) {
+  return at::where(at::isnan(v), at::full({}, int16_t{0x7fc0}, v.options().dtype(at::kShort)).view(at::kBFloat16),
+                   v.to(at::kBFloat16));
+}
 
 }  // namespace
 
@@ -129,9 +140,50 @@ void LeanMasters::mark_sharded(std::weak_ptr<Shards> shards) {
   for (auto& loaded : loaded_) loaded = at::Tensor();  // the slices keep their own pairing
 }
 
-void LeanMasters::end_step() noexcept {
+void LeanMasters::begin_step(const at::Tensor& found_inf) {
+  in_step_ = true;
+  step_skipped_ = found_inf.defined() ? found_inf.ne(0) : at::Tensor();
+}
+
+void LeanMasters::end_step() {
   in_step_ = false;
-  if (format_ == amp::MasterWeights::kStochasticRounding) counter_ += static_cast<uint64_t>(total_);
+  if (format_ == amp::MasterWeights::kStochasticRounding) advance(static_cast<uint64_t>(total_), step_skipped_);
+  step_skipped_ = at::Tensor();
+}
+
+void LeanMasters::rewind_step() noexcept {
+  if (format_ != amp::MasterWeights::kStochasticRounding) return;
+  counter_ -= static_cast<uint64_t>(total_);
+  device_counter_host_ -= static_cast<uint64_t>(total_);
+}
+
+void LeanMasters::pull_device_counter() {
+  if (!device_counter_.defined() || device_counter_host_ != counter_) return;  // the host's is the truth
+  count_host_sync();
+  counter_ = static_cast<uint64_t>(device_counter_.item<int64_t>());
+  device_counter_host_ = counter_;
+}
+
+at::Tensor LeanMasters::device_counter(const c10::Device& device) {
+  if (!device_counter_.defined() || device_counter_.device() != device || device_counter_host_ != counter_) {
+    device_counter_ = at::full({}, static_cast<int64_t>(counter_), at::TensorOptions().dtype(at::kLong).device(device));
+    device_counter_host_ = counter_;
+  }
+  return device_counter_;
+}
+
+void LeanMasters::advance(uint64_t by, const at::Tensor& skipped) {
+  if (device_counter_.defined() && device_counter_host_ == counter_) {
+    const auto n = static_cast<int64_t>(by);
+    if (skipped.defined()) device_counter_.add_(skipped.logical_not().to(at::kLong) * n);
+    else device_counter_.add_(n);
+    device_counter_host_ += by;
+  }
+  counter_ += by;
+}
+
+bool LeanMasters::on_device_route(const at::Tensor& param) const {
+  return !param.device().is_cpu() || optim::detail::forced_fused_route() == optim::detail::FusedRoute::kAten;
 }
 
 void LeanMasters::cast_from_float(size_t i) {
@@ -150,6 +202,18 @@ at::Tensor LeanMasters::value(size_t i) const {
 }
 
 at::Tensor LeanMasters::value(size_t i, const at::Tensor& aux) const {
+  if (on_device_route(params_[i])) {  // NOTE [Lean masters on the device]
+    const at::Tensor& w = params_[i];
+    switch (format_) {
+      case amp::MasterWeights::kSplit:
+        return at::bitwise_or(at::bitwise_left_shift(w.contiguous().view(at::kShort).to(at::kInt), 16),
+                              at::bitwise_and(aux.to(at::kInt), 0xffff))
+            .view(at::kFloat);
+      case amp::MasterWeights::kKahan: return w.to(at::kFloat) + aux.to(at::kFloat);
+      case amp::MasterWeights::kResidual8: return residual8_decode(w, aux);
+      default: return w.to(at::kFloat, false, /*copy=*/true);
+    }
+  }
   const at::Tensor p = lean_cpu_contiguous(params_[i]);
   at::Tensor out = at::empty(p.sizes(), p.options().dtype(at::kFloat));
   const auto* w = reinterpret_cast<const uint16_t*>(p.data_ptr());
@@ -183,9 +247,60 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
   c10::NoGradGuard no_grad;
   at::Tensor& p = params_[i];
   TORCH_INTERNAL_ASSERT(p.scalar_type() == at::kBFloat16 && value.sizes() == p.sizes());
-  const at::Tensor v = lean_cpu_contiguous(value.to(at::kFloat));
   // A sharded table's store (load_weights) computes the whole aux and hands it to its shards.
   const at::Tensor whole_aux = aux_sharded_ ? fresh_aux(p) : aux_[i];
+  if (on_device_route(p)) {
+    store_on_device(i, value, whole_aux);
+  } else {
+    store_on_host(i, value, whole_aux);
+  }
+  loaded_[i] = at::Tensor();
+  mark_synced(i);
+  if (aux_sharded_) {
+    const auto shards = shards_.lock();
+    TORCH_INTERNAL_ASSERT(shards, "amp: a sharded lean table outlived its sharding");
+    shards->keep_aux(i, whole_aux, at::Tensor());
+  }
+}
+
+// NOTE [Lean masters on the device]: store()'s arithmetic in ATen ops, bit for bit store_on_host's.
+void LeanMasters::store_on_device(size_t i, const at::Tensor& value, const at::Tensor& whole_aux) {
+  at::Tensor& p = params_[i];
+  const at::Tensor v = value.to(at::kFloat).contiguous();
+  at::Tensor w, aux;
+  switch (format_) {
+    case amp::MasterWeights::kSplit: {
+      const at::Tensor bits = v.view(at::kInt);
+      w = at::bitwise_right_shift(bits, 16).to(at::kShort).view(at::kBFloat16);
+      aux = at::bitwise_and(bits, 0xffff).to(at::kShort);
+      break;
+    }
+    case amp::MasterWeights::kKahan:
+      w = to_bf16_nearest(v);
+      aux = to_bf16_nearest(v - w.to(at::kFloat));  // exact in fp32: w is v's neighbour
+      break;
+    case amp::MasterWeights::kResidual8:
+      w = to_bf16_nearest(v);
+      aux = residual8_encode(v, w);
+      break;
+    case amp::MasterWeights::kStochasticRounding:
+      w = round_bf16_stochastically(v, seed_, device_counter(p.device()) + offset_[i], ValuesPerDraw::kOne);
+      if (!in_step_) advance(static_cast<uint64_t>(total_), at::Tensor());  // a store of its own
+      break;
+    case amp::MasterWeights::kCopy:
+      TORCH_INTERNAL_ASSERT(false, "amp: LeanMasters holds no kCopy parameters");
+  }
+  if (in_step_ && step_skipped_.defined()) {  // the device's skip: the old weight and aux
+    w = at::where(step_skipped_, p, w.view(p.sizes()));
+    if (aux.defined()) aux = at::where(step_skipped_, whole_aux, aux.view(p.sizes()));
+  }
+  p.copy_(w.view(p.sizes()));
+  if (aux.defined()) whole_aux.copy_(aux.view(p.sizes()));
+}
+
+void LeanMasters::store_on_host(size_t i, const at::Tensor& value, const at::Tensor& whole_aux) {
+  at::Tensor& p = params_[i];
+  const at::Tensor v = lean_cpu_contiguous(value.to(at::kFloat));
   const bool in_place = p.device().is_cpu() && p.is_contiguous();
   at::Tensor w_t = in_place ? p : at::empty(p.sizes(), v.options().dtype(at::kBFloat16));
   at::Tensor aux_t = whole_aux.defined() ? (in_place ? whole_aux : at::empty_like(v, whole_aux.scalar_type())) : at::Tensor();
@@ -216,7 +331,7 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
       each_element(v.numel(), [&](int64_t k) {
         w[k] = round_stochastically(x[k], static_cast<uint16_t>(random_bits(seed, base + static_cast<uint64_t>(k))));
       });
-      if (!in_step_) counter_ += static_cast<uint64_t>(total_);  // a store of its own (load_weights, initialize)
+      if (!in_step_) advance(static_cast<uint64_t>(total_), at::Tensor());  // a store of its own (load_weights, initialize)
       break;
     }
     case amp::MasterWeights::kCopy:
@@ -227,13 +342,6 @@ void LeanMasters::store(size_t i, const at::Tensor& value) {
   } else {
     p.copy_(w_t);
     if (aux_t.defined()) whole_aux.copy_(aux_t);
-  }
-  loaded_[i] = at::Tensor();
-  mark_synced(i);
-  if (aux_sharded_) {
-    const auto shards = shards_.lock();
-    TORCH_INTERNAL_ASSERT(shards, "amp: a sharded lean table outlived its sharding");
-    shards->keep_aux(i, whole_aux, at::Tensor());
   }
 }
 

@@ -22,6 +22,15 @@
 // counter past the whole numbering once, stored or not, and a store outside a step moves it past it by itself. A ZeRO
 // piece (add_slice) keeps its whole tensor's place plus its start, so a sharded step draws, element for element, what
 // the unsharded one draws (NOTE [ZeRO layout] in src/parallel/zero.cpp).
+//
+// NOTE [Lean masters on the device]
+// On a device (and on the CPU where a test forces ATen's route: FusedRouteGuard) value() and store() are ATen ops there,
+// bit for bit the CPU loops (tests/master_weights_format_test.cpp), so the host reads nothing: no copy to the host and
+// back. A step whose skip the device decides hands its flag to begin_step: its stores keep each old weight and aux
+// where the flag is set (where()), and kStochasticRounding's draws count from the generator's counter on the device,
+// which the flag holds back; the host's counter moves on until it learns of the skip (rewind) or reads a capture's
+// counter back (pull_device_counter), as bf16 moments' do (NOTE [Stored moments on the device]).
+//
 // Writes into a weight from outside a step (load_weights aside, which stores the fp32 value itself) make its
 // aux meaningless: refresh_changed() then zeroes it, so the weight alone is the value, as masters follow
 // the model (NOTE [Masters follow the model] in master_weights.h). Except where a write repeats, bit for bit, the
@@ -75,9 +84,16 @@ class LeanMasters {
   /// The values of the table's numbering (every entry's, or the whole table's for slices).
   int64_t numbering() const noexcept { return total_; }
 
-  /// A step's stores draw in one numbering; end_step() moves the generator past it (NOTE [Lean masters]).
-  void begin_step() noexcept { in_step_ = true; }
-  void end_step() noexcept;
+  /// A step's stores draw in one numbering; end_step() moves the generator past it (NOTE [Lean masters]). With
+  /// `found_inf`, the step's flag kept on the device, its stores keep old values where it is set (NOTE [Lean masters
+  /// on the device]).
+  void begin_step(const at::Tensor& found_inf = at::Tensor());
+  void end_step();
+  /// A skip the host learned of after end_step: the generator's host counter back past that step.
+  void rewind_step() noexcept;
+  /// The device's counter read into the host's (a graph capture's steps, which the host never settles); counted as
+  /// a host sync.
+  void pull_device_counter();
   /// Casts parameter i, still fp32, to bfloat16 keeping its fp32 value in the lean form (amp::initialize's cast).
   void cast_from_float(size_t i);
 
@@ -101,6 +117,7 @@ class LeanMasters {
   void set_generator(uint64_t seed, uint64_t counter) noexcept {
     seed_ = seed;
     counter_ = counter;
+    device_counter_ = at::Tensor();  // made again from the host's at the next store there
   }
 
   /// What ZeRO does for a table whose aux it holds in slices (NOTE [ZeRO layout] in src/parallel/zero.cpp).
@@ -130,6 +147,13 @@ class LeanMasters {
  private:
   void check_usable(size_t i) const;
   at::Tensor fresh_aux(const at::Tensor& param) const;
+  bool on_device_route(const at::Tensor& param) const;
+  void store_on_device(size_t i, const at::Tensor& value, const at::Tensor& whole_aux);
+  void store_on_host(size_t i, const at::Tensor& value, const at::Tensor& whole_aux);
+  // The generator's counter as an int64 tensor on `device` (kept there across steps; made from the host's where that
+  // changed), and both counters moved on by `by`, the device's only where `skipped` is clear.
+  at::Tensor device_counter(const c10::Device& device);
+  void advance(uint64_t by, const at::Tensor& skipped);
 
   amp::MasterWeights format_;
   uint64_t seed_;
@@ -143,6 +167,9 @@ class LeanMasters {
   std::vector<int64_t> offset_;  // each entry's place in the numbering
   int64_t total_ = 0;
   bool in_step_ = false;
+  at::Tensor step_skipped_;           // this step's flag as a 0-dim bool, where it stays on the device
+  at::Tensor device_counter_;         // int64 bits of counter_, on the device of the last store there
+  uint64_t device_counter_host_ = 0;  // the host counter it equals unless the device skipped
   std::weak_ptr<Shards> shards_;
   bool aux_sharded_ = false;  // shards_ holds the aux (a format with one, after mark_sharded)
 };

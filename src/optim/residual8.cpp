@@ -1,6 +1,8 @@
 #include "optim/residual8.h"
 
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 
 #include <cmath>
 #include <cstring>
@@ -53,6 +55,40 @@ void residual8_decode(const uint16_t* weight, const int8_t* residual, float* val
     const float e = correction * std::exp2(h) * std::exp2(log_scale - h);
     value[k] = float_of_bf16_bits(weight[k]) + e;
   });
+}
+
+namespace {
+
+// log_half_ulp of each bf16 weight, as fp32.
+at::Tensor log_half_ulp(const at::Tensor& weight) {
+  const at::Tensor exponent =
+      at::bitwise_right_shift(at::bitwise_and(weight.contiguous().view(at::kShort).to(at::kInt), 0x7fff), 7);
+  return (at::where(exponent.eq(0), at::full({}, 1 - 127, exponent.options()), exponent - 127) - 8).to(at::kFloat);
+}
+
+// 2^t for integral fp32 t in [-126, 127], from its bits (std::exp2's exact powers).
+at::Tensor power_of_two(const at::Tensor& t) {
+  return at::bitwise_left_shift(t.to(at::kInt) + 127, 23).view(at::kFloat);
+}
+
+}  // namespace
+
+at::Tensor residual8_encode(const at::Tensor& value, const at::Tensor& weight) {
+  const at::Tensor e = value.to(at::kFloat) - weight.to(at::kFloat);
+  const at::Tensor neg_log_scale = log_half_ulp(weight).neg();
+  const at::Tensor h = at::floor(neg_log_scale / 2.0);
+  const at::Tensor e_norm = e * power_of_two(h) * power_of_two(neg_log_scale - h);
+  const at::Tensor one = at::ones({}, e_norm.options());
+  const at::Tensor scaled = at::fmin(at::fmax(e_norm, one.neg()), one) * 127.0;
+  const at::Tensor rounded = at::copysign(at::floor(scaled.abs() + 0.5), scaled);
+  return at::where(at::isfinite(rounded), rounded, at::zeros_like(rounded)).to(at::kChar);
+}
+
+at::Tensor residual8_decode(const at::Tensor& weight, const at::Tensor& residual) {
+  const at::Tensor correction = residual.to(at::kFloat) / 127.0;
+  const at::Tensor log_scale = log_half_ulp(weight);
+  const at::Tensor h = at::floor(log_scale / 2.0);
+  return weight.to(at::kFloat) + correction * power_of_two(h) * power_of_two(log_scale - h);
 }
 
 }  // namespace amp::detail

@@ -10,6 +10,8 @@
 // compiled without contracted products (CMakeLists.txt), as a product fused into the final sum would round otherwise
 // where the correction is subnormal.
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 namespace amp::detail {
@@ -18,5 +20,11 @@ namespace amp::detail {
 void residual8_encode(const float* value, const uint16_t* weight, int8_t* residual, int64_t n);
 /// The fp32 value of bf16 `weight[k]` (raw bits) and `residual[k]`, for k in [0, n).
 void residual8_decode(const uint16_t* weight, const int8_t* residual, float* value, int64_t n);
+
+/// The same in ATen ops on tensors of any device, bit for bit the loops' (a device's route: NOTE [Lean masters on
+/// the device] in lean_masters.h): the int8 residual of fp32 `value` beside its bf16 `weight`, and the fp32 value of
+/// `weight` and `residual`.
+at::Tensor residual8_encode(const at::Tensor& value, const at::Tensor& weight);
+at::Tensor residual8_decode(const at::Tensor& weight, const at::Tensor& residual);
 
 }  // namespace amp::detail

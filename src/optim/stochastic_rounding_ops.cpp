@@ -16,17 +16,19 @@ at::Tensor shift_right_logical(const at::Tensor& x, int s) {
 
 }  // namespace
 
-at::Tensor round_bf16_stochastically(const at::Tensor& values, uint64_t seed, const at::Tensor& first) {
+at::Tensor round_bf16_stochastically(const at::Tensor& values, uint64_t seed, const at::Tensor& first,
+                                     ValuesPerDraw per_draw) {
+  const bool four = per_draw == ValuesPerDraw::kFour;
   c10::NoGradGuard no_grad;
   const at::Tensor flat = values.to(at::kFloat).contiguous().reshape({-1});
   const at::Tensor g = at::arange(flat.numel(), flat.options().dtype(at::kLong)) + first.to(flat.device(), at::kLong);
-  // random_bits(seed, g / 4): splitmix64's output function.
-  at::Tensor z = (shift_right_logical(g, 2) + 1) * bits_of(0x9e3779b97f4a7c15ULL) + bits_of(seed);
+  // random_bits(seed, g / 4) (or g): splitmix64's output function.
+  at::Tensor z = ((four ? shift_right_logical(g, 2) : g) + 1) * bits_of(0x9e3779b97f4a7c15ULL) + bits_of(seed);
   z = at::bitwise_xor(z, shift_right_logical(z, 30)) * bits_of(0xbf58476d1ce4e5b9ULL);
   z = at::bitwise_xor(z, shift_right_logical(z, 27)) * bits_of(0x94d049bb133111ebULL);
   z = at::bitwise_xor(z, shift_right_logical(z, 31));
   // Bits 16 * (g % 4) and up: never the sign's copies an arithmetic shift brings in (at most bit 63).
-  const at::Tensor random = at::bitwise_and(at::bitwise_right_shift(z, at::bitwise_and(g, 3) * 16), 0xffff);
+  const at::Tensor random = at::bitwise_and(four ? at::bitwise_right_shift(z, at::bitwise_and(g, 3) * 16) : z, 0xffff);
   // round_stochastically on the float's bits as a uint32 held in int64.
   const at::Tensor b = at::bitwise_and(flat.view(at::kInt).to(at::kLong), bits_of(0xffffffffULL));
   const at::Tensor special = at::bitwise_and(b, 0x7f800000).eq(0x7f800000);

@@ -10,9 +10,14 @@
 
 namespace amp::detail {
 
-/// `values` (fp32) rounded to bfloat16 stochastically, element i (row-major) taking draw `first + i` of stream
-/// `seed`, where `first` is a 0-dim int64 tensor holding the draw number's bits: bit for bit round_stochastically of
+/// How many values one 64-bit draw serves: bf16 moments take 16 bits of draw g / 4 for their element g (kFour), lean
+/// masters the low 16 bits of draw g (kOne).
+enum class ValuesPerDraw { kOne = 1, kFour = 4 };
+
+/// `values` (fp32) rounded to bfloat16 stochastically, element i (row-major) taking number `first + i` of stream
+/// `seed`, where `first` is a 0-dim int64 tensor holding the number's bits: bit for bit round_stochastically of
 /// random_bits, as the CPU loops write them. Reads nothing on the host.
-at::Tensor round_bf16_stochastically(const at::Tensor& values, uint64_t seed, const at::Tensor& first);
+at::Tensor round_bf16_stochastically(const at::Tensor& values, uint64_t seed, const at::Tensor& first,
+                                     ValuesPerDraw per_draw = ValuesPerDraw::kFour);
 
 }  // namespace amp::detail
