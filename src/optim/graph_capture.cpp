@@ -40,9 +40,6 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     TORCH_CHECK(kind == nullptr || kind->uncapturable == nullptr, where, ": optimizer ", i, " ", kind->uncapturable,
                 ". Capture with FusedAdam, FusedAdamW or FusedMuon, or run its steps eagerly (they never wait for the "
                 "device).");
-    TORCH_CHECK(p.master_weights_format == MasterWeights::kCopy, where, ": optimizer ", i, " has master_weights_format "
-                "= ", to_string(p.master_weights_format), ", whose step decides the skip on the host. Capture with the "
-                "default master_weights_format = copy.");
     TORCH_CHECK(detail::OptimizerAccess::skips_on_device(*o), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
                 "ZeRO sharding is on). Capture without them.");
     TORCH_CHECK((kind != nullptr && kind->skips_without_fused_kernels) || optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
