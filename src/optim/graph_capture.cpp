@@ -34,12 +34,9 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
     const auto* fused = dynamic_cast<const optim::FusedOptimizer*>(&detail::OptimizerAccess::torch_optimizer(*o));
     TORCH_CHECK(fused != nullptr, where, ": optimizer ", i, " is a LibTorch optimizer, whose step can't skip on the "
                 "device (its skip is decided on the host, which a replayed graph never asks). Use amp::optim::FusedSGD, "
-                "FusedAdam, FusedAdamW or FusedMuon.");
+                "FusedAdam, FusedAdamW, FusedLAMB or FusedMuon.");
     // NOTE [Optimizer kinds]
     const detail::OptimizerKind* kind = detail::kind_of(detail::OptimizerAccess::torch_optimizer(*o));
-    TORCH_CHECK(kind == nullptr || kind->uncapturable == nullptr, where, ": optimizer ", i, " ", kind->uncapturable,
-                ". Capture with FusedAdam, FusedAdamW or FusedMuon, or run its steps eagerly (they never wait for the "
-                "device).");
     TORCH_CHECK(detail::OptimizerAccess::skips_on_device(*o), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
                 "ZeRO sharding is on). Capture without them.");
     TORCH_CHECK((kind != nullptr && kind->skips_without_fused_kernels) || optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "

@@ -85,8 +85,6 @@ OptimizerKind row(const char* name) {
 
 const std::vector<OptimizerKind>& kinds() {
   static const std::vector<OptimizerKind> table = [] {
-    const char* lamb_host = "is amp::optim::FusedLAMB, whose step amp does not capture (its global norm's clip and the "
-                            "CPU loop's trust ratios are host numbers)";
     std::vector<OptimizerKind> t;
     // The fused ones first: each derives from its LibTorch base (FusedAdam from Adam, ...).
     t.push_back(row<optim::FusedSGD, torch::optim::SGDParamState>("amp::optim::FusedSGD"));
@@ -96,8 +94,7 @@ const std::vector<OptimizerKind>& kinds() {
     t.push_back(row<optim::FusedAdamW, torch::optim::AdamWParamState>("amp::optim::FusedAdamW"));
     t.back().fused = t.back().stores_formats = true;
     t.push_back(row<optim::FusedLAMB, optim::FusedLAMBParamState>("amp::optim::FusedLAMB"));
-    t.back().fused = t.back().stores_formats = true;
-    t.back().uncapturable = lamb_host;
+    t.back().fused = t.back().stores_formats = t.back().skips_without_fused_kernels = true;
     t.push_back(row<optim::FusedMuon, optim::FusedMuonParamState>("amp::optim::FusedMuon"));
     t.back().fused = t.back().stores_formats = t.back().skips_without_fused_kernels = true;
     t.back().shards_whole_tensors = true;

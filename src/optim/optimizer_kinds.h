@@ -39,9 +39,8 @@ struct OptimizerKind {
   const char* unshardable = nullptr;
   /// ZeRO gives each rank whole tensors (its step needs each whole tensor: FusedMuon's orthogonalization).
   bool shards_whole_tensors = false;
-  /// Why a replayed CUDA graph can't step it (nullptr: it can, given fp32 state and copy masters).
-  const char* uncapturable = nullptr;
-  /// Its step skips on the device with ordinary ATen ops (no step count), so it needs none of ATen's fused kernels.
+  /// Its step skips on the device with ordinary ATen ops (FusedMuon: no step count; FusedLAMB: its groups' counts
+  /// kept there), so it needs none of ATen's fused kernels.
   bool skips_without_fused_kernels = false;
 };
 
