@@ -711,6 +711,17 @@ TEST(ZeroTest, FollowsWhatScriptsChangeAfterSharding) {
   std::filesystem::remove_all(dir);
 }
 
+// A sharded step that never waits (tests/parallel/zero_scenarios.cpp, sync_free): the ranks agree on an overflow only
+// one of them saw without a host read, and the device's path equals the host's bit for bit, at stages 1 and 2, with
+// fp32, bf16 and 8-bit moments and lean masters, a checkpoint taken on it resuming exactly (LibTorch 2.4 and later:
+// before, a fused step runs per op and reads the flag).
+TEST(ZeroTest, StepsThatNeverWaitEqualTheHostsPath) {
+  const auto ranks = two_ranks("zero_sync_free", 120, "30");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+}
+
 TEST(ZeroTest, RankThatDiesMidStepFailsTheOtherWithinTheTimeout) {
   const auto ranks = two_ranks("zero_dies", 120, "20");
   std::cout << outputs(ranks);

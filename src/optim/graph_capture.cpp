@@ -37,8 +37,12 @@ GraphCaptureGuard::GraphCaptureGuard(std::vector<OptimizerBase*> optimizers) : o
                 "FusedAdam, FusedAdamW, FusedLAMB or FusedMuon.");
     // NOTE [Optimizer kinds]
     const detail::OptimizerKind* kind = detail::kind_of(detail::OptimizerAccess::torch_optimizer(*o));
-    TORCH_CHECK(detail::OptimizerAccess::skips_on_device(*o), where, ": optimizer ", i, " must see each overflow on the host (fp8, auto_fp32 or "
-                "ZeRO sharding is on). Capture without them.");
+    TORCH_CHECK(detail::OptimizerAccess::skips_on_device(*o), where, ": optimizer ", i, " must see each overflow on the host (fp8 or "
+                "auto_fp32 is on). Capture without them.");
+    // Its step skips on the device too, but amp has not made its collectives and gathers capturable.
+    TORCH_CHECK(detail::OptimizerAccess::sharding(*o) == nullptr, where, ": optimizer ", i, " is sharded by "
+                "amp::parallel::shard_optimizer (ZeRO), whose step's reduce-scatters and all-gathers amp does not capture. "
+                "Capture an unsharded optimizer, or step the sharded one eagerly (its skips never wait for the device).");
     TORCH_CHECK((kind != nullptr && kind->skips_without_fused_kernels) || optim::detail::has_aten_fused_optimizers(), where, ": this LibTorch (", TORCH_VERSION, ") has no ATen "
                 "fused optimizer kernels (they arrived in LibTorch 2.4), so a fused step runs per op and reads the overflow "
                 "flag on the host, which a replayed graph never does. Capture with LibTorch 2.4 or later.");

@@ -115,6 +115,7 @@ class LeanMasters {
   uint64_t counter() const noexcept { return counter_; }
   /// Sets the generator's state (amp::parallel gives every rank rank 0's, so the ranks round alike).
   void set_generator(uint64_t seed, uint64_t counter) noexcept {
+    if (seed == seed_ && counter == counter_) return;  // (ZeRO hands it back and forth each step)
     seed_ = seed;
     counter_ = counter;
     device_counter_ = at::Tensor();  // made again from the host's at the next store there

@@ -133,7 +133,7 @@ struct detail::OverflowReportView {
 };
 
 bool OptimizerBase::skips_on_device() const {
-  if (!properties_.enabled || sharding_ || detail::host_decides()) return false;
+  if (!properties_.enabled || detail::host_decides()) return false;
   if (dynamic_cast<const optim::FusedOptimizer*>(&torch_optimizer()) == nullptr) return false;
   return std::none_of(features_.begin(), features_.end(),
                       [this](const std::shared_ptr<detail::Feature>& f) { return f->needs_overflow_on_host(*this); });

@@ -29,7 +29,9 @@
 
 #include "amp/amp.h"
 #include "casting/fp8.h"
+#include "scaling/device_scale.h"
 #include "optim/fp32_values.h"
+#include "optim/fused_route.h"
 #include "optim/lean_masters.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/optimizer_kinds.h"
@@ -1052,6 +1054,96 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
   }
 }
 
+// NOTE [A step that never waits] under ZeRO: the ranks agree on the overflow flag with a collective (stage 2's
+// reduce-scatter leaves each rank its own slices to check; stage 1's all-reduced gradients are every rank's), and the
+// sharded fused step takes the flag as an unsharded one does. A run whose host learns every outcome late
+// (DeferredHostReadsGuard) on ATen's route (a device's) equals the run on the host's path bit for bit, skips, loss
+// scale and the generators' counters included, and reads nothing on the host while it trains; with bf16 and 8-bit
+// moments and the lean master formats too (NOTE [Stored moments on the device], NOTE [Lean masters on the device]).
+void sync_free(const ProcessGroup& group, int stage) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  struct Case {
+    const char* label;
+    amp::OptimizerStateFormat format;
+    amp::MasterWeights master;
+  };
+  for (const Case& c : {Case{"fp32 moments", amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
+                        Case{"bf16 moments, stochastic rounding masters", amp::OptimizerStateFormat::kBf16,
+                             amp::MasterWeights::kStochasticRounding},
+                        Case{"8bit moments, split masters", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit}}) {
+    const std::string label = std::string("O2 bf16 FusedAdamW, ") + c.label + ", stage " + std::to_string(stage);
+    struct Outcome {
+      std::vector<torch::Tensor> params;
+      double loss_scale = 0;
+      int64_t skipped = 0, syncs = -1;
+      std::vector<torch::Tensor> resumed;  // two more steps after a torch::save / torch::load taken on that path
+    };
+    auto make_net = [] {
+      torch::manual_seed(21);
+      return torch::nn::Sequential(torch::nn::Linear(12, 512), torch::nn::ReLU(), torch::nn::Linear(512, 16),
+                                   torch::nn::ReLU(), torch::nn::Linear(16, 5));  // 6144 and 8192: 8-bit blocks
+    };
+    const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).optimizer_state_format(c.format)
+                                     .master_weights_format(c.master).growth_interval(2).verbosity(0);
+    const amp::parallel::ZeroOptions zero = amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.001);
+    auto run = [&](bool device_path) {
+      const amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);  // both: the same kernels
+      auto net = make_net();
+      auto [model, optimizer] = amp::initialize(net, adamw_of(net), options);
+      auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
+      amp::parallel::shard_optimizer(ddp, optimizer, zero);
+      std::optional<amp::detail::DeferredHostReadsGuard> deferred;
+      if (device_path) deferred.emplace();
+      for (int step = 0; step < 7; ++step) {
+        const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+        // An inf on rank 1's batch alone at steps 2 and 3 (in a row), and rank 0's at step 5.
+        const bool inf = (group.rank() == 1 && (step == 2 || step == 3)) || (group.rank() == 0 && step == 5);
+        optimizer.zero_grad();
+        {
+          auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y, inf ? 1 : -1), optimizer);
+          scaled.backward();
+        }
+        optimizer.step();
+      }
+      if (device_path) {
+        const std::string refused = expect_throw([&] { amp::GraphCaptureGuard capture(optimizer); });
+        report(refused.find("is sharded by amp::parallel::shard_optimizer (ZeRO), whose step's reduce-scatters and "
+                            "all-gathers amp does not capture") != std::string::npos,
+               label + ": GraphCaptureGuard refuses it, naming the fix", refused);
+      }
+      Outcome out;
+      out.syncs = amp::host_sync_count(optimizer);
+      std::stringstream model_bytes, optimizer_bytes;  // what the device kept: step counts, generators
+      torch::save(net, model_bytes);
+      torch::save(optimizer, optimizer_bytes);
+      deferred.reset();
+      out.params = params_of(net);
+      out.loss_scale = amp::loss_scale(optimizer);
+      out.skipped = optimizer.skipped_steps();
+      auto fresh = make_net();
+      auto [fresh_model, fresh_optimizer] = amp::initialize(fresh, adamw_of(fresh), options);
+      torch::load(fresh, model_bytes);
+      auto fresh_ddp = amp::parallel::make_distributed(fresh_model, group, wire_for(n));
+      amp::parallel::shard_optimizer(fresh_ddp, fresh_optimizer, zero);
+      torch::load(fresh_optimizer, optimizer_bytes);
+      train_steps(group, fresh_ddp, fresh_optimizer, 7, 9);
+      out.resumed = params_of(fresh);
+      return out;
+    };
+    const Outcome host = run(false), device = run(true);
+    report(bitwise(device.params, host.params), label + ": the device's path equals the host's bit for bit");
+    report(device.skipped == 3 && host.skipped == 3 && device.loss_scale == host.loss_scale,
+           label + ": the same 3 skips and loss scale",
+           "skipped " + std::to_string(device.skipped) + " vs " + std::to_string(host.skipped) + ", scale " +
+               str(device.loss_scale) + " vs " + str(host.loss_scale));
+    report(device.syncs == 0, label + ": no host sync while training on the device's path",
+           std::to_string(device.syncs) + " counted");
+    report(bitwise(device.resumed, host.resumed), label + ": resuming from a checkpoint taken on either path, bit for bit");
+    report(same_on_all_ranks(group, device.params), label + ": every rank's replica is identical");
+  }
+}
+
 }  // namespace
 
 void scenario_zero(const ProcessGroup& group) {
@@ -1094,6 +1186,14 @@ void scenario_zero(const ProcessGroup& group) {
     auto_fp32(group, stage, dir);
   }
   misuse(group);
+}
+
+void scenario_zero_sync_free(const ProcessGroup& group) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) {  // per op, a fused step reads the flag (docs/cuda.md)
+    std::cout << "[rank " << group.rank() << "] skipped: this LibTorch has no ATen fused optimizer kernels\n";
+    return;
+  }
+  for (int stage : {1, 2}) sync_free(group, stage);
 }
 
 }  // namespace amp_worker
