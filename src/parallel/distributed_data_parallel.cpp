@@ -105,6 +105,7 @@ struct Counters {
   std::atomic<int64_t> synced_backwards{0};
   std::atomic<int64_t> reduce_scatter_bytes{0};
   std::atomic<int64_t> allgather_bytes{0};
+  std::atomic<int64_t> overlapped_reduce_scatter_bytes{0};
 };
 
 #if AMP_HAS_C10D_REDUCER
@@ -219,6 +220,8 @@ struct DistributedCore::Impl {
   // Parameters this rank accumulated a gradient for since the last synchronized backward (no_sync ones included).
   std::vector<bool> used;
   std::vector<DistributedCore::Reduction> zero_reductions;  // ZeRO stage 2's reduce-scatters instead of the all-reduce
+  bool reaches_every_param = true;  // the options did not ask for delay_allreduce (add_reduction turns it on)
+  std::vector<DistributedCore::ReadyListener> ready_listeners;
 
   using Masters = std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>>;
   void broadcast_rank0_state(std::vector<at::Tensor> outgoing, const Masters& masters, const std::string& where);
@@ -233,17 +236,24 @@ struct DistributedCore::Impl {
 };
 
 void DistributedCore::Impl::on_ready(size_t i) {
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!in_backward) {
-    in_backward = true;
-    backward_synced = sync;
-    fired.assign(params.size(), false);
+  bool synced = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!in_backward) {
+      in_backward = true;
+      backward_synced = sync;
+      fired.assign(params.size(), false);
 #if AMP_HAS_C10D_REDUCER
-    if (backward_synced && reducer) reducer->prepare_for_backward({});
+      if (backward_synced && reducer) reducer->prepare_for_backward({});
 #endif
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+    }
+    fired[i] = true;
+    synced = backward_synced;
   }
-  fired[i] = true;
+  if (synced && params[i].grad().defined()) {
+    for (const auto& listener : ready_listeners) listener(i);  // NOTE [Overlapped reduce-scatter] in zero.cpp
+  }
 }
 
 void DistributedCore::Impl::end_of_backward() {
@@ -285,15 +295,16 @@ void DistributedCore::Impl::end_of_backward() {
   last_missing = missing;
   std::vector<bool> used_here(params.size(), false);
   used_here.swap(used);  // the next accumulation window starts empty
-  if (reducer) {
-    // The Reducer's own callback, queued after this one, waits for the buckets and writes .grad.
+  if (reducer || !ready_listeners.empty()) {
+    // The Reducer's own callback, queued after this one, waits for the buckets and writes .grad; ZeRO's overlapped
+    // reduce-scatters have started for what this rank reached, in the order every rank does.
     TORCH_CHECK(missing.empty(), kWhere, ": this backward produced no gradient for ", missing.size(),
                 " trainable parameter(s) (", list_names(missing), "), so their buckets were never reduced. The "
-                "overlapped all-reduce needs every backward to reach every trainable parameter (as torch's DDP without "
+                "overlapped all-reduce (ZeRO's reduce-scatter) needs every backward to reach every trainable parameter (as torch's DDP without "
                 "find_unused_parameters). Freeze unused parameters before make_distributed (requires_grad false), "
                 "sum the losses into one backward, or use DistributedDataParallelOptions().delay_allreduce(true), "
                 "which reduces whatever each backward reached.");
-    return;
+    if (reducer) return;
   }
   reduce_delayed(used_here, closes_window);
 }
@@ -440,6 +451,7 @@ DistributedCore::DistributedCore(std::shared_ptr<torch::nn::Module> module, Proc
   TORCH_CHECK(options.gradient_predivide_factor() > 0 && std::isfinite(options.gradient_predivide_factor()),
               "amp::parallel::make_distributed: gradient_predivide_factor must be positive and finite, got ",
               options.gradient_predivide_factor(), ".");
+  d.reaches_every_param = !options.delay_allreduce();
   d.average.always_fp32 = options.allreduce_always_fp32();
   d.average.predivide = options.gradient_predivide_factor();
   d.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024));
@@ -656,11 +668,19 @@ CommunicationStats DistributedCore::stats() const {
   s.broadcast_bytes = impl_->counters.broadcast_bytes.load();
   s.synced_backwards = impl_->counters.synced_backwards.load();
   s.reduce_scatter_bytes = impl_->counters.reduce_scatter_bytes.load();
+  s.overlapped_reduce_scatter_bytes = impl_->counters.overlapped_reduce_scatter_bytes.load();
   s.allgather_bytes = impl_->counters.allgather_bytes.load();
   return s;
 }
 
 const ProcessGroup& DistributedCore::group() const { return impl_->group; }
+
+bool DistributedCore::add_ready_listener(ReadyListener listener) {
+  Impl& d = *impl_;
+  if (!d.reaches_every_param) return false;
+  d.ready_listeners.push_back(std::move(listener));
+  return true;
+}
 
 void DistributedCore::add_reduction(Reduction reduce) {
   Impl& d = *impl_;
@@ -675,8 +695,9 @@ void DistributedCore::add_reduction(Reduction reduce) {
 
 const std::vector<at::Tensor>& DistributedCore::params() const { return impl_->params; }
 
-void DistributedCore::count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes) {
+void DistributedCore::count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes, bool during_backward) {
   impl_->counters.reduce_scatter_bytes.fetch_add(reduce_scatter_bytes);
+  if (during_backward) impl_->counters.overlapped_reduce_scatter_bytes.fetch_add(reduce_scatter_bytes);
   impl_->counters.allgather_bytes.fetch_add(allgather_bytes);
 }
 

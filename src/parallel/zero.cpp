@@ -121,33 +121,59 @@ at::Tensor shard_all_gather_bytes(const GroupState& state, const at::Tensor& sen
 
 // The sum over the ranks of `input` (world_size parts of `width`), this rank's part. Gloo builds without a
 // reduce-scatter (LibTorch 1.13) all-reduce the whole input instead: the same sums, twice the traffic.
-at::Tensor shard_reduce_scatter(const GroupState& state, const at::Tensor& input, int64_t width, int64_t bucket_bytes,
-                          const std::string& what) {
+// A reduce-scatter started and not waited for yet (NOTE [Overlapped reduce-scatter]): `input` holds every rank's
+// piece of `width` values, sent in chunks of at most the bucket size; a backend without reduce_scatter all-reduces it.
+struct ScatterInFlight {
+  at::Tensor input;
+  int64_t width = 0;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::vector<std::vector<at::Tensor>>> inputs;  // each chunk's, alive until its work is done
+  std::vector<at::Tensor> pieces;                           // each chunk's slice of this rank
+  bool all_reduced = false;
+};
+
+ScatterInFlight start_reduce_scatter(const GroupState& state, const at::Tensor& input, int64_t width, int64_t bucket_bytes) {
+  ScatterInFlight f;
+  f.input = input;
+  f.width = width;
   const int64_t n_ranks = state.world_size;
-  if (n_ranks == 1) return input;
+  if (n_ranks == 1) return f;
   static bool has_reduce_scatter = true;
-  at::Tensor out = at::empty({width}, input.options());
   const int64_t chunk = std::max<int64_t>(1, bucket_bytes / (n_ranks * static_cast<int64_t>(input.element_size())));
   for (int64_t c0 = 0; c0 < width && has_reduce_scatter; c0 += chunk) {
     const int64_t n = std::min(chunk, width - c0);
     std::vector<std::vector<at::Tensor>> in(1);
     for (int64_t r = 0; r < n_ranks; ++r) in[0].push_back(input.narrow(0, r * width + c0, n).clone());
     std::vector<at::Tensor> piece{at::empty({n}, input.options())};
-    c10::intrusive_ptr<c10d::Work> work;
     try {
-      work = state.group->reduce_scatter(piece, in);
+      f.works.push_back(state.group->reduce_scatter(piece, in));
     } catch (const c10::Error& e) {
       if (std::string(e.what()).find("does not support") == std::string::npos) throw;
-      has_reduce_scatter = false;  // every rank's backend says so alike
+      has_reduce_scatter = false;  // every rank's backend says so alike, at its first reduce-scatter
       break;
     }
-    wait(work, state, what);
-    out.narrow(0, c0, n).copy_(piece[0]);
+    f.inputs.push_back(std::move(in));
+    f.pieces.push_back(piece[0]);
   }
-  if (has_reduce_scatter) return out;
+  if (has_reduce_scatter) return f;
   std::vector<at::Tensor> all{input};
-  wait(state.group->allreduce(all), state, what);
-  return input.narrow(0, static_cast<int64_t>(state.rank) * width, width).clone();
+  f.works.assign(1, state.group->allreduce(all));
+  f.all_reduced = true;
+  return f;
+}
+
+// Waits for `f` and returns this rank's slice.
+at::Tensor finish_reduce_scatter(const GroupState& state, ScatterInFlight& f, const std::string& what) {
+  if (state.world_size == 1) return f.input;
+  for (const auto& work : f.works) wait(work, state, what);
+  if (f.all_reduced) return f.input.narrow(0, static_cast<int64_t>(state.rank) * f.width, f.width).clone();
+  at::Tensor out = at::empty({f.width}, f.input.options());
+  int64_t c0 = 0;
+  for (const auto& piece : f.pieces) {
+    out.narrow(0, c0, piece.numel()).copy_(piece);
+    c0 += piece.numel();
+  }
+  return out;
 }
 
 // A piece of a lean weight: elements [begin, begin + length) of its flattening, sharing its storage (not a view in
@@ -238,6 +264,11 @@ class Zero final : public amp::detail::Sharding,
   void stash_unreduced();
   void reduce_unreduced(ShardLane& lane);
   void scatter_into(ShardLane& lane, at::Tensor input, c10::ScalarType dtype, const std::string& what);
+  ScatterInFlight start_scatter(at::Tensor input, bool during_backward = false);
+  void finish_scatter(ShardLane& lane, ScatterInFlight& flight, c10::ScalarType dtype, const std::string& what);
+  at::Tensor lane_input(const ShardLane& lane, const std::function<bool(const ShardEntry&)>& used) const;
+  c10::ScalarType lane_output_dtype(const ShardLane& lane) const;
+  void index_lanes();
   void gather_into_model();
   void index_lean();
   bool lean_stale() const;
@@ -271,6 +302,17 @@ class Zero final : public amp::detail::Sharding,
   std::shared_ptr<amp::detail::LeanMasters> lean_;         // the optimizer's lean masters (null: none)
   std::shared_ptr<amp::detail::LeanMasters> lean_pieces_;  // this rank's pieces of them, in lean_'s numbering
   std::optional<std::vector<at::Tensor>> full_aux_;        // while gathered (save_consolidated): the whole aux
+  // NOTE [Overlapped reduce-scatter]: this synchronized backward's lanes, started as their gradients came in.
+  bool overlap_ = false;
+  std::unordered_map<const c10::TensorImpl*, std::vector<size_t>> lanes_of_;  // by model parameter
+  size_t lanes_indexed_ = 0;  // lanes_.size() when lanes_of_ was built
+  std::vector<int64_t> waiting_;  // per lane: its parameters without a gradient yet
+  std::vector<bool> never_ready_;  // per lane: it holds frozen parameters only
+  std::vector<std::optional<ScatterInFlight>> in_flight_;
+  size_t started_ = 0;  // lanes started, the last first
+
+ public:
+  void on_grad_ready(const at::Tensor& param);
 };
 
 Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options)
@@ -279,6 +321,7 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
       stage_(options.stage()),
       bucket_bytes_(std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024))),
       fast_path_(OptimizerAccess::unscaled_fast_path(optimizer)) {
+  overlap_ = options.overlap() && options.stage() == 2;
   average_.always_fp32 = core_->options().allreduce_always_fp32();
   average_.predivide = core_->options().gradient_predivide_factor();
   format_ = OptimizerAccess::index(optimizer).state_format();
@@ -633,28 +676,23 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
     const auto it = where.find(e.model.unsafeGetTensorImpl());
     return it != where.end() && used_anywhere[it->second];
   };
-  const int64_t n_ranks = state_.world_size;
-  for (auto& lane : lanes_) {
+  std::vector<std::optional<ScatterInFlight>> started = std::exchange(in_flight_, {});
+  started_ = 0;
+  waiting_.clear();
+  for (size_t l = 0; l < lanes_.size(); ++l) {
+    ShardLane& lane = lanes_[l];
     const std::vector<ShardEntry>& entries = groups_[lane.group];
     if (closes_window) reduce_unreduced(lane);  // first, as the unsharded unscale adds the last micro-batch to them
-    bool any = false;
-    for (const auto& spans : lane.spans) {
-      for (const auto& s : spans) any = any || used(entries[s.entry]);
-    }
-    if (!any) continue;  // the same on every rank: used_anywhere is agreed
-    // As DistributedCore's average: predivide, sum in the wire dtype, divide by world_size / predivide.
-    const c10::ScalarType wire = wire_dtype(lane.dtype, average_);
-    at::Tensor input = at::zeros({n_ranks * lane.width}, entries.front().model.options().dtype(wire));
-    for (size_t r = 0; r < lane.spans.size(); ++r) {
-      for (const auto& s : lane.spans[r]) {
-        const at::Tensor& grad = entries[s.entry].model.grad();
-        if (!grad.defined() || !used(entries[s.entry])) continue;
-        input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(grad.reshape({-1}).narrow(0, s.begin, s.length));
+    if (l < started.size() && started[l]) {  // started during backward: every parameter of it has a gradient
+      finish_scatter(lane, *started[l], lane_output_dtype(lane), "reduce-scattering the gradients");
+    } else {
+      bool any = false;
+      for (const auto& spans : lane.spans) {
+        for (const auto& s : spans) any = any || used(entries[s.entry]);
       }
+      if (!any) continue;  // the same on every rank: used_anywhere is agreed
+      scatter_into(lane, lane_input(lane, used), lane_output_dtype(lane), "reduce-scattering the gradients");
     }
-    // NOTE [fp32 reductions reach the masters] (distributed_data_parallel.cpp): fp32 sums of masters stay fp32.
-    const bool to_masters = wire == at::kFloat && average_.always_fp32 && lane.mastered;
-    scatter_into(lane, input, to_masters ? at::kFloat : lane.dtype, "reduce-scattering the gradients");
     for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
       if (used(entries[s.entry])) used_[lane.group][s.entry] = 1;
     }
@@ -669,6 +707,81 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
     }
   }
   return handled;
+}
+
+// Every rank's piece of `lane` from the model's gradients of the entries `used` says reached some rank, in the wire
+// dtype (as DistributedCore's average), zeros elsewhere.
+at::Tensor Zero::lane_input(const ShardLane& lane, const std::function<bool(const ShardEntry&)>& used) const {
+  const std::vector<ShardEntry>& entries = groups_[lane.group];
+  const c10::ScalarType wire = wire_dtype(lane.dtype, average_);
+  at::Tensor input = at::zeros({state_.world_size * lane.width}, entries.front().model.options().dtype(wire));
+  for (size_t r = 0; r < lane.spans.size(); ++r) {
+    for (const auto& s : lane.spans[r]) {
+      const at::Tensor& grad = entries[s.entry].model.grad();
+      if (!grad.defined() || !used(entries[s.entry])) continue;
+      input.narrow(0, static_cast<int64_t>(r) * lane.width + s.pos, s.length).copy_(grad.reshape({-1}).narrow(0, s.begin, s.length));
+    }
+  }
+  return input;
+}
+
+// NOTE [fp32 reductions reach the masters] (distributed_data_parallel.cpp): fp32 sums of masters stay fp32.
+c10::ScalarType Zero::lane_output_dtype(const ShardLane& lane) const {
+  const bool to_masters = wire_dtype(lane.dtype, average_) == at::kFloat && average_.always_fp32 && lane.mastered;
+  return to_masters ? at::kFloat : lane.dtype;
+}
+
+// NOTE [Overlapped reduce-scatter]
+// At stage 2 with ZeroOptions::overlap, where every synchronized backward reaches every trainable parameter (the
+// DistributedDataParallel's contract unless it was made with delay_allreduce), a lane starts its reduce-scatter as
+// soon as the last gradient in it is accumulated (the accumulator's post hook, DistributedCore::add_ready_listener),
+// while backward goes on: DeepSpeed's average_tensor, FSDP's post-backward reduce-scatter. Lanes start in one order
+// on every rank, the last lane first (gradients arrive from the last layers), each only after the lanes behind it,
+// so the ranks issue their collectives alike; a lane whose gradients are not all in (a frozen or late parameter)
+// and every lane in front of it start after backward, as without overlap. reduce() waits for them, in lane order
+// after the window's no_sync() sums, as the sums come out the same in either order. The reduced values are those of
+// the reduction after backward, bit for bit (the same inputs, chunks and collectives).
+void Zero::index_lanes() {
+  lanes_of_.clear();
+  never_ready_.assign(lanes_.size(), true);
+  for (size_t l = 0; l < lanes_.size(); ++l) {
+    std::vector<const c10::TensorImpl*> seen;
+    for (const auto& spans : lanes_[l].spans) {
+      for (const auto& s : spans) {
+        const at::Tensor& model = groups_[lanes_[l].group][s.entry].model;
+        if (!model.requires_grad()) continue;  // frozen: no gradient to wait for
+        if (std::find(seen.begin(), seen.end(), model.unsafeGetTensorImpl()) != seen.end()) continue;
+        seen.push_back(model.unsafeGetTensorImpl());
+        lanes_of_[model.unsafeGetTensorImpl()].push_back(l);
+        never_ready_[l] = false;
+      }
+    }
+  }
+  lanes_indexed_ = lanes_.size();
+}
+
+void Zero::on_grad_ready(const at::Tensor& param) {
+  if (!overlap_) return;
+  if (lanes_indexed_ != lanes_.size()) index_lanes();
+  if (waiting_.size() != lanes_.size()) {  // the first gradient of this backward
+    waiting_.assign(lanes_.size(), 0);
+    for (const auto& [impl, lanes] : lanes_of_) {
+      for (size_t l : lanes) ++waiting_[l];
+    }
+    for (size_t l = 0; l < lanes_.size(); ++l) waiting_[l] += never_ready_[l] ? 1 : 0;  // only frozen: reduced after
+    in_flight_.assign(lanes_.size(), std::nullopt);
+    started_ = 0;
+  }
+  const auto it = lanes_of_.find(param.unsafeGetTensorImpl());
+  if (it == lanes_of_.end()) return;
+  for (size_t l : it->second) --waiting_[l];
+  c10::NoGradGuard no_grad;
+  while (started_ < lanes_.size()) {
+    const size_t l = lanes_.size() - 1 - started_;
+    if (waiting_[l] > 0) break;
+    in_flight_[l] = start_scatter(lane_input(lanes_[l], [](const ShardEntry&) { return true; }), /*during_backward=*/true);
+    ++started_;
+  }
 }
 
 // NOTE [fp32 accumulation under no_sync] (src/parallel/distributed_data_parallel.cpp), at stage 2: a delay_unscale
@@ -721,10 +834,18 @@ void Zero::reduce_unreduced(ShardLane& lane) {
 // dtype, divide by world_size / predivide), this rank's slice, in `dtype`, starts the lane's incoming gradient or, after
 // a second backward before the unscale (delay_unscale, several losses), is added to it in fp32, as amp's pending sums.
 void Zero::scatter_into(ShardLane& lane, at::Tensor input, c10::ScalarType dtype, const std::string& what) {
+  ScatterInFlight flight = start_scatter(std::move(input));
+  finish_scatter(lane, flight, dtype, what);
+}
+
+ScatterInFlight Zero::start_scatter(at::Tensor input, bool during_backward) {
   if (average_.predivide != 1.0) input.div_(average_.predivide);
-  at::Tensor mine =
-      shard_reduce_scatter(state_, input, lane.width, bucket_bytes_, std::string(kShard) + " (" + what + ")");
-  core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0);
+  core_->count_zero_bytes(input.numel() * static_cast<int64_t>(input.element_size()), 0, during_backward);
+  return start_reduce_scatter(state_, input, input.numel() / state_.world_size, bucket_bytes_);
+}
+
+void Zero::finish_scatter(ShardLane& lane, ScatterInFlight& flight, c10::ScalarType dtype, const std::string& what) {
+  at::Tensor mine = finish_reduce_scatter(state_, flight, std::string(kShard) + " (" + what + ")");
   const double post = static_cast<double>(state_.world_size) / average_.predivide;
   if (post != 1.0) mine.div_(post);
   if (mine.scalar_type() != dtype) mine = mine.to(dtype);
@@ -1377,6 +1498,12 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   auto zero = std::make_shared<Zero>(core, optimizer, options);
   if (options.stage() == 2) {
     std::weak_ptr<Zero> weak = zero;
+    if (options.overlap()) {  // NOTE [Overlapped reduce-scatter]
+      const std::vector<at::Tensor> params = core->params();
+      core->add_ready_listener([weak, params](size_t i) {
+        if (const auto z = weak.lock()) z->on_grad_ready(params[i]);
+      });
+    }
     core->add_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used, bool closes_window) {
       if (const auto z = weak.lock()) return z->reduce(params, used, closes_window);
       return std::vector<bool>(params.size(), false);

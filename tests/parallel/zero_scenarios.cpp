@@ -433,6 +433,79 @@ void accumulation(const ProcessGroup& group, int stage) {
          ": every rank's replica is identical");
 }
 
+// NOTE [Overlapped reduce-scatter]: stage 2 reduce-scatters each lane while backward runs; the parameters equal the
+// reduction after backward (overlap(false)) and the unsharded run bit for bit on 2 ranks, over plain steps, an
+// overflow on one rank, no_sync() accumulation windows (whose fp32 sums are reduce-scattered after backward) and two
+// losses before one step, with lanes that start during backward (the overlapped bytes counted), a frozen parameter's
+// among them; a DistributedDataParallel made
+// with delay_allreduce reduces after backward (ranks may reach different parameters), and with overlap a backward
+// that misses a parameter is refused by name.
+void overlap(const ProcessGroup& group) {
+  const int n = group.world_size();
+  const int64_t local_rows = kGlobal / n;
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).growth_interval(2).verbosity(0);
+  struct Run {
+    std::vector<torch::Tensor> params;
+    amp::parallel::CommunicationStats stats;
+  };
+  // mode 0: unsharded; 1: stage 2 without overlap; 2: with; 3: with, the DistributedDataParallel delay_allreduce;
+  // frozen: the middle layer's bias frozen (no gradient to wait for).
+  auto train = [&](int mode, bool frozen) {
+    auto net = make_mlp(31);
+    if (frozen) net[2]->named_parameters()["bias"].set_requires_grad(false);
+    auto [model, optimizer] = amp::initialize(net, adamw_of(net), options);
+    auto ddp = amp::parallel::make_distributed(model, group, wire_for(n).delay_allreduce(mode == 3));
+    if (mode > 0) {
+      amp::parallel::shard_optimizer(ddp, optimizer,
+                                     amp::parallel::ZeroOptions().stage(2).bucket_cap_mb(0.002).overlap(mode != 1));
+    }
+    for (int step = 0; step < 5; ++step) {
+      optimizer.zero_grad();
+      if (step == 2) {  // an accumulation window: one no_sync() micro-batch, then a synchronized one
+        const Batch first = rows(global_batch(100 + step, kGlobal), group.rank() * local_rows, local_rows);
+        auto guard = ddp.no_sync();
+        amp::scale_loss(loss_of(ddp(first.x), first.y), optimizer, amp::ScaleLossOptions().delay_unscale(true)).backward();
+      }
+      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+      const bool inf = step == 3 && group.rank() == 1;
+      if (step == 4) {  // two losses before one step
+        amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer, amp::ScaleLossOptions().delay_unscale(true)).backward();
+      }
+      amp::scale_loss(loss_of(ddp(local.x), local.y, inf ? 0 : -1), optimizer).backward();
+      optimizer.step();
+    }
+    return Run{params_of(net), ddp.communication_stats()};
+  };
+  for (const bool frozen : {false, true}) {
+    const std::string label = std::string("overlapped reduce-scatter") + (frozen ? ", a frozen bias" : "");
+    const Run unsharded = train(0, frozen), after = train(1, frozen), during = train(2, frozen), delayed = train(3, frozen);
+    report(bitwise(during.params, after.params) && bitwise(during.params, unsharded.params),
+           label + ": the parameters of the reduction after backward and of the unsharded run, bit for bit");
+    report(bitwise(delayed.params, after.params), label + ": delay_allreduce reduces after backward, the same bits");
+    report(during.stats.overlapped_reduce_scatter_bytes > 0 &&
+               during.stats.overlapped_reduce_scatter_bytes <= during.stats.reduce_scatter_bytes,
+           label + ": lanes start during backward",
+           std::to_string(during.stats.overlapped_reduce_scatter_bytes) + " of " +
+               std::to_string(during.stats.reduce_scatter_bytes) + " bytes");
+    report(after.stats.overlapped_reduce_scatter_bytes == 0 && delayed.stats.overlapped_reduce_scatter_bytes == 0,
+           label + ": overlap(false) and delay_allreduce start none during backward");
+    report(after.stats.reduce_scatter_bytes == during.stats.reduce_scatter_bytes, label + ": the same bytes reduce-scattered");
+  }
+  // A backward that reaches only some parameters (every rank alike) is refused with overlap, by name.
+  auto net = make_mlp(31);
+  auto [model, optimizer] = amp::initialize(net, adamw_of(net), options);
+  auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
+  amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(2));
+  const Batch local = rows(global_batch(0, kGlobal), group.rank() * local_rows, local_rows);
+  const std::string missing = expect_throw([&] {
+    auto hidden = net[1]->as<torch::nn::ReLU>()->forward(net[0]->as<torch::nn::Linear>()->forward(local.x.to(torch::kBFloat16)));
+    amp::scale_loss(hidden.sum(), optimizer).backward();  // the last two Linear layers get no gradient
+  });
+  report(missing.find("this backward produced no gradient for 4 trainable parameter(s)") != std::string::npos &&
+             missing.find("ZeRO's reduce-scatter") != std::string::npos,
+         "overlapped reduce-scatter: a backward that misses parameters is refused by name", missing);
+}
+
 // Two optimizers for one loss (first layer with FusedSGD, the rest with FusedAdamW), both sharded on one wrapper.
 void two_optimizers(const ProcessGroup& group, int stage) {
   const int n = group.world_size();
@@ -1185,6 +1258,7 @@ void scenario_zero(const ProcessGroup& group) {
     lean_masters(group, stage, dir);
     auto_fp32(group, stage, dir);
   }
+  overlap(group);
   misuse(group);
 }
 

@@ -50,6 +50,8 @@ struct CommunicationStats {
   // parameters). A ring moves (N-1)/N of these per rank, and 2 (N-1)/N of allreduce_bytes.
   int64_t reduce_scatter_bytes = 0;
   int64_t allgather_bytes = 0;
+  // Of reduce_scatter_bytes, those started during backward (ZeroOptions::overlap).
+  int64_t overlapped_reduce_scatter_bytes = 0;
 };
 
 namespace detail {
@@ -79,10 +81,16 @@ class DistributedCore {
   using Reduction = std::function<std::vector<bool>(const std::vector<at::Tensor>& params,
                                                     const std::vector<bool>& used_anywhere, bool closes_window)>;
   void add_reduction(Reduction reduce);
+  /// Called with i as params()[i]'s gradient is ready during a synchronized backward (its accumulator's post hook),
+  /// where every such backward reaches every trainable parameter (the options did not ask for delay_allreduce):
+  /// ZeRO stage 2 starts a bucket's reduce-scatter there. Returns false, and adds nothing, where backward passes may
+  /// reach only some parameters.
+  using ReadyListener = std::function<void(size_t i)>;
+  bool add_ready_listener(ReadyListener listener);
   /// The trainable parameters, in model order (those reduced).
   const std::vector<at::Tensor>& params() const;
   /// Counts ZeRO's collectives in stats().
-  void count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes);
+  void count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes, bool during_backward = false);
 
  private:
   struct Impl;

@@ -26,6 +26,10 @@ struct ZeroOptions {
   TORCH_ARG(int, stage) = 1;
   /// The size of a reduce-scatter / all-gather bucket in MiB.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Stage 2: reduce-scatter each bucket as its gradients are ready during backward, where the
+  /// DistributedDataParallel reaches every parameter in every backward (made without delay_allreduce); else, and
+  /// with false, after backward. The same values either way.
+  TORCH_ARG(bool, overlap) = true;
 };
 
 namespace detail {
