@@ -1294,11 +1294,13 @@ void scenario_zero_bench(const ProcessGroup& group) {
   std::vector<Row> rows_out;
   int64_t num_params = 0;
   // Rows 4 and 5 keep Adam's moments in 8 bits (optimizer_state_format 8bit), unsharded and at stage 2; rows 6 and 7
-  // also keep no fp32 masters (master_weights_format split: the bf16 weight and its low 16 bits).
+  // also keep no fp32 masters (master_weights_format split: the bf16 weight and its low 16 bits); row 8 is row 3
+  // reduce-scattering after backward instead of during it (ZeroOptions::overlap(false)).
   struct Run {
     int stage;
     amp::OptimizerStateFormat format;
     amp::MasterWeights masters;
+    bool overlap = true;
   };
   const std::vector<Run> runs = {{0, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
                                  {1, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
@@ -1306,8 +1308,9 @@ void scenario_zero_bench(const ProcessGroup& group) {
                                  {0, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
                                  {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
                                  {0, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
-                                 {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit}};
-  for (const auto& [stage, format, masters] : runs) {
+                                 {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
+                                 {2, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, false}};
+  for (const auto& [stage, format, masters, overlap] : runs) {
     auto net = make_net();
     num_params = 0;
     for (const auto& p : net->parameters()) num_params += p.numel();
@@ -1319,10 +1322,11 @@ void scenario_zero_bench(const ProcessGroup& group) {
             .master_weights_format(masters)
             .verbosity(0));
     auto ddp = amp::parallel::make_distributed(model, group);
-    if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
+    if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage).overlap(overlap));
     Row row{(stage == 0 ? std::string("unsharded") : "stage " + std::to_string(stage)) +
             (format == amp::OptimizerStateFormat::k8Bit ? ", 8-bit moments" : "") +
-            (masters == amp::MasterWeights::kSplit ? ", split masters" : "")};
+            (masters == amp::MasterWeights::kSplit ? ", split masters" : "") +
+            (stage == 2 && !overlap ? ", reduce-scatter after backward" : "")};
     std::vector<double> times;
     amp::parallel::CommunicationStats before{};
     for (int step = 0; step < 9; ++step) {
