@@ -740,22 +740,25 @@ TEST(GraphCaptureGuardTest, StepsUnderTheGuardGiveTheHostPathsBits) {
     GTEST_SKIP() << "CUDA graphs of amp's step need ATen's fused optimizer kernels (LibTorch 2.4 or later)";
   }
   // bf16 and 8-bit moments and the lean master formats too (NOTE [Stored moments on the device], NOTE [Lean masters
-  // on the device]): their draw counters read back at the save.
-  using Formats = std::pair<amp::OptimizerStateFormat, amp::MasterWeights>;
-  for (const auto& [format, master] :
-       {Formats{amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
-        Formats{amp::OptimizerStateFormat::kBf16, amp::MasterWeights::kCopy},
-        Formats{amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
-        Formats{amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kSplit},
-        Formats{amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kKahan},
-        Formats{amp::OptimizerStateFormat::kBf16, amp::MasterWeights::kStochasticRounding},
-        Formats{amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kResidual8}}) {
+  // on the device]): their draw counters read back at the save. FusedLAMB: its groups' step counts, clip and trust
+  // ratios on the device (NOTE [LAMB on the device]).
+  struct GcCase {
+    amp::OptimizerStateFormat format;
+    amp::MasterWeights master;
+    bool lamb;
+  };
+  using F = amp::OptimizerStateFormat;
+  using M = amp::MasterWeights;
+  for (const GcCase& c : {GcCase{F::kFp32, M::kCopy, false}, GcCase{F::kBf16, M::kCopy, false},
+                          GcCase{F::k8Bit, M::kCopy, false}, GcCase{F::kFp32, M::kSplit, false},
+                          GcCase{F::kFp32, M::kKahan, false}, GcCase{F::kBf16, M::kStochasticRounding, false},
+                          GcCase{F::k8Bit, M::kResidual8, false}, GcCase{F::kFp32, M::kCopy, true},
+                          GcCase{F::k8Bit, M::kSplit, true}}) {
     for (const bool aten : {false, true}) {
-      if (aten && !amp::optim::detail::has_aten_fused_optimizers()) continue;
-      SCOPED_TRACE(std::string(aten ? "ATen's kernels, " : "amp's CPU loop, ") + amp::to_string(format) + " moments, " +
-                   amp::to_string(master) + " masters");
-      const GcOutcome host = gc_train(/*guarded=*/false, aten, format, master);
-      const GcOutcome graph = gc_train(/*guarded=*/true, aten, format, master);
+      SCOPED_TRACE(std::string(c.lamb ? "FusedLAMB, " : "FusedAdamW, ") + (aten ? "the device's route, " : "amp's CPU loop, ") +
+                   amp::to_string(c.format) + " moments, " + amp::to_string(c.master) + " masters");
+      const GcOutcome host = gc_train(/*guarded=*/false, aten, c.format, c.master, c.lamb);
+      const GcOutcome graph = gc_train(/*guarded=*/true, aten, c.format, c.master, c.lamb);
       EXPECT_EQ(graph.syncs_under_guard, 0);
       EXPECT_EQ(host.skipped, 3);
       EXPECT_EQ(graph.skipped, host.skipped);
@@ -763,27 +766,7 @@ TEST(GraphCaptureGuardTest, StepsUnderTheGuardGiveTheHostPathsBits) {
       for (size_t i = 0; i < host.params.size(); ++i) {
         EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << "parameter " << i;
         EXPECT_TRUE(amp_test::bitwise_equal(graph.resumed[i], host.resumed[i]))
-            << "parameter " << i << " after resuming (the step counts and the draw counter came from the device)";
-      }
-    }
-  }
-  // FusedLAMB: its groups' step counts, clip and trust ratios on the device (NOTE [LAMB on the device]), with fp32
-  // and 8-bit moments and a lean master format.
-  using LambFormats = std::pair<amp::OptimizerStateFormat, amp::MasterWeights>;
-  for (const auto& [format, master] : {LambFormats{amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
-                                       LambFormats{amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit}}) {
-    for (const bool aten : {false, true}) {
-      SCOPED_TRACE(std::string("FusedLAMB, ") + (aten ? "its device route, " : "amp's CPU loop, ") +
-                   amp::to_string(format) + " moments, " + amp::to_string(master) + " masters");
-      const GcOutcome host = gc_train(/*guarded=*/false, aten, format, master, /*lamb=*/true);
-      const GcOutcome graph = gc_train(/*guarded=*/true, aten, format, master, /*lamb=*/true);
-      EXPECT_EQ(graph.syncs_under_guard, 0);
-      EXPECT_EQ(host.skipped, 3);
-      EXPECT_EQ(graph.skipped, host.skipped);
-      EXPECT_EQ(graph.loss_scale, host.loss_scale);
-      for (size_t i = 0; i < host.params.size(); ++i) {
-        EXPECT_TRUE(amp_test::bitwise_equal(graph.params[i], host.params[i])) << "parameter " << i;
-        EXPECT_TRUE(amp_test::bitwise_equal(graph.resumed[i], host.resumed[i])) << "parameter " << i << " resumed";
+            << "parameter " << i << " after resuming (the step counts and the draw counters came from the device)";
       }
     }
   }

@@ -119,10 +119,10 @@ at::Tensor shard_all_gather_bytes(const GroupState& state, const at::Tensor& sen
   return recv;
 }
 
-// The sum over the ranks of `input` (world_size parts of `width`), this rank's part. Gloo builds without a
-// reduce-scatter (LibTorch 1.13) all-reduce the whole input instead: the same sums, twice the traffic.
-// A reduce-scatter started and not waited for yet (NOTE [Overlapped reduce-scatter]): `input` holds every rank's
-// piece of `width` values, sent in chunks of at most the bucket size; a backend without reduce_scatter all-reduces it.
+// The sum over the ranks of `input` (world_size parts of `width`), this rank's part, started (start_reduce_scatter)
+// and waited for (finish_reduce_scatter) apart, so that backward can go on in between (NOTE [Overlapped
+// reduce-scatter]); sent in chunks of at most the bucket size. Gloo builds without a reduce-scatter (LibTorch 1.13)
+// all-reduce the whole input instead: the same sums, twice the traffic.
 struct ScatterInFlight {
   at::Tensor input;
   int64_t width = 0;
@@ -737,8 +737,9 @@ c10::ScalarType Zero::lane_output_dtype(const ShardLane& lane) const {
 // soon as the last gradient in it is accumulated (the accumulator's post hook, DistributedCore::add_ready_listener),
 // while backward goes on: DeepSpeed's average_tensor, FSDP's post-backward reduce-scatter. Lanes start in one order
 // on every rank, the last lane first (gradients arrive from the last layers), each only after the lanes behind it,
-// so the ranks issue their collectives alike; a lane whose gradients are not all in (a frozen or late parameter)
-// and every lane in front of it start after backward, as without overlap. reduce() waits for them, in lane order
+// so the ranks issue their collectives alike; frozen parameters are not waited for, and a lane of frozen parameters
+// only (or one whose gradients are not all in) and every lane in front of it start after backward, as without
+// overlap. zero_grad drops what a backward that failed midway left started. reduce() waits for them, in lane order
 // after the window's no_sync() sums, as the sums come out the same in either order. The reduced values are those of
 // the reduction after backward, bit for bit (the same inputs, chunks and collectives).
 void Zero::index_lanes() {
@@ -903,6 +904,9 @@ void Zero::unscale(bool delay_unscale, const amp::detail::InvScale& inv_scale, a
 }
 
 void Zero::zero_grad(bool set_to_none) {
+  in_flight_.clear();  // (the backend finishes what was started; every rank started the same)
+  waiting_.clear();
+  started_ = 0;
   for (auto& p : pieces_) {
     if (!p.grad.defined()) continue;
     if (set_to_none) p.grad = at::Tensor();
