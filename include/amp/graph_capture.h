@@ -8,15 +8,16 @@
 namespace amp {
 
 /// While alive, the backwards and steps of `optimizers` record nothing for the host: the loss scale, the overflow
-/// flag, the skip, the Adam step counts and a count of skipped steps stay on the device, so a CUDA graph captured
-/// around them (at::cuda::CUDAGraph) replays the whole step without the host (docs/cuda.md, "Capturing the whole
-/// step"). From its construction on, the device holds these optimizers' truth: loss_scale(), skipped_steps() and
-/// torch::save read it there, each read waiting once (counted: amp::host_sync_count).
+/// flag, the skip, the Adam and LAMB step counts, the stochastic-rounding draw counters and a count of skipped steps
+/// stay on the device, so a CUDA graph captured around them (at::cuda::CUDAGraph) replays the whole step without the
+/// host (docs/cuda.md, "Capturing the whole step"). From its construction on, the device holds these optimizers'
+/// truth: loss_scale(), skipped_steps() and torch::save read it there, each read waiting once (counted:
+/// amp::host_sync_count).
 ///
-/// It needs what capture needs, and throws naming what is missing: amp's fused optimizers with fp32 state and
-/// masters in the default format (FusedSGD, FusedAdam, FusedAdamW, FusedMuon: FusedLAMB's step counts are host
-/// numbers), no feature that must see each overflow on the host (fp8, auto_fp32), no ZeRO sharding, and one eager step
-/// already taken (the warm-up creates the optimizer state and the loss scale on the device).
+/// It needs what capture needs, and throws naming what is missing: amp's fused optimizers (FusedSGD, FusedAdam,
+/// FusedAdamW, FusedLAMB, FusedMuon) with any state and master format, no feature that must see each overflow on the
+/// host (fp8, auto_fp32), no ZeRO sharding (amp does not capture its collectives), and one eager step already taken
+/// (the warm-up creates the optimizer state and the loss scale on the device).
 ///
 /// Example:
 ///   for (int i = 0; i < 3; ++i) train_step();                   // warm-up, on a side stream
