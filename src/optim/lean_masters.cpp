@@ -13,7 +13,6 @@
 #include <unordered_map>
 
 #include "amp/properties.h"
-#include "core/host_sync.h"
 #include "optim/float32_bytes.h"
 #include "optim/fused_route.h"
 #include "optim/residual8.h"
@@ -147,39 +146,12 @@ void LeanMasters::begin_step(const at::Tensor& found_inf) {
 
 void LeanMasters::end_step() {
   in_step_ = false;
-  if (format_ == amp::MasterWeights::kStochasticRounding) advance(static_cast<uint64_t>(total_), step_skipped_);
+  if (format_ == amp::MasterWeights::kStochasticRounding) counter_.advance(static_cast<uint64_t>(total_), step_skipped_);
   step_skipped_ = at::Tensor();
 }
 
 void LeanMasters::rewind_step() noexcept {
-  if (format_ != amp::MasterWeights::kStochasticRounding) return;
-  counter_ -= static_cast<uint64_t>(total_);
-  device_counter_host_ -= static_cast<uint64_t>(total_);
-}
-
-void LeanMasters::pull_device_counter() {
-  if (!device_counter_.defined() || device_counter_host_ != counter_) return;  // the host's is the truth
-  count_host_sync();
-  counter_ = static_cast<uint64_t>(device_counter_.item<int64_t>());
-  device_counter_host_ = counter_;
-}
-
-at::Tensor LeanMasters::device_counter(const c10::Device& device) {
-  if (!device_counter_.defined() || device_counter_.device() != device || device_counter_host_ != counter_) {
-    device_counter_ = at::full({}, static_cast<int64_t>(counter_), at::TensorOptions().dtype(at::kLong).device(device));
-    device_counter_host_ = counter_;
-  }
-  return device_counter_;
-}
-
-void LeanMasters::advance(uint64_t by, const at::Tensor& skipped) {
-  if (device_counter_.defined() && device_counter_host_ == counter_) {
-    const auto n = static_cast<int64_t>(by);
-    if (skipped.defined()) device_counter_.add_(skipped.logical_not().to(at::kLong) * n);
-    else device_counter_.add_(n);
-    device_counter_host_ += by;
-  }
-  counter_ += by;
+  if (format_ == amp::MasterWeights::kStochasticRounding) counter_.rewind(static_cast<uint64_t>(total_));
 }
 
 bool LeanMasters::on_device_route(const at::Tensor& param) const {
@@ -284,8 +256,8 @@ void LeanMasters::store_on_device(size_t i, const at::Tensor& value, const at::T
       aux = residual8_encode(v, w);
       break;
     case amp::MasterWeights::kStochasticRounding:
-      w = round_bf16_stochastically(v, seed_, device_counter(p.device()) + offset_[i], ValuesPerDraw::kOne);
-      if (!in_step_) advance(static_cast<uint64_t>(total_), at::Tensor());  // a store of its own
+      w = round_bf16_stochastically(v, seed_, counter_.on(p.device()) + offset_[i], ValuesPerDraw::kOne);
+      if (!in_step_) counter_.advance(static_cast<uint64_t>(total_));  // a store of its own
       break;
     case amp::MasterWeights::kCopy:
       TORCH_INTERNAL_ASSERT(false, "amp: LeanMasters holds no kCopy parameters");
@@ -327,11 +299,11 @@ void LeanMasters::store_on_host(size_t i, const at::Tensor& value, const at::Ten
       residual8_encode(x, w, reinterpret_cast<int8_t*>(aux), v.numel());
       break;
     case amp::MasterWeights::kStochasticRounding: {
-      const uint64_t seed = seed_, base = counter_ + static_cast<uint64_t>(offset_[i]);
+      const uint64_t seed = seed_, base = counter_.value() + static_cast<uint64_t>(offset_[i]);
       each_element(v.numel(), [&](int64_t k) {
         w[k] = round_stochastically(x[k], static_cast<uint16_t>(random_bits(seed, base + static_cast<uint64_t>(k))));
       });
-      if (!in_step_) advance(static_cast<uint64_t>(total_), at::Tensor());  // a store of its own (load_weights, initialize)
+      if (!in_step_) counter_.advance(static_cast<uint64_t>(total_));  // a store of its own (load_weights, initialize)
       break;
     }
     case amp::MasterWeights::kCopy:
@@ -391,7 +363,7 @@ void LeanMasters::save(torch::serialize::OutputArchive& archive) const {
   const std::vector<at::Tensor>* whole = shards ? shards->consolidated_aux() : &aux_;  // null: a rank's shard
   archive.write("lean/format", c10::IValue(static_cast<int64_t>(format_)));
   archive.write("lean/seed", c10::IValue(static_cast<int64_t>(seed_)));  // the bits of the uint64
-  archive.write("lean/counter", c10::IValue(static_cast<int64_t>(counter_)));
+  archive.write("lean/counter", c10::IValue(static_cast<int64_t>(counter_.value())));
   archive.write("lean/count", c10::IValue(static_cast<int64_t>(params_.size())));
   for (size_t i = 0; i < params_.size(); ++i) {
     archive.write("lean/param/" + std::to_string(i), params_[i].detach());
@@ -439,7 +411,7 @@ std::function<void()> LeanMasters::load(torch::serialize::InputArchive& archive,
       if (shards && aux[i].defined()) shards->keep_aux(i, aux[i].to(params_[i].device()), weights[i].to(params_[i].device()));
     }
     seed_ = seed;
-    counter_ = counter;
+    counter_.set(counter);
   };
 }
 

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "amp/master_weights.h"
+#include "optim/stochastic_rounding_ops.h"
 
 namespace torch::serialize {
 class InputArchive;
@@ -93,7 +94,7 @@ class LeanMasters {
   void rewind_step() noexcept;
   /// The device's counter read into the host's (a graph capture's steps, which the host never settles); counted as
   /// a host sync.
-  void pull_device_counter();
+  void pull_device_counter() { counter_.pull(); }
   /// Casts parameter i, still fp32, to bfloat16 keeping its fp32 value in the lean form (amp::initialize's cast).
   void cast_from_float(size_t i);
 
@@ -112,13 +113,11 @@ class LeanMasters {
 
   /// The generator's state: seed and how many random draws were used.
   uint64_t seed() const noexcept { return seed_; }
-  uint64_t counter() const noexcept { return counter_; }
+  uint64_t counter() const noexcept { return counter_.value(); }
   /// Sets the generator's state (amp::parallel gives every rank rank 0's, so the ranks round alike).
   void set_generator(uint64_t seed, uint64_t counter) noexcept {
-    if (seed == seed_ && counter == counter_) return;  // (ZeRO hands it back and forth each step)
     seed_ = seed;
-    counter_ = counter;
-    device_counter_ = at::Tensor();  // made again from the host's at the next store there
+    counter_.set(counter);
   }
 
   /// What ZeRO does for a table whose aux it holds in slices (NOTE [ZeRO layout] in src/parallel/zero.cpp).
@@ -151,14 +150,10 @@ class LeanMasters {
   bool on_device_route(const at::Tensor& param) const;
   void store_on_device(size_t i, const at::Tensor& value, const at::Tensor& whole_aux);
   void store_on_host(size_t i, const at::Tensor& value, const at::Tensor& whole_aux);
-  // The generator's counter as an int64 tensor on `device` (kept there across steps; made from the host's where that
-  // changed), and both counters moved on by `by`, the device's only where `skipped` is clear.
-  at::Tensor device_counter(const c10::Device& device);
-  void advance(uint64_t by, const at::Tensor& skipped);
 
   amp::MasterWeights format_;
   uint64_t seed_;
-  uint64_t counter_;
+  DrawCounter counter_;
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> aux_;
@@ -168,9 +163,7 @@ class LeanMasters {
   std::vector<int64_t> offset_;  // each entry's place in the numbering
   int64_t total_ = 0;
   bool in_step_ = false;
-  at::Tensor step_skipped_;           // this step's flag as a 0-dim bool, where it stays on the device
-  at::Tensor device_counter_;         // int64 bits of counter_, on the device of the last store there
-  uint64_t device_counter_host_ = 0;  // the host counter it equals unless the device skipped
+  at::Tensor step_skipped_;  // this step's flag as a 0-dim bool, where it stays on the device
   std::weak_ptr<Shards> shards_;
   bool aux_sharded_ = false;  // shards_ holds the aux (a format with one, after mark_sharded)
 };

@@ -5,7 +5,6 @@
 #include <c10/core/GradMode.h>
 #include <torch/optim/optimizer.h>
 
-#include "core/host_sync.h"
 #include "optim/optimizer_state_key.h"
 #include "optim/optimizer_kinds.h"
 
@@ -97,26 +96,8 @@ void StateFormat::begin_step(const torch::optim::Optimizer& opt) {
 uint64_t StateFormat::end_step(const at::Tensor& found_inf) {
   if (format_ != OptimizerStateFormat::kBf16) return 0;
   const uint64_t advance = 3 * static_cast<uint64_t>(total_);
-  if (device_counter_.defined() && device_counter_host_ == counter_) {
-    const auto by = static_cast<int64_t>(advance);
-    if (found_inf.defined()) device_counter_.add_(found_inf.eq(0).to(at::kLong) * by);
-    else device_counter_.add_(by);
-    device_counter_host_ += advance;
-  }
-  counter_ += advance;
+  counter_.advance(advance, found_inf.defined() ? found_inf.ne(0) : at::Tensor());
   return advance;
-}
-
-void StateFormat::rewind(uint64_t by) noexcept {
-  counter_ -= by;
-  device_counter_host_ -= by;
-}
-
-void StateFormat::pull_device_counter() {
-  if (!device_counter_.defined() || device_counter_host_ != counter_) return;  // the host's is the truth
-  count_host_sync();
-  counter_ = static_cast<uint64_t>(device_counter_.item<int64_t>());
-  device_counter_host_ = counter_;
 }
 
 StateFormat::Place StateFormat::place(const at::Tensor& stepped) const {
@@ -129,18 +110,14 @@ StateFormat::Place StateFormat::place(const at::Tensor& stepped) const {
 
 Draws StateFormat::draws(const Place& place, int slot) const {
   if (format_ != OptimizerStateFormat::kBf16) return std::nullopt;
-  return DrawStream{seed_, counter_ + static_cast<uint64_t>(slot) * static_cast<uint64_t>(total_) +
+  return DrawStream{seed_, counter_.value() + static_cast<uint64_t>(slot) * static_cast<uint64_t>(total_) +
                               static_cast<uint64_t>(place.offset), at::Tensor()};
 }
 
 Draws StateFormat::draws_on(const Place& place, int slot, const c10::Device& device) {
   Draws d = draws(place, slot);
   if (!d) return d;
-  if (!device_counter_.defined() || device_counter_.device() != device || device_counter_host_ != counter_) {
-    device_counter_ = at::full({}, static_cast<int64_t>(counter_), at::TensorOptions().dtype(at::kLong).device(device));
-    device_counter_host_ = counter_;
-  }
-  d->on_device = device_counter_ + static_cast<int64_t>(d->first - counter_);
+  d->on_device = counter_.on(device) + static_cast<int64_t>(d->first - counter_.value());
   return d;
 }
 

@@ -27,6 +27,7 @@
 
 #include "amp/optimizer_state_format.h"
 #include "optim/moment_storage.h"
+#include "optim/stochastic_rounding_ops.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -58,11 +59,10 @@ class StateFormat {
 
   OptimizerStateFormat format() const noexcept { return format_; }
   uint64_t seed() const noexcept { return seed_; }
-  uint64_t counter() const noexcept { return counter_; }
+  uint64_t counter() const noexcept { return counter_.value(); }
   void set_generator(uint64_t seed, uint64_t counter) noexcept {
     seed_ = seed;
-    counter_ = counter;
-    device_counter_ = at::Tensor();  // made again from the host's at the next draws_on
+    counter_.set(counter);
   }
   /// Set by ZeRO for as long as the optimizer's param_groups hold its pieces; `total`: the values of every whole
   /// tensor (the numbering's length).
@@ -78,10 +78,10 @@ class StateFormat {
   void begin_step(const torch::optim::Optimizer& opt);
   uint64_t end_step(const at::Tensor& found_inf = at::Tensor());
   /// A skip the host learned of after end_step: its counter back by `by` (end_step's advance).
-  void rewind(uint64_t by) noexcept;
+  void rewind(uint64_t by) noexcept { counter_.rewind(by); }
   /// The device's counter read into the host's (a graph capture's steps, which the host never settles); counted as
   /// a host sync.
-  void pull_device_counter();
+  void pull_device_counter() { counter_.pull(); }
   Place place(const at::Tensor& stepped) const;
   /// The draws of moment `slot` (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) of the tensor at `place` in this step;
   /// nullopt unless kBf16.
@@ -109,13 +109,11 @@ class StateFormat {
 
   OptimizerStateFormat format_;
   uint64_t seed_;
-  uint64_t counter_;
+  DrawCounter counter_;
   Placement placement_;
   int64_t placement_total_ = 0;
   std::unordered_map<const void*, Place> places_;  // this step's whole tensors, by TensorImpl
   int64_t total_ = 0;
-  at::Tensor device_counter_;         // int64 bits of the counter, on the device of the last draws_on
-  uint64_t device_counter_host_ = 0;  // the host counter it equals unless the device skipped
 };
 
 }  // namespace amp::detail

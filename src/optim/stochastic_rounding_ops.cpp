@@ -4,6 +4,8 @@
 #include <ATen/TensorOperators.h>
 #include <c10/core/GradMode.h>
 
+#include "core/host_sync.h"
+
 namespace amp::detail {
 namespace {
 
@@ -36,6 +38,41 @@ at::Tensor round_bf16_stochastically(const at::Tensor& values, uint64_t seed, co
   const at::Tensor rounded = at::bitwise_right_shift(at::where(special, b, b + random), 16);
   const at::Tensor upper = at::where(nan, at::full({}, 0x7fc0, rounded.options()), rounded);
   return upper.to(at::kShort).view(at::kBFloat16).view(values.sizes());
+}
+
+void DrawCounter::set(uint64_t value) noexcept {
+  if (value == host_) return;
+  host_ = value;
+  device_ = at::Tensor();
+}
+
+at::Tensor DrawCounter::on(const c10::Device& device) {
+  if (!device_.defined() || device_.device() != device || device_host_ != host_) {
+    device_ = at::full({}, bits_of(host_), at::TensorOptions().dtype(at::kLong).device(device));
+    device_host_ = host_;
+  }
+  return device_;
+}
+
+void DrawCounter::advance(uint64_t by, const at::Tensor& skipped) {
+  if (device_.defined() && device_host_ == host_) {
+    if (skipped.defined()) device_.add_(skipped.logical_not().to(at::kLong) * bits_of(by));
+    else device_.add_(bits_of(by));
+    device_host_ += by;
+  }
+  host_ += by;
+}
+
+void DrawCounter::rewind(uint64_t by) noexcept {
+  host_ -= by;
+  device_host_ -= by;
+}
+
+void DrawCounter::pull() {
+  if (!device_.defined() || device_host_ != host_) return;  // the host's is the truth
+  count_host_sync();
+  host_ = static_cast<uint64_t>(device_.item<int64_t>());
+  device_host_ = host_;
 }
 
 }  // namespace amp::detail

@@ -312,7 +312,7 @@ class Zero final : public amp::detail::Sharding,
   size_t started_ = 0;  // lanes started, the last first
 
  public:
-  void on_grad_ready(const at::Tensor& param);
+  void on_grad_ready(size_t i);  // core_->params()[i]'s gradient is in
 };
 
 Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options)
@@ -761,8 +761,9 @@ void Zero::index_lanes() {
   lanes_indexed_ = lanes_.size();
 }
 
-void Zero::on_grad_ready(const at::Tensor& param) {
+void Zero::on_grad_ready(size_t i) {
   if (!overlap_) return;
+  const at::Tensor& param = core_->params()[i];
   if (lanes_indexed_ != lanes_.size()) index_lanes();
   if (waiting_.size() != lanes_.size()) {  // the first gradient of this backward
     waiting_.assign(lanes_.size(), 0);
@@ -1503,9 +1504,8 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   if (options.stage() == 2) {
     std::weak_ptr<Zero> weak = zero;
     if (options.overlap()) {  // NOTE [Overlapped reduce-scatter]
-      const std::vector<at::Tensor> params = core->params();
-      core->add_ready_listener([weak, params](size_t i) {
-        if (const auto z = weak.lock()) z->on_grad_ready(params[i]);
+      core->add_ready_listener([weak](size_t i) {
+        if (const auto z = weak.lock()) z->on_grad_ready(i);
       });
     }
     core->add_reduction([weak](const std::vector<at::Tensor>& params, const std::vector<bool>& used, bool closes_window) {
