@@ -300,8 +300,8 @@ void DistributedCore::Impl::end_of_backward() {
     // reduce-scatters have started for what this rank reached, in the order every rank does.
     TORCH_CHECK(missing.empty(), kWhere, ": this backward produced no gradient for ", missing.size(),
                 " trainable parameter(s) (", list_names(missing), "), so their buckets were never reduced. The "
-                "overlapped all-reduce (ZeRO's reduce-scatter) needs every backward to reach every trainable parameter (as torch's DDP without "
-                "find_unused_parameters). Freeze unused parameters before make_distributed (requires_grad false), "
+                "overlapped all-reduce (ZeRO's reduce-scatter) needs every backward to reach every trainable parameter "
+                "(as torch's DDP without find_unused_parameters). Freeze unused parameters before make_distributed (requires_grad false), "
                 "sum the losses into one backward, or use DistributedDataParallelOptions().delay_allreduce(true), "
                 "which reduces whatever each backward reached.");
     if (reducer) return;

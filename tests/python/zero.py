@@ -57,12 +57,21 @@ def run(rank, world, port, directory):
     dist.destroy_process_group()
 
 
+def _rank_entry(rank, rank_main, world, port, directory):
+    rank_main(rank, world, port, directory)
+    # Leave without tearing down: Gloo's threads now and then abort a process at interpreter exit ("terminate called
+    # without an active exception") after everything was written, which would fail the reference for nothing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(rank_main, directory, world):
     """Runs rank_main(rank, world, port, directory) in `world` processes on a free port of 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(world, port, directory), nprocs=world, join=True)
+    mp.spawn(_rank_entry, args=(rank_main, world, port, directory), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
