@@ -25,6 +25,7 @@
 #include "op_profile.h"
 #include "timing.h"
 #include "training_steps.h"
+#include "optim/cpu_state_codec.h"
 #include "optim/fused_route.h"
 #include "optim/fused_step_context.h"
 #include "optim/state_format.h"
@@ -533,14 +534,26 @@ void state_bytes_for(const std::string& name) {
   }
 }
 
-// The fused AdamW step over 8 tensors of 2^20 fp32 values with fp32, bf16 and 8-bit moments (alternating repetitions).
+// The fused AdamW step over 8 tensors of 2^20 fp32 values with fp32, bf16 and 8-bit moments (alternating repetitions);
+// the 8-bit step once on each of the codec's AVX-512 loops this CPU has (same bits, NOTE [Decoding by permutes]).
 void state_step_times() {
+  using amp::detail::cpu::CodecLoops;
   torch::manual_seed(0);
+  struct Row {
+    amp::OptimizerStateFormat format;
+    CodecLoops loops;
+    std::string name;
+  };
+  std::vector<Row> rows = {{amp::OptimizerStateFormat::kFp32, amp::detail::cpu::default_codec_loops(), "fp32"},
+                           {amp::OptimizerStateFormat::kBf16, amp::detail::cpu::default_codec_loops(), "bf16"}};
+  for (const auto loops : {CodecLoops::kAvx512Vbmi, CodecLoops::kAvx512}) {
+    if (!amp::detail::cpu::codec_loops_at(loops)) continue;
+    rows.push_back({amp::OptimizerStateFormat::k8Bit, loops,
+                    loops == CodecLoops::kAvx512Vbmi ? "8bit (decoding by permutes)" : "8bit (decoding by gathers)"});
+  }
+  if (rows.size() == 2) rows.push_back({amp::OptimizerStateFormat::k8Bit, amp::detail::cpu::default_codec_loops(), "8bit"});
   std::vector<std::function<void()>> steps;
-  std::vector<std::shared_ptr<amp::optim::FusedAdamW>> optimizers;
-  const std::vector<amp::OptimizerStateFormat> formats = {amp::OptimizerStateFormat::kFp32, amp::OptimizerStateFormat::kBf16,
-                                                          amp::OptimizerStateFormat::k8Bit};
-  for (const auto format : formats) {
+  for (const auto& row : rows) {
     std::vector<torch::Tensor> params;
     for (int i = 0; i < 8; ++i) {
       auto p = torch::randn({1024, 1024}).requires_grad_();
@@ -548,18 +561,21 @@ void state_step_times() {
       params.push_back(p);
     }
     auto optimizer = std::make_shared<amp::optim::FusedAdamW>(params, torch::optim::AdamWOptions(1e-4));
-    if (format != amp::OptimizerStateFormat::kFp32) {
-      optimizer->step_context().set_state_format(std::make_shared<amp::detail::StateFormat>(format, 7));
+    if (row.format != amp::OptimizerStateFormat::kFp32) {
+      optimizer->step_context().set_state_format(std::make_shared<amp::detail::StateFormat>(row.format, 7));
     }
-    optimizers.push_back(optimizer);
-    steps.push_back([optimizer] { optimizer->step(); });
+    steps.push_back([optimizer, loops = row.loops] {
+      amp::detail::cpu::force_codec_loops(loops);
+      optimizer->step();
+      amp::detail::cpu::force_codec_loops(amp::detail::cpu::default_codec_loops());
+    });
   }
   const auto t = time_alternating(steps);
-  for (size_t i = 0; i < formats.size(); ++i) {
-    std::printf("| %s | %.2f | %.2f | %.2f |\n", amp::to_string(formats[i]), 1e3 * t[i], 1e9 * t[i] / (8.0 * 1024 * 1024),
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::printf("| %s | %.2f | %.2f | %.2f |\n", rows[i].name.c_str(), 1e3 * t[i], 1e9 * t[i] / (8.0 * 1024 * 1024),
                 t[i] / t[0]);
-    record("state_formats", "adamw_8x1M", amp::to_string(formats[i]), "ms_per_step", 1e3 * t[i]);
-    record("state_formats", "adamw_8x1M", amp::to_string(formats[i]), "over_fp32", t[i] / t[0]);
+    record("state_formats", "adamw_8x1M", rows[i].name, "ms_per_step", 1e3 * t[i]);
+    record("state_formats", "adamw_8x1M", rows[i].name, "over_fp32", t[i] / t[0]);
   }
 }
 

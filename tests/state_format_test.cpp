@@ -377,17 +377,21 @@ TEST(StateFormatCodecTest, Bf16RoundingInAtenOpsIsTheCpuLoops) {
 
 // The CPU loop's codes are torchao's ATen ops' (quantize_with_map), block scales included; decoding is
 // map[code] * scale; slicing and joining by blocks (ZeRO's pieces) is lossless.
-// Runs `body` on each of the codec's loops this CPU has: AVX-512, AVX2 and portable.
+// Runs `body` on each of the codec's loops this CPU has: AVX-512 with VBMI (decoding by permutes), AVX-512 (by
+// gathers), AVX2 and portable.
 template <class Body>
 void on_every_codec(Body body) {
   using amp::detail::cpu::CodecLoops;
   struct CodecLoopsGuard {
     explicit CodecLoopsGuard(CodecLoops widest) { amp::detail::cpu::force_codec_loops(widest); }
-    ~CodecLoopsGuard() { amp::detail::cpu::force_codec_loops(CodecLoops::kAvx512); }
+    ~CodecLoopsGuard() { amp::detail::cpu::force_codec_loops(amp::detail::cpu::default_codec_loops()); }
   };
-  for (const auto level : {CodecLoops::kAvx512, CodecLoops::kAvx2, CodecLoops::kPortable}) {
+  for (const auto level : {CodecLoops::kAvx512Vbmi, CodecLoops::kAvx512, CodecLoops::kAvx2, CodecLoops::kPortable}) {
     if (!amp::detail::cpu::codec_loops_at(level)) continue;
-    SCOPED_TRACE(level == CodecLoops::kAvx512 ? "AVX-512 loops" : level == CodecLoops::kAvx2 ? "AVX2 loops" : "portable loops");
+    SCOPED_TRACE(level == CodecLoops::kAvx512Vbmi ? "AVX-512 VBMI loops"
+                 : level == CodecLoops::kAvx512   ? "AVX-512 loops"
+                 : level == CodecLoops::kAvx2     ? "AVX2 loops"
+                                                  : "portable loops");
     const CodecLoopsGuard loops(level);
     body();
   }

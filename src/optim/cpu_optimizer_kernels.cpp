@@ -238,7 +238,8 @@ void stored_chunks(const StateView& m, const StateView& v, const StateView* thir
 // moments 8-bit, one loop per block of 256 decodes the block's codes, updates it (adam_lerp_body's arithmetic) and
 // encodes the block before it, whose scale needed all of it first: the codec's work runs in the divider's shadow
 // instead of in passes of its own. Every operation is the portable loops' (adam_lerp_body, the codec's), so the
-// parameters, codes and scales are theirs bit for bit (StateFormatCodecTest.EightBitAdamStepOnEveryLoop).
+// parameters, codes and scales are theirs bit for bit (StateFormatCodecTest.EightBitAdamStepOnEveryLoop). Where the
+// codec decodes by permutes, a block's codes are decoded whole before its loop (NOTE [Decoding by permutes]).
 struct PendingBlock {
   float* m = nullptr;  // the block's updated moments (scratch), encoded at element `at`
   float* v = nullptr;
@@ -256,6 +257,8 @@ template <bool L2, bool STORE_GRAD>
 AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
                                 int64_t end, const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
   alignas(64) float scratch[2][2][kCodeBlock];  // [block parity][moment]
+  alignas(64) float decoded[2][kCodeBlock];     // the block's moments before the step, where decoded by permutes
+  const bool by_permutes = m.map_bytes != nullptr && v.map_bytes != nullptr && codec_loops_at(CodecLoops::kAvx512Vbmi);
   const __m512 decay = _mm512_set1_ps(f.decay), inv = _mm512_set1_ps(f.inv), wd = _mm512_set1_ps(f.wd);
   const __m512 coeff1 = _mm512_set1_ps(w.coeff1), coeff2 = _mm512_set1_ps(w.coeff2);
   const __m512 bc2_sqrt = _mm512_set1_ps(f.bc2_sqrt), eps = _mm512_set1_ps(f.eps);
@@ -272,10 +275,14 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
     float* v_out = scratch[(c / kCodeBlock) & 1][1];
     const __m512 m_scale = _mm512_set1_ps(m.scales[c / kCodeBlock]), v_scale = _mm512_set1_ps(v.scales[c / kCodeBlock]);
     __m512i m_max = _mm512_setzero_si512(), v_max = _mm512_setzero_si512();
+    if (by_permutes) {
+      avx512::decode_block_by_permutes(m_codes + c, m.scales[c / kCodeBlock], m.map_bytes, decoded[0]);
+      avx512::decode_block_by_permutes(v_codes + c, v.scales[c / kCodeBlock], v.map_bytes, decoded[1]);
+    }
     for (int64_t j = 0; j < kCodeBlock; j += 16) {
       const int64_t i = c + j;
-      const __m512 mo = avx512::decode16(m_codes + i, m_scale, m.map);
-      const __m512 vo = avx512::decode16(v_codes + i, v_scale, v.map);
+      const __m512 mo = by_permutes ? _mm512_load_ps(decoded[0] + j) : avx512::decode16(m_codes + i, m_scale, m.map);
+      const __m512 vo = by_permutes ? _mm512_load_ps(decoded[1] + j) : avx512::decode16(v_codes + i, v_scale, v.map);
       const __m512 param = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
       __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), inv);
       if constexpr (STORE_GRAD) _mm512_storeu_ps(g + i, gi);

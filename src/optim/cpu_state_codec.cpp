@@ -75,6 +75,14 @@ inline uint8_t code_in(uint32_t word, uint32_t b) {
 
 }  // namespace
 
+void map_byte_planes(const float* map, uint8_t* planes) {
+  for (int c = 0; c < 256; ++c) {
+    uint32_t b;
+    std::memcpy(&b, map + c, sizeof b);
+    for (int k = 0; k < 4; ++k) planes[256 * k + c] = static_cast<uint8_t>(b >> (8 * k));
+  }
+}
+
 uint8_t code_by_search(float y, const float* map) {
   int c = y >= map[128] ? 128 : 0;
   c += y >= map[c + 64] ? 64 : 0;
@@ -233,7 +241,7 @@ AMP_AVX512 void decode_block_avx512(const uint8_t* codes, float scale, const flo
 }
 #endif
 
-std::atomic<CodecLoops> widest_allowed{CodecLoops::kAvx512};
+std::atomic<CodecLoops> widest_allowed{default_codec_loops()};
 
 void encode_block(const float* in, uint8_t* codes, float* scale, const float* map, const CodeBucket* buckets) {
 #ifdef AMP_HAVE_AVX512_CODES
@@ -298,12 +306,22 @@ void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64
 
 void force_codec_loops(CodecLoops widest) { widest_allowed = widest; }
 
+CodecLoops default_codec_loops() {
+#if defined(AMP_HAVE_AVX2_CODES)
+  __builtin_cpu_init();  // this runs from a static initializer, which may come before libgcc's
+  if (__builtin_cpu_is("amd")) return CodecLoops::kAvx512Vbmi;
+#endif
+  return CodecLoops::kAvx512;
+}
+
 bool codec_loops_at(CodecLoops level) {
 #if defined(AMP_HAVE_AVX2_CODES)
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool has = level == CodecLoops::kPortable || (level == CodecLoops::kAvx2 ? avx2 : avx512);
+  static const bool vbmi = avx512 && __builtin_cpu_supports("avx512vbmi");
+  const bool has = level == CodecLoops::kPortable ||
+                   (level == CodecLoops::kAvx2 ? avx2 : level == CodecLoops::kAvx512 ? avx512 : vbmi);
   return has && static_cast<int>(level) >= static_cast<int>(widest_allowed.load());
 #else
   return level == CodecLoops::kPortable;
@@ -323,6 +341,11 @@ void decode(const StateView& view, int64_t begin, int64_t n, float* out) {
       const auto* codes = static_cast<const uint8_t*>(view.data);
       for (int64_t b = 0; b < n; b += kCodeBlock) {
 #ifdef AMP_HAVE_AVX512_CODES
+        if (view.map_bytes != nullptr && codec_loops_at(CodecLoops::kAvx512Vbmi)) {
+          avx512::decode_block_by_permutes(codes + begin + b, view.scales[(begin + b) / kCodeBlock], view.map_bytes,
+                                           out + b);
+          continue;
+        }
         if (codec_loops_at(CodecLoops::kAvx512)) {
           decode_block_avx512(codes + begin + b, view.scales[(begin + b) / kCodeBlock], view.map, out + b);
           continue;
