@@ -298,6 +298,8 @@ struct Planned {
   State* state = nullptr;
   const at::Tensor* copy = nullptr;
   bool first = false;  // SGD: its momentum buffer is created by this step
+  at::Tensor first_flag;  // SGD with dampening: set on the device where this is its buffer's first step (NOTE [A
+                          // first momentum buffer on the device])
 };
 
 template <class State>
@@ -579,9 +581,65 @@ void sgd_cpu_loop(std::vector<SgdPlanned>& items, const torch::optim::SGDOptions
   }
 }
 
+// ATen's _fused_sgd_ both ways, first step and later, on buffers whose first step depends on skips decided on the
+// device: each parameter and buffer keeps the result its flag picks (NOTE [A first momentum buffer on the device]).
+void sgd_aten_both_ways(std::vector<SgdPlanned>& items, const torch::optim::SGDOptions& o,
+                        amp::detail::FusedStepContext& context, const std::optional<at::Tensor>& device_found_inf) {
+#ifdef AMP_HAVE_ATEN_FUSED_OPTIMIZERS
+  std::map<BatchKey, std::vector<SgdPlanned*>> batches;
+  for (auto& item : items) batches[batch_key(item.work.param, false)].push_back(&item);
+  for (auto& [key, batch_items] : batches) {
+    std::vector<at::Tensor> params, grads, buffers, params_before, buffers_before, grads_before;
+    for (SgdPlanned* item : batch_items) {
+      params.push_back(item->work.param);
+      grads.push_back(item->work.grad);
+      buffers.push_back(item->state->momentum_buffer());
+    }
+    for (size_t i = 0; i < params.size(); ++i) {  // the kernels unscale the gradients in place
+      params_before.push_back(params[i].clone());
+      buffers_before.push_back(buffers[i].clone());
+      grads_before.push_back(grads[i].clone());
+    }
+    const auto grad_scale = context.aten_grad_scale(params.front());
+    at::_fused_sgd_(params, grads, buffers, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
+                    /*maximize=*/false, /*is_first_step=*/true, grad_scale, device_found_inf);
+    std::vector<at::Tensor> params_first, buffers_first;
+    for (size_t i = 0; i < params.size(); ++i) {
+      params_first.push_back(params[i].clone());
+      buffers_first.push_back(buffers[i].clone());
+      params[i].copy_(params_before[i]);
+      buffers[i].copy_(buffers_before[i]);
+      grads[i].copy_(grads_before[i]);
+    }
+    at::_fused_sgd_(params, grads, buffers, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
+                    /*maximize=*/false, /*is_first_step=*/false, grad_scale, device_found_inf);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& flag = batch_items[i]->first_flag;
+      params[i].copy_(at::where(flag, params_first[i], params[i]));
+      buffers[i].copy_(at::where(flag, buffers_first[i], buffers[i]));
+      if (device_found_inf) flag.logical_and_(device_found_inf->to(flag.device()).ne(0));
+      else flag.fill_(false);
+    }
+    AtenBatch done;
+    done.params = params;
+    for (SgdPlanned* item : batch_items) done.copy_after(item->work.param, item->copy);
+    finish_batch(done);
+  }
+#else
+  (void)o, (void)context, (void)device_found_inf;
+  TORCH_INTERNAL_ASSERT(items.empty(), "amp: ATen's fused optimizer kernels are not in this LibTorch");
+#endif
+  for (const auto& item : items) item.work.finish();
+}
+
 // ATen's _fused_sgd_, one call per (device, dtype, first step) batch.
 void sgd_aten(std::vector<SgdPlanned>& items, const torch::optim::SGDOptions& o, amp::detail::FusedStepContext& context,
               const std::optional<at::Tensor>& device_found_inf) {
+  const auto flagged = std::stable_partition(items.begin(), items.end(),
+                                             [](const SgdPlanned& item) { return !item.first_flag.defined(); });
+  std::vector<SgdPlanned> both_ways(std::make_move_iterator(flagged), std::make_move_iterator(items.end()));
+  items.erase(flagged, items.end());
+  if (!both_ways.empty()) sgd_aten_both_ways(both_ways, o, context, device_found_inf);
   if (items.empty()) return;
   std::map<BatchKey, AtenBatch> batches;
   for (const auto& item : items) {
@@ -1076,21 +1134,15 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   // Without dampening, a buffer of -0.0 makes the later formula the first's bit for bit (momentum * -0.0 = -0.0, and
   // -0.0 + g = g for every g, -0.0 included), so where the flag stays on the device the step makes such buffers and
   // runs as a later step: skipped there, the buffers stay -0.0 and the next step is the first one. With dampening the
-  // first step must clone, and the host reads the flag until every buffer exists.
-  bool buffers_ready = true;
-  for (const auto& group : param_groups_) {
-    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
-    if (o.momentum() == 0 || o.dampening() == 0) continue;
-    for (const auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      const auto it = states.find(state_key(states, p));
-      buffers_ready = buffers_ready && it != states.end() && it->second &&
-                      static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
-    }
-  }
-  const bool plain = buffers_ready;  // lean masters: NOTE [Lean masters on the device]
-  const Skip skip = step_context().found_inf_decision(plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
-                                       plain && all_on_aten_there(*this));
+  // first step must clone, and whether a step is a buffer's first depends on skips the host has not seen: the buffer
+  // is made (zeros) with a flag on the device, set while every step since has been skipped there
+  // (FusedStepContext::first_step_flag), and while the host does not know it clear, ATen's kernel runs both ways, first
+  // step and later, and each parameter and buffer keeps what the flag picks. The host forgets the flag once it learns
+  // a step committed, and drops the buffer again once it learns every step since it was made was skipped, so a settled
+  // optimizer (a checkpoint) is the host path's.
+  const Skip skip = step_context().found_inf_decision(all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
+                                                      all_on_aten_there(*this));
+  if (skip != Skip::kOnDevice) step_context().settle_first_step_flags(*this);  // left by a graph capture
   if (skip == Skip::kYes) return loss;
   const detail::LeanStepGuard lean_step(lean_masters(), skip == Skip::kOnDevice ? &step_context() : nullptr);
   const std::optional<at::Tensor> device_found_inf =
@@ -1111,8 +1163,18 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
         if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
         item.state = static_cast<torch::optim::SGDParamState*>(slot.get());
         item.first = !item.state->momentum_buffer().defined();
-        if (item.first && skip == Skip::kOnDevice) {  // NOTE [A first momentum buffer on the device]
+        if (skip == Skip::kOnDevice && o.dampening() == 0 && item.first) {  // NOTE [A first momentum buffer on the device]
           item.state->momentum_buffer(at::full_like(p, -0.0, at::MemoryFormat::Preserve));
+          item.first = false;
+        } else if (skip == Skip::kOnDevice && o.dampening() != 0) {
+          if (item.first) item.state->momentum_buffer(at::zeros_like(p, at::MemoryFormat::Preserve));
+          auto drop = [slot_key = state_key(states, key)](torch::optim::Optimizer& self) {
+            const auto it = self.state().find(slot_key);
+            if (it != self.state().end() && it->second) {
+              static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer(at::Tensor());
+            }
+          };
+          item.first_flag = step_context().first_step_flag(key, item.state->momentum_buffer(), item.first, drop);
           item.first = false;
         }
       }

@@ -33,13 +33,55 @@ std::optional<at::Tensor> FusedStepContext::aten_grad_scale(const at::Tensor& li
 }
 
 void FusedStepContext::settle_step(optim::FusedOptimizer& owner, uint64_t step_id, bool skipped) {
-  const auto it = undo_.find(step_id);
-  if (it == undo_.end()) return;
-  if (skipped) {
-    auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);
-    for (const auto& undo : it->second) undo(self, owner);
+  const auto it = settle_.find(step_id);
+  if (it == settle_.end()) return;
+  auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);
+  for (const auto& settle : it->second) settle(self, owner, skipped);
+  settle_.erase(it);
+}
+
+at::Tensor FusedStepContext::first_step_flag(const at::Tensor& key, const at::Tensor& buffer, bool make, DropBuffer drop) {
+  const c10::TensorImpl* impl = key.unsafeGetTensorImpl();
+  auto it = first_steps_.find(impl);
+  if (it != first_steps_.end() && it->second.buffer != buffer.unsafeGetTensorImpl()) {
+    first_steps_.erase(it);
+    it = first_steps_.end();
   }
-  undo_.erase(it);
+  if (it == first_steps_.end()) {
+    if (!make) return at::Tensor();
+    it = first_steps_.emplace(impl, FirstStepFlag{at::ones({}, buffer.options().dtype(at::kBool)),
+                                                  buffer.unsafeGetTensorImpl(), 0, ++first_step_generation_,
+                                                  std::move(drop)}).first;
+  }
+  FirstStepFlag& entry = it->second;
+  if (step_id_ == 0) {  // a graph capture: nobody settles (settle_first_step_flags does, from pull_device_steps)
+    counts_ahead_ = true;
+    return entry.flag;
+  }
+  ++entry.unsettled;
+  settle_[step_id_].push_back([impl, generation = entry.generation](torch::optim::Optimizer& self,
+                                                                     optim::FusedOptimizer& fused, bool skipped) {
+    auto& firsts = fused.step_context().first_steps_;
+    const auto found = firsts.find(impl);
+    if (found == firsts.end() || found->second.generation != generation) return;
+    if (!skipped) {  // a committed step: the buffer has had its first step
+      firsts.erase(found);
+    } else if (--found->second.unsettled == 0) {  // every step since the buffer was made was skipped
+      found->second.drop(self);
+      firsts.erase(found);
+    }
+  });
+  return entry.flag;
+}
+
+void FusedStepContext::settle_first_step_flags(optim::FusedOptimizer& owner) {
+  if (first_steps_.empty()) return;
+  auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);
+  for (auto& [impl, entry] : first_steps_) {
+    count_host_sync();  // a device's flag (the CPU's only where tests force ATen's kernels there)
+    if (entry.flag.item<bool>()) entry.drop(self);
+  }
+  first_steps_.clear();
 }
 
 FusedStepContext::Skip FusedStepContext::found_inf_decision(bool aten_only, bool on_device_there) const {
@@ -70,6 +112,7 @@ at::Tensor FusedStepContext::device_step(const at::Tensor& key, int64_t host_ste
 
 void FusedStepContext::pull_device_steps(optim::FusedOptimizer& owner) {
   counts_ahead_ = false;
+  settle_first_step_flags(owner);
   if (state_format_) state_format_->pull_device_counter();
   if (lean_) lean_->pull_device_counter();
   auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);

@@ -84,9 +84,8 @@ class FusedStepContext {
   /// a 0-dim fp32 tensor, non-zero when the step must change nothing. The step skips inside, as torch's fused
   /// optimizers do: ATen's kernels take the flag on a device (step counts on the device with it), amp's CPU loops read
   /// it where a device's kernels would (FusedLAMB's per-op step too: NOTE [LAMB on the device]). Where a step keeps
-  /// host-side counts that the flag decides (the bf16 and 8-bit state formats, lean masters, a first momentum buffer
-  /// with dampening, the others' per-op route), it is read on the host, a wait on a device (counted on every device:
-  /// amp::host_sync_count).
+  /// host-side counts that the flag decides (the per-op route), it is read on the host, a wait on a device (counted on
+  /// every device: amp::host_sync_count).
   /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard), whose flag stays on
   /// the device wherever the step's kernels can take it and whose skips the host never settles.
   void set_found_inf(at::Tensor found_inf, uint64_t step_id) {
@@ -113,8 +112,14 @@ class FusedStepContext {
   using Undo = std::function<void(torch::optim::Optimizer&, optim::FusedOptimizer&)>;
   using SetHostCount = std::function<void(torch::optim::Optimizer&, int64_t)>;
   void on_skip_undo(Undo undo) {
-    if (step_id_ != 0) undo_[step_id_].push_back(std::move(undo));
-    else counts_ahead_ = true;
+    if (step_id_ == 0) {
+      counts_ahead_ = true;
+      return;
+    }
+    settle_[step_id_].push_back([undo = std::move(undo)](torch::optim::Optimizer& self, optim::FusedOptimizer& fused,
+                                                         bool skipped) {
+      if (skipped) undo(self, fused);
+    });
   }
   /// Whether host step counts may be ahead of the device's (see on_skip_undo).
   bool counts_ahead() const noexcept { return counts_ahead_; }
@@ -130,6 +135,18 @@ class FusedStepContext {
   /// Ends a step's numbering of stochastic rounding draws (StateFormat::end_step), with this step's flag where it
   /// stayed on the device (`on_device`): the host's counter goes back if the host learns the step was skipped.
   void end_format_step(StateFormat& format, bool on_device);
+  /// NOTE [A first momentum buffer on the device] in fused_optimizers.cpp (FusedSGD with dampening): the 0-dim bool on
+  /// the device that is set while every step since `key`'s momentum buffer was made has been skipped, or undefined
+  /// where the host knows the buffer has had a step. `make`: the buffer `buffer` was just made for a step whose
+  /// flag stays on the device, so a set flag is made for it. Each call counts this step against the flag; when the host
+  /// learns a step committed it forgets the flag, when it learns every counted step was skipped it calls `drop` (the
+  /// host's buffer goes, as if never made) and forgets it. A flag made for another buffer (a loaded state) is forgotten.
+  using DropBuffer = std::function<void(torch::optim::Optimizer&)>;
+  at::Tensor first_step_flag(const at::Tensor& key, const at::Tensor& buffer, bool make, DropBuffer drop);
+  /// Reads every remaining first-step flag on the host (counted) and settles it: set, the buffer is dropped. Steps
+  /// whose flag the host reads anyway, and pull_device_steps, call it.
+  void settle_first_step_flags(optim::FusedOptimizer& owner);
+
   /// FusedOptimizer::settle_step and pull_device_steps, for `owner` (the optimizer holding this context).
   void settle_step(optim::FusedOptimizer& owner, uint64_t step_id, bool skipped);
   void pull_device_steps(optim::FusedOptimizer& owner);
@@ -145,7 +162,17 @@ class FusedStepContext {
   at::Tensor found_inf_;
   uint64_t step_id_ = 0;
   bool counts_ahead_ = false;
-  std::map<uint64_t, std::vector<Undo>> undo_;  // by step id, until settled
+  using Settle = std::function<void(torch::optim::Optimizer&, optim::FusedOptimizer&, bool skipped)>;
+  std::map<uint64_t, std::vector<Settle>> settle_;  // by step id, until settled
+  struct FirstStepFlag {
+    at::Tensor flag;                           // set: no step since the buffer was made has committed
+    const c10::TensorImpl* buffer = nullptr;   // the buffer it was made for
+    int64_t unsettled = 0;                     // steps counted against it that the host has not settled
+    uint64_t generation = 0;                   // tells a settle of an earlier flag of the same key apart
+    DropBuffer drop;
+  };
+  std::unordered_map<const c10::TensorImpl*, FirstStepFlag> first_steps_;
+  uint64_t first_step_generation_ = 0;
   struct DeviceStep {
     at::Tensor count;
     int64_t host = 0;  // the host count it equals unless the device skipped
