@@ -20,7 +20,7 @@ namespace {
 struct HsCase {
   const char* level;
   c10::ScalarType dtype;
-  const char* optimizer;  // "SGD" (LibTorch's), "FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB"
+  const char* optimizer;  // "SGD" (LibTorch's), "FusedSGD", "FusedSGD_dampening", "FusedAdam", "FusedAdamW", "FusedLAMB"
 };
 
 class HostSyncTest : public ::testing::TestWithParam<HsCase> {};
@@ -30,7 +30,8 @@ constexpr double kHsInf = std::numeric_limits<double>::infinity();
 // What each step waits for on a device, as docs/cuda.md's table has it. LibTorch's SGD (its step can't skip on the
 // device): the overflow flag on every step, and on an overflowing one the report's check of each gradient. amp's fused
 // optimizers take the flag inside their step, where a device's kernels read it: no wait, an overflowing step included;
-// FusedSGD's first step makes its momentum buffers on the device (NOTE [A first momentum buffer on the device]) and
+// FusedSGD's first step makes its momentum buffers on the device, with dampening a flag there that picks the first
+// step's result while the host does not know whether it was (NOTE [A first momentum buffer on the device]), and
 // FusedLAMB keeps its groups' step counts there too (NOTE [LAMB on the device]): neither waits.
 // Without ATen's fused kernels (LibTorch < 2.4) a device steps per op and every fused step but FusedLAMB's (whose
 // device route is per op anyway) reads it. Whatever the level
@@ -74,6 +75,9 @@ TEST_P(HostSyncTest, EachStepWaitsAsADeviceWould) {
   const std::string o = c.optimizer;
   if (o == "SGD") run(torch::optim::SGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
   if (o == "FusedSGD") run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9)));
+  if (o == "FusedSGD_dampening") {
+    run(amp::optim::FusedSGD(params, torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.25)));
+  }
   if (o == "FusedAdam") run(amp::optim::FusedAdam(params, torch::optim::AdamOptions(1e-3).eps(1e-4)));  // fp16 states at O3
   if (o == "FusedAdamW") run(amp::optim::FusedAdamW(params, torch::optim::AdamWOptions(1e-3).eps(1e-4)));
   if (o == "FusedLAMB") run(amp::optim::FusedLAMB(params, amp::optim::FusedLAMBOptions(1e-3)));
@@ -84,7 +88,7 @@ std::vector<HsCase> hs_cases() {
   for (const char* level : {"O0", "O1", "O2", "O3"}) {
     for (const auto dtype : amp_test::low_precision_dtypes()) {
       if (std::string(level) == "O0" && dtype == torch::kHalf) continue;  // O0 computes in fp32 whatever the dtype
-      for (const char* optimizer : {"SGD", "FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB"}) {
+      for (const char* optimizer : {"SGD", "FusedSGD", "FusedSGD_dampening", "FusedAdam", "FusedAdamW", "FusedLAMB"}) {
         out.push_back({level, dtype, optimizer});
       }
     }

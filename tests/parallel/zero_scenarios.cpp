@@ -1140,12 +1140,17 @@ void sync_free(const ProcessGroup& group, int stage) {
     const char* label;
     amp::OptimizerStateFormat format;
     amp::MasterWeights master;
+    bool sgd = false;  // FusedSGD with dampening, its first step overflowing (else FusedAdamW)
   };
   for (const Case& c : {Case{"fp32 moments", amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
                         Case{"bf16 moments, stochastic rounding masters", amp::OptimizerStateFormat::kBf16,
                              amp::MasterWeights::kStochasticRounding},
-                        Case{"8bit moments, split masters", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit}}) {
-    const std::string label = std::string("O2 bf16 FusedAdamW, ") + c.label + ", stage " + std::to_string(stage);
+                        Case{"8bit moments, split masters", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
+                        Case{"dampening, the first step overflowing", amp::OptimizerStateFormat::kFp32,
+                             amp::MasterWeights::kCopy, true}}) {
+    const std::string label =
+        std::string(c.sgd ? "O2 bf16 FusedSGD, " : "O2 bf16 FusedAdamW, ") + c.label + ", stage " + std::to_string(stage);
+    const int64_t skips = c.sgd ? 4 : 3;
     struct Outcome {
       std::vector<torch::Tensor> params;
       double loss_scale = 0;
@@ -1160,10 +1165,10 @@ void sync_free(const ProcessGroup& group, int stage) {
     const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).optimizer_state_format(c.format)
                                      .master_weights_format(c.master).growth_interval(2).verbosity(0);
     const amp::parallel::ZeroOptions zero = amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.001);
-    auto run = [&](bool device_path) {
+    auto run = [&](bool device_path, auto optimizer_of) {
       const amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);  // both: the same kernels
       auto net = make_net();
-      auto [model, optimizer] = amp::initialize(net, adamw_of(net), options);
+      auto [model, optimizer] = amp::initialize(net, optimizer_of(net), options);
       auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
       amp::parallel::shard_optimizer(ddp, optimizer, zero);
       std::optional<amp::detail::DeferredHostReadsGuard> deferred;
@@ -1171,7 +1176,8 @@ void sync_free(const ProcessGroup& group, int stage) {
       for (int step = 0; step < 7; ++step) {
         const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
         // An inf on rank 1's batch alone at steps 2 and 3 (in a row), and rank 0's at step 5.
-        const bool inf = (group.rank() == 1 && (step == 2 || step == 3)) || (group.rank() == 0 && step == 5);
+        const bool inf = (group.rank() == 1 && (step == 2 || step == 3 || (c.sgd && step == 0))) ||
+                         (group.rank() == 0 && step == 5);
         optimizer.zero_grad();
         {
           auto scaled = amp::scale_loss(loss_of(ddp(local.x), local.y, inf ? 1 : -1), optimizer);
@@ -1195,7 +1201,7 @@ void sync_free(const ProcessGroup& group, int stage) {
       out.loss_scale = amp::loss_scale(optimizer);
       out.skipped = optimizer.skipped_steps();
       auto fresh = make_net();
-      auto [fresh_model, fresh_optimizer] = amp::initialize(fresh, adamw_of(fresh), options);
+      auto [fresh_model, fresh_optimizer] = amp::initialize(fresh, optimizer_of(fresh), options);
       torch::load(fresh, model_bytes);
       auto fresh_ddp = amp::parallel::make_distributed(fresh_model, group, wire_for(n));
       amp::parallel::shard_optimizer(fresh_ddp, fresh_optimizer, zero);
@@ -1204,10 +1210,17 @@ void sync_free(const ProcessGroup& group, int stage) {
       out.resumed = params_of(fresh);
       return out;
     };
-    const Outcome host = run(false), device = run(true);
+    // FusedSGD with dampening: NOTE [A first momentum buffer on the device] (the kernel runs both ways until the host
+    // learns which step was a buffer's first).
+    auto sgd_of = [](torch::nn::Sequential& net) {
+      return amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.25));
+    };
+    auto adamw = [](torch::nn::Sequential& net) { return adamw_of(net); };
+    const Outcome host = c.sgd ? run(false, sgd_of) : run(false, adamw);
+    const Outcome device = c.sgd ? run(true, sgd_of) : run(true, adamw);
     report(bitwise(device.params, host.params), label + ": the device's path equals the host's bit for bit");
-    report(device.skipped == 3 && host.skipped == 3 && device.loss_scale == host.loss_scale,
-           label + ": the same 3 skips and loss scale",
+    report(device.skipped == skips && host.skipped == skips && device.loss_scale == host.loss_scale,
+           label + ": the same " + std::to_string(skips) + " skips and loss scale",
            "skipped " + std::to_string(device.skipped) + " vs " + std::to_string(host.skipped) + ", scale " +
                str(device.loss_scale) + " vs " + str(host.loss_scale));
     report(device.syncs == 0, label + ": no host sync while training on the device's path",
