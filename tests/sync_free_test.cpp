@@ -373,6 +373,34 @@ TEST(SyncFreeFirstStepTest, FirstMomentumBuffersWaitForNothing) {
   }
 }
 
+// A dampened buffer's first step taken in a graph capture (step id 0, which nobody settles) and then a skipped step
+// the host settles: the host can't tell from its counts whether a step committed, so it keeps the buffer (the flag,
+// read when asked, says) rather than dropping it as if every step had been skipped.
+TEST(SyncFreeFirstStepTest, ACapturedFirstStepIsNotUndoneBySettlingALaterSkip) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  const amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);
+  auto run = [](bool on_device) {
+    auto p = torch::tensor({1.0f, -0.5f, 0.25f, 2.0f}).requires_grad_();
+    p.mutable_grad() = torch::tensor({0.5f, -1.0f, 0.125f, 3.0f});
+    amp::optim::FusedSGD sgd(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9).dampening(0.25));
+    std::optional<DeferredHostReadsGuard> deferred;
+    if (on_device) deferred.emplace();
+    if (on_device) sgd.step_context().set_found_inf(torch::zeros({}), /*step_id=*/0);  // captured, clear
+    sgd.step();
+    if (on_device) {
+      sgd.step_context().set_found_inf(torch::ones({}), /*step_id=*/7);  // skipped on the device
+      sgd.step();
+      sgd.settle_step(7, /*skipped=*/true);
+    }
+    const auto& state = static_cast<const torch::optim::SGDParamState&>(*sgd.state().begin()->second);
+    return std::make_pair(p.detach().clone(), state.momentum_buffer());
+  };
+  const auto host = run(false), device = run(true);
+  ASSERT_TRUE(device.second.defined()) << "the captured step committed: its buffer stays";
+  EXPECT_TRUE(amp_test::bitwise_equal(device.second, host.second));
+  EXPECT_TRUE(amp_test::bitwise_equal(device.first, host.first));
+}
+
 // The -0.0 of NOTE [A first momentum buffer on the device]: a first step on the device whose gradient holds -0.0 and
 // +0.0 leaves the buffer LibTorch's clone leaves, each zero's sign included, and the same parameter (buffers of +0.0
 // would turn the -0.0 gradients into +0.0).

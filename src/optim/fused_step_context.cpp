@@ -50,12 +50,13 @@ at::Tensor FusedStepContext::first_step_flag(const at::Tensor& key, const at::Te
   if (it == first_steps_.end()) {
     if (!make) return at::Tensor();
     it = first_steps_.emplace(impl, FirstStepFlag{at::ones({}, buffer.options().dtype(at::kBool)),
-                                                  buffer.unsafeGetTensorImpl(), 0, ++first_step_generation_,
+                                                  buffer.unsafeGetTensorImpl(), 0, false, ++first_step_generation_,
                                                   std::move(drop)}).first;
   }
   FirstStepFlag& entry = it->second;
   if (step_id_ == 0) {  // a graph capture: nobody settles (settle_first_step_flags does, from pull_device_steps)
     counts_ahead_ = true;
+    entry.uncounted = true;
     return entry.flag;
   }
   ++entry.unsettled;
@@ -66,7 +67,7 @@ at::Tensor FusedStepContext::first_step_flag(const at::Tensor& key, const at::Te
     if (found == firsts.end() || found->second.generation != generation) return;
     if (!skipped) {  // a committed step: the buffer has had its first step
       firsts.erase(found);
-    } else if (--found->second.unsettled == 0) {  // every step since the buffer was made was skipped
+    } else if (--found->second.unsettled == 0 && !found->second.uncounted) {  // every step since it was made skipped
       found->second.drop(self);
       firsts.erase(found);
     }

@@ -140,7 +140,8 @@ class FusedStepContext {
   /// where the host knows the buffer has had a step. `make`: the buffer `buffer` was just made for a step whose
   /// flag stays on the device, so a set flag is made for it. Each call counts this step against the flag; when the host
   /// learns a step committed it forgets the flag, when it learns every counted step was skipped it calls `drop` (the
-  /// host's buffer goes, as if never made) and forgets it. A flag made for another buffer (a loaded state) is forgotten.
+  /// host's buffer goes, as if never made) and forgets it; after steps of a graph capture (uncounted) only reading the
+  /// flag settles it. A flag made for another buffer (a loaded state) is forgotten.
   using DropBuffer = std::function<void(torch::optim::Optimizer&)>;
   at::Tensor first_step_flag(const at::Tensor& key, const at::Tensor& buffer, bool make, DropBuffer drop);
   /// Reads every remaining first-step flag on the host (counted) and settles it: set, the buffer is dropped. Steps
@@ -168,6 +169,7 @@ class FusedStepContext {
     at::Tensor flag;                           // set: no step since the buffer was made has committed
     const c10::TensorImpl* buffer = nullptr;   // the buffer it was made for
     int64_t unsettled = 0;                     // steps counted against it that the host has not settled
+    bool uncounted = false;                    // steps of a graph capture, which nobody settles, ran on it too
     uint64_t generation = 0;                   // tells a settle of an earlier flag of the same key apart
     DropBuffer drop;
   };
