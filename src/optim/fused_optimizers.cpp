@@ -589,28 +589,19 @@ void sgd_aten_both_ways(std::vector<SgdPlanned>& items, const torch::optim::SGDO
   std::map<BatchKey, std::vector<SgdPlanned*>> batches;
   for (auto& item : items) batches[batch_key(item.work.param, false)].push_back(&item);
   for (auto& [key, batch_items] : batches) {
-    std::vector<at::Tensor> params, grads, buffers, params_before, buffers_before, grads_before;
+    std::vector<at::Tensor> params, grads, buffers, params_first, grads_first, buffers_first;
     for (SgdPlanned* item : batch_items) {
       params.push_back(item->work.param);
       grads.push_back(item->work.grad);
       buffers.push_back(item->state->momentum_buffer());
-    }
-    for (size_t i = 0; i < params.size(); ++i) {  // the kernels unscale the gradients in place
-      params_before.push_back(params[i].clone());
-      buffers_before.push_back(buffers[i].clone());
-      grads_before.push_back(grads[i].clone());
+      // The first step's kernel runs on copies (it unscales the gradients in place too), the later step's in place.
+      params_first.push_back(params.back().clone());
+      grads_first.push_back(grads.back().clone());
+      buffers_first.push_back(buffers.back().clone());
     }
     const auto grad_scale = context.aten_grad_scale(params.front());
-    at::_fused_sgd_(params, grads, buffers, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
-                    /*maximize=*/false, /*is_first_step=*/true, grad_scale, device_found_inf);
-    std::vector<at::Tensor> params_first, buffers_first;
-    for (size_t i = 0; i < params.size(); ++i) {
-      params_first.push_back(params[i].clone());
-      buffers_first.push_back(buffers[i].clone());
-      params[i].copy_(params_before[i]);
-      buffers[i].copy_(buffers_before[i]);
-      grads[i].copy_(grads_before[i]);
-    }
+    at::_fused_sgd_(params_first, grads_first, buffers_first, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
+                    o.nesterov(), /*maximize=*/false, /*is_first_step=*/true, grad_scale, device_found_inf);
     at::_fused_sgd_(params, grads, buffers, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
                     /*maximize=*/false, /*is_first_step=*/false, grad_scale, device_found_inf);
     for (size_t i = 0; i < params.size(); ++i) {
