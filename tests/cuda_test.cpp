@@ -109,7 +109,8 @@ struct SyncCase {
   c10::ScalarType dtype;
   const char* optimizer;  // "SGD" (LibTorch's, momentum), "FusedAdam" (ATen's fused kernel on CUDA), or with its
                           // moments in bf16 ("FusedAdam_bf16_moments": NOTE [Stored moments on the device]; the conv
-                          // net's tensors are too small for 8-bit blocks)
+                          // net's tensors are too small for 8-bit blocks), or FusedSGD with dampening
+                          // ("FusedSGD_dampening": NOTE [A first momentum buffer on the device])
 };
 
 std::string sync_case_name(const ::testing::TestParamInfo<SyncCase>& info) {
@@ -143,6 +144,8 @@ TEST_P(CudaSyncTest, NoneWithAFusedOptimizerOnlyAmpsOwnOtherwise) {
   };
   if (std::string(c.optimizer) == "SGD") {
     run(torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)));
+  } else if (std::string(c.optimizer) == "FusedSGD_dampening") {
+    run(amp::optim::FusedSGD(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.25)));
   } else {
     run(amp::optim::FusedAdam(net->parameters(), torch::optim::AdamOptions(1e-3)));
   }
@@ -153,7 +156,7 @@ std::vector<SyncCase> all_sync_cases() {
   std::vector<SyncCase> out;
   for (const char* level : {"O0", "O1", "O2", "O3"}) {
     for (const auto dtype : amp_test::low_precision_dtypes()) {
-      for (const char* optimizer : {"SGD", "FusedAdam", "FusedAdam_bf16_moments"}) {
+      for (const char* optimizer : {"SGD", "FusedAdam", "FusedAdam_bf16_moments", "FusedSGD_dampening"}) {
         out.push_back({level, dtype, optimizer});
       }
     }
