@@ -385,7 +385,7 @@ TEST(SyncFreeFirstStepTest, ACapturedFirstStepIsNotUndoneBySettlingALaterSkip) {
     amp::optim::FusedSGD sgd(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9).dampening(0.25));
     std::optional<DeferredHostReadsGuard> deferred;
     if (on_device) deferred.emplace();
-    if (on_device) sgd.step_context().set_found_inf(torch::zeros({}), /*step_id=*/0);  // captured, clear
+    if (on_device) sgd.step_context().set_found_inf(torch::zeros({}), /*step_id=*/0, /*captured=*/true);  // clear
     sgd.step();
     if (on_device) {
       sgd.step_context().set_found_inf(torch::ones({}), /*step_id=*/7);  // skipped on the device
@@ -399,6 +399,49 @@ TEST(SyncFreeFirstStepTest, ACapturedFirstStepIsNotUndoneBySettlingALaterSkip) {
   ASSERT_TRUE(device.second.defined()) << "the captured step committed: its buffer stays";
   EXPECT_TRUE(amp_test::bitwise_equal(device.second, host.second));
   EXPECT_TRUE(amp_test::bitwise_equal(device.first, host.first));
+}
+
+// A state loaded over a buffer whose flag still waits (here by hand; amp::Optimizer settles before it loads): settling
+// the flag's skipped step later must not drop the loaded buffer, and the next step is a later one on it.
+TEST(SyncFreeFirstStepTest, SettlingAStaleFlagLeavesALoadedBufferAlone) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  const amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);
+  auto p = torch::tensor({1.0f, -0.5f, 0.25f, 2.0f}).requires_grad_();
+  p.mutable_grad() = torch::tensor({0.5f, -1.0f, 0.125f, 3.0f});
+  amp::optim::FusedSGD sgd(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9).dampening(0.25));
+  const DeferredHostReadsGuard deferred;
+  sgd.step_context().set_found_inf(torch::ones({}), /*step_id=*/3);  // skipped on the device: a flag waits
+  sgd.step();
+  ASSERT_EQ(sgd.step_context().first_step_flags(), 1u);
+  auto& state = static_cast<torch::optim::SGDParamState&>(*sgd.state().begin()->second);
+  const auto loaded = torch::tensor({0.25f, 0.5f, -0.75f, 1.0f});
+  state.momentum_buffer(loaded);
+  sgd.settle_step(3, /*skipped=*/true);
+  ASSERT_TRUE(state.momentum_buffer().defined()) << "the loaded buffer was dropped";
+  EXPECT_TRUE(state.momentum_buffer().is_same(loaded));
+}
+
+// amp::GradScaler settles no step: a dampened buffer's first step there reads the skip on the host until the buffer
+// exists (one wait a step, as LibTorch's optimizers), so no flag is left to run the kernel both ways until a save.
+TEST(SyncFreeFirstStepTest, UnderGradScalerNoFlagIsLeftWaiting) {
+  if (!amp::optim::detail::has_aten_fused_optimizers()) GTEST_SKIP() << "ATen's fused optimizers arrived in 2.4";
+  const amp::optim::detail::FusedRouteGuard route(amp::optim::detail::FusedRoute::kAten);
+  torch::manual_seed(0);
+  amp_test::Mlp net(8, 16, 4);
+  const torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 4, {32});
+  amp::optim::FusedSGD sgd(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.25));
+  amp::GradScaler scaler;
+  std::vector<int64_t> syncs;
+  for (const double factor : {kNwInf, 1.0, 1.0, 1.0}) {
+    sgd.zero_grad();
+    const int64_t before = amp::detail::host_sync_count();
+    scaler.scale(torch::nn::functional::cross_entropy(net(x), y) * factor).backward();
+    scaler.step(sgd);
+    scaler.update();
+    syncs.push_back(amp::detail::host_sync_count() - before);
+    EXPECT_EQ(sgd.step_context().first_step_flags(), 0u);
+  }
+  EXPECT_EQ(syncs, (std::vector<int64_t>{1, 1, 0, 0})) << "a read while the buffers are missing, none after";
 }
 
 // The -0.0 of NOTE [A first momentum buffer on the device]: a first step on the device whose gradient holds -0.0 and

@@ -1130,9 +1130,23 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   // (FusedStepContext::first_step_flag), and while the host does not know it clear, ATen's kernel runs both ways, first
   // step and later, and each parameter and buffer keeps what the flag picks. The host forgets the flag once it learns
   // a step committed, and drops the buffer again once it learns every step since it was made was skipped, so a settled
-  // optimizer (a checkpoint) is the host path's.
-  const Skip skip = step_context().found_inf_decision(all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }),
-                                                      all_on_aten_there(*this));
+  // optimizer (a checkpoint) is the host path's. Under amp::GradScaler, which settles nothing, the flag would stay and
+  // the kernel run both ways until a save: there the host reads the skip until every such buffer exists.
+  bool plain = true;
+  if (step_context().found_inf().defined() && !step_context().device_skips_settle()) {
+    for (const auto& group : param_groups_) {
+      const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+      if (o.momentum() == 0 || o.dampening() == 0) continue;
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        const auto it = states.find(state_key(states, p));
+        plain = plain && it != states.end() && it->second &&
+                static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().defined();
+      }
+    }
+  }
+  const Skip skip = step_context().found_inf_decision(
+      plain && all_on_aten(*this, [this](const at::Tensor& p) { return model_copy(p); }), plain && all_on_aten_there(*this));
   if (skip != Skip::kOnDevice) step_context().settle_first_step_flags(*this);  // left by a graph capture
   if (skip == Skip::kYes) return loss;
   const detail::LeanStepGuard lean_step(lean_masters(), skip == Skip::kOnDevice ? &step_context() : nullptr);
@@ -1159,11 +1173,11 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
           item.first = false;
         } else if (skip == Skip::kOnDevice && o.dampening() != 0) {
           if (item.first) item.state->momentum_buffer(at::zeros_like(p, at::MemoryFormat::Preserve));
-          auto drop = [slot_key = state_key(states, key)](torch::optim::Optimizer& self) {
+          auto drop = [slot_key = state_key(states, key)](torch::optim::Optimizer& self, const c10::TensorImpl* buffer) {
             const auto it = self.state().find(slot_key);
-            if (it != self.state().end() && it->second) {
-              static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer(at::Tensor());
-            }
+            if (it == self.state().end() || !it->second) return;
+            auto& state = static_cast<torch::optim::SGDParamState&>(*it->second);
+            if (state.momentum_buffer().unsafeGetTensorImpl() == buffer) state.momentum_buffer(at::Tensor());
           };
           item.first_flag = step_context().first_step_flag(key, item.state->momentum_buffer(), item.first, drop);
           item.first = false;

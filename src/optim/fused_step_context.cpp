@@ -68,7 +68,7 @@ at::Tensor FusedStepContext::first_step_flag(const at::Tensor& key, const at::Te
     if (!skipped) {  // a committed step: the buffer has had its first step
       firsts.erase(found);
     } else if (--found->second.unsettled == 0 && !found->second.uncounted) {  // every step since it was made skipped
-      found->second.drop(self);
+      found->second.drop(self, found->second.buffer);
       firsts.erase(found);
     }
   });
@@ -80,7 +80,7 @@ void FusedStepContext::settle_first_step_flags(optim::FusedOptimizer& owner) {
   auto& self = dynamic_cast<torch::optim::Optimizer&>(owner);
   for (auto& [impl, entry] : first_steps_) {
     count_host_sync();  // a device's flag (the CPU's only where tests force ATen's kernels there)
-    if (entry.flag.item<bool>()) entry.drop(self);
+    if (entry.flag.item<bool>()) entry.drop(self, entry.buffer);
   }
   first_steps_.clear();
 }

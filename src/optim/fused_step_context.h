@@ -86,13 +86,19 @@ class FusedStepContext {
   /// it where a device's kernels would (FusedLAMB's per-op step too: NOTE [LAMB on the device]). Where a step keeps
   /// host-side counts that the flag decides (the per-op route), it is read on the host, a wait on a device (counted on
   /// every device: amp::host_sync_count).
-  /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard), whose flag stays on
-  /// the device wherever the step's kernels can take it and whose skips the host never settles.
-  void set_found_inf(at::Tensor found_inf, uint64_t step_id) {
+  /// `step_id` names the step in settle_step; 0: a CUDA graph capture (amp::GraphCaptureGuard, `captured`) or
+  /// amp::GradScaler, whose flag stays on the device wherever the step's kernels can take it and whose skips the host
+  /// never settles.
+  void set_found_inf(at::Tensor found_inf, uint64_t step_id, bool captured = false) {
     found_inf_ = std::move(found_inf);
     step_id_ = step_id;
+    captured_ = captured;
   }
   const at::Tensor& found_inf() const noexcept { return found_inf_; }
+  /// Whether state that a device skip decides can wait on the device for the host: the host settles this step (a
+  /// step id), or it is captured, where only a save reads it back. Not under amp::GradScaler, which settles nothing:
+  /// there such state would wait until a save.
+  bool device_skips_settle() const noexcept { return step_id_ != 0 || captured_; }
 
   /// How a step treats set_found_inf's flag.
   enum class Skip {
@@ -141,12 +147,15 @@ class FusedStepContext {
   /// flag stays on the device, so a set flag is made for it. Each call counts this step against the flag; when the host
   /// learns a step committed it forgets the flag, when it learns every counted step was skipped it calls `drop` (the
   /// host's buffer goes, as if never made) and forgets it; after steps of a graph capture (uncounted) only reading the
-  /// flag settles it. A flag made for another buffer (a loaded state) is forgotten.
-  using DropBuffer = std::function<void(torch::optim::Optimizer&)>;
+  /// flag settles it. A flag made for another buffer (a loaded state) is forgotten, and `drop` is given the buffer the
+  /// flag was made for, to leave a buffer that has replaced it alone.
+  using DropBuffer = std::function<void(torch::optim::Optimizer&, const c10::TensorImpl* buffer)>;
   at::Tensor first_step_flag(const at::Tensor& key, const at::Tensor& buffer, bool make, DropBuffer drop);
   /// Reads every remaining first-step flag on the host (counted) and settles it: set, the buffer is dropped. Steps
   /// whose flag the host reads anyway, and pull_device_steps, call it.
   void settle_first_step_flags(optim::FusedOptimizer& owner);
+  /// How many first-step flags wait for the host (tests: none are left where nobody would settle them).
+  size_t first_step_flags() const noexcept { return first_steps_.size(); }
 
   /// FusedOptimizer::settle_step and pull_device_steps, for `owner` (the optimizer holding this context).
   void settle_step(optim::FusedOptimizer& owner, uint64_t step_id, bool skipped);
@@ -162,6 +171,7 @@ class FusedStepContext {
   const ShardSums* shard_sums_ = nullptr;
   at::Tensor found_inf_;
   uint64_t step_id_ = 0;
+  bool captured_ = false;
   bool counts_ahead_ = false;
   using Settle = std::function<void(torch::optim::Optimizer&, optim::FusedOptimizer&, bool skipped)>;
   std::map<uint64_t, std::vector<Settle>> settle_;  // by step id, until settled

@@ -424,7 +424,8 @@ OptimizerBase::StepPlan OptimizerBase::begin_step() {
   ledger_->settle_after_step = 0;
   if (ledger_->graph_mode) {  // amp::GraphCaptureGuard: the device decides and counts, the host records nothing
     if (ledger_->step_found_inf.defined()) ledger_->device_skips.add_(ledger_->step_found_inf.to(ledger_->device_skips.device()));
-    fused->step_context().set_found_inf(std::exchange(ledger_->step_found_inf, at::Tensor()), /*step_id=*/0);
+    fused->step_context().set_found_inf(std::exchange(ledger_->step_found_inf, at::Tensor()), /*step_id=*/0,
+                                        /*captured=*/true);
     ledger_->set_found_inf = true;
     index_->refresh_changed();
     return StepPlan::kStep;
