@@ -659,6 +659,28 @@ TEST(ZeroTest, ShardedTrainingEqualsUnshardedOnTwoAndFourRanks) {
   std::filesystem::remove_all(dir);
 }
 
+// ZeRO stage 3 (the parameters sharded too): stage 1 and 2's side-by-side runs, archives, accumulation and two
+// optimizers on 2 ranks (bitwise) and 4 (bounded as stage 2); then, on 2 ranks, what only stage 3 has: units,
+// prefetch, tied weights, a unit run twice, fp32 islands, evaluation, guarded writes, the bytes against stage 2,
+// misuse (tests/parallel/zero_stage3_scenarios.cpp).
+TEST(ZeroStage3Test, ShardedParametersTrainAsUnsharded) {
+  char dir[] = "/tmp/amp_zero3_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  for (int n : {2, 4}) {
+    const auto ranks = ranks_of(n, "zero_stage3", 600, "60", {{"AMP_ZERO_DIR", dir}});
+    std::cout << outputs(ranks);
+    for (int r = 0; r < n; ++r) ASSERT_EQ(ranks[static_cast<size_t>(r)].exit_code, 0) << outputs(ranks);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ZeroStage3Test, UnitsGatherWhatEachOpReads) {
+  const auto ranks = two_ranks("zero_stage3_units", 300, "60");
+  std::cout << outputs(ranks);
+  ASSERT_EQ(ranks[0].exit_code, 0) << outputs(ranks);
+  ASSERT_EQ(ranks[1].exit_code, 0) << outputs(ranks);
+}
+
 // amp's ZeRO at O0 against torch's DDP + ZeroRedundancyOptimizer(Adam), the reference computed at test time.
 TEST(ZeroTest, MatchesPythonZeroRedundancyOptimizer) {
   if (!amp_test::python_has_torch()) GTEST_SKIP() << "python3 has no torch (scripts/setup.sh installs the wheel)";

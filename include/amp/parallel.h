@@ -13,6 +13,7 @@
 // One concept per header; this one only includes them. docs/distributed.md has the Apex -> amp mapping.
 
 #include "amp/parallel/distributed_data_parallel.h"
+#include "amp/parallel/gathered_parameters_guard.h"
 #include "amp/parallel/process_group.h"
 #include "amp/parallel/sync_batchnorm.h"
 #include "amp/parallel/zero.h"

@@ -22,12 +22,12 @@ std::mutex registry_mutex;
 std::vector<std::pair<int, std::shared_ptr<InterceptionHandler>>> registry;
 std::vector<std::unique_ptr<const Handlers>> published;  // every chain ever published, for the process
 std::atomic<const Handlers*> chain{nullptr};
+std::atomic<const Handlers*> write_chain{nullptr};  // the handlers that see ops writing into an argument
 
 void interception_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard no_interception(kInterceptionKey);
   keys = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptionKey);
-  if (op.schema().is_mutable()) return op.redispatchBoxed(keys, stack);
-  const Handlers* handlers = chain.load(std::memory_order_acquire);
+  const Handlers* handlers = (op.schema().is_mutable() ? write_chain : chain).load(std::memory_order_acquire);
   if (!handlers) return op.redispatchBoxed(keys, stack);
   InterceptedOp call{op, keys, stack};
   InterceptNext(*handlers, 0)(call);
@@ -45,9 +45,15 @@ void register_interception_handler(int order, std::shared_ptr<InterceptionHandle
   registry.emplace_back(order, std::move(handler));
   std::stable_sort(registry.begin(), registry.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   auto next = std::make_unique<Handlers>();
-  for (const auto& entry : registry) next->push_back(entry.second);
+  auto writers = std::make_unique<Handlers>();
+  for (const auto& entry : registry) {
+    next->push_back(entry.second);
+    if (entry.second->sees_writes()) writers->push_back(entry.second);
+  }
   chain.store(next.get(), std::memory_order_release);
+  write_chain.store(writers->empty() ? nullptr : writers.get(), std::memory_order_release);
   published.push_back(std::move(next));
+  published.push_back(std::move(writers));
 }
 
 void register_interception_fallback() {

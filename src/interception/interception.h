@@ -10,7 +10,8 @@
 // out-of-core library (torchdistx's deferred init, which a LibTorch process doesn't load); amp registers its
 // fallback once, and says so if another library holds the key. The fallback redispatches below the key and
 // excludes it for the op's own inner ops, which see what the handlers made of the arguments already. Ops that
-// write into an argument pass untouched. Backward never runs under the key: guards live in the forward only.
+// write into an argument pass only the handlers that say they see writes (ZeRO stage 3's gather). Backward never
+// runs under the key: guards live in the forward only.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -54,11 +55,14 @@ class InterceptionHandler {
   /// Runs `op` exactly once: by itself (results pushed on the stack in place of the arguments) or through
   /// next(op), after changing what it likes.
   virtual void handle(InterceptedOp& op, const InterceptNext& next) = 0;
+  /// Whether the handler also sees ops that write into an argument (which the others never see).
+  virtual bool sees_writes() const { return false; }
 };
 
 /// The handlers' places in the chain (lower runs first): a handler that runs an op whole comes before those that
 /// adjust its arguments, and diagnosis last, to see the op as it will run.
 enum InterceptionOrder : int {
+  kZeroGatherOrder = 0,        // src/parallel/zero_units.cpp: ZeRO stage 3 makes a unit's parameters whole first
   kFp8GemmOrder = 10,          // src/casting/fp8.cpp: an FP8 layer's GEMMs
   kMemberBatchNormOrder = 20,  // src/casting/precision_policy.cpp: amp::parallel's kernel for a member BatchNorm
   kIslandCastOrder = 30,       // src/casting/precision_policy.cpp: fp32 islands' casts

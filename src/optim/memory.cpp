@@ -32,8 +32,9 @@ StateBytes state_bytes(const OptimizerBase& optimizer) {
   }
   for (const auto& m : masters.master()) count(m.grad(), out.master_grads);
   if (const detail::Sharding* sharding = OptimizerAccess::sharding(optimizer)) {
-    std::vector<at::Tensor> held_masters, held_master_grads, held_grads;
-    sharding->held(held_masters, held_master_grads, held_grads);
+    std::vector<at::Tensor> held_params, held_masters, held_master_grads, held_grads;
+    sharding->held(held_params, held_masters, held_master_grads, held_grads);
+    for (const auto& t : held_params) count(t, out.params);
     for (const auto& t : held_masters) count(t, out.masters);
     for (const auto& t : held_master_grads) count(t, out.master_grads);
     for (const auto& t : held_grads) count(t, out.grads);

@@ -88,9 +88,10 @@ class Sharding {
   virtual void with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) = 0;
   /// After state was written for the full tensors (PythonCheckpoint::load_optimizer): each rank keeps its slices.
   virtual void adopt_loaded_state(OptimizerBase& optimizer) = 0;
-  /// The storages this object holds, by StateBytes kind (masters, master_grads, grads of direct pieces).
-  virtual void held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
-                    std::vector<at::Tensor>& grads) const = 0;
+  /// The storages this object holds, by StateBytes kind (params: stage 3's slices of the parameters stepped
+  /// directly; masters, master_grads, grads of direct pieces).
+  virtual void held(std::vector<at::Tensor>& params, std::vector<at::Tensor>& masters,
+                    std::vector<at::Tensor>& master_grads, std::vector<at::Tensor>& grads) const = 0;
 };
 
 }  // namespace amp::detail

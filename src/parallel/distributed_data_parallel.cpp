@@ -222,6 +222,7 @@ struct DistributedCore::Impl {
   std::vector<DistributedCore::Reduction> zero_reductions;  // ZeRO stage 2's reduce-scatters instead of the all-reduce
   bool reaches_every_param = true;  // the options did not ask for delay_allreduce (add_reduction turns it on)
   std::vector<DistributedCore::ReadyListener> ready_listeners;
+  std::vector<std::weak_ptr<DistributedCore::ShardedParameters>> sharded_parameters;  // ZeRO stage 3, per optimizer
 
   using Masters = std::vector<std::pair<std::shared_ptr<amp::detail::MasterWeights>, size_t>>;
   void broadcast_rank0_state(std::vector<at::Tensor> outgoing, const Masters& masters, const std::string& where);
@@ -702,5 +703,37 @@ void DistributedCore::count_zero_bytes(int64_t reduce_scatter_bytes, int64_t all
 }
 
 const DistributedDataParallelOptions& DistributedCore::options() const { return impl_->options; }
+
+const std::shared_ptr<torch::nn::Module>& DistributedCore::module() const { return impl_->module; }
+
+void DistributedCore::set_sharded_parameters(std::weak_ptr<ShardedParameters> parameters) {
+  impl_->sharded_parameters.push_back(std::move(parameters));
+}
+
+namespace {
+// Each stage-3 optimizer's `start` (forward or gather_all) in the order they were sharded; one object ends them all.
+std::shared_ptr<void> for_each_sharding(const std::vector<std::weak_ptr<DistributedCore::ShardedParameters>>& all,
+                                        const char* where,
+                                        const std::function<std::shared_ptr<void>(DistributedCore::ShardedParameters&)>& start) {
+  if (all.empty()) return nullptr;
+  auto scopes = std::make_shared<std::vector<std::shared_ptr<void>>>();
+  for (const auto& weak : all) {
+    const auto parameters = weak.lock();
+    TORCH_CHECK(parameters, where, ": the model's parameters were sharded (ZeRO stage 3) by an optimizer that no "
+                "longer exists, so they can't be gathered. Keep the sharded optimizer alive as long as the model is used.");
+    scopes->push_back(start(*parameters));
+  }
+  return scopes;
+}
+}  // namespace
+
+std::shared_ptr<void> DistributedCore::begin_forward() {
+  return for_each_sharding(impl_->sharded_parameters, kWhere, [](ShardedParameters& p) { return p.forward(); });
+}
+
+std::shared_ptr<void> DistributedCore::gather_parameters() {
+  return for_each_sharding(impl_->sharded_parameters, "amp::parallel::GatheredParametersGuard",
+                           [](ShardedParameters& p) { return p.gather_all(); });
+}
 
 }  // namespace amp::parallel::detail

@@ -30,6 +30,7 @@
 #include "optim/state_format.h"
 #include "optim/optimizer_kinds.h"
 #include "scaling/multi_tensor.h"
+#include "zero_units.h"
 
 // NOTE [ZeRO layout]
 // Each param group's tensors (fp32 masters or the parameters stepped directly), in group order (model order for
@@ -50,6 +51,9 @@
 // stores each piece's fp32 value through a table of these slices, drawing stochastic rounding's bits by the whole
 // tensor's place, and only the weights are all-gathered. Whole aux travel only for the consolidated archive and
 // fp32 values (gather_aux); load_weights and archives hand each rank its slices (keep_aux).
+// At stage 3 a group's run is cut per unit instead (NOTE [Stage 3 units] in zero_units.cpp): the tensors of each unit
+// in the group, in group order, are a run of their own cut into N slices as above, and lanes are per unit, so that
+// gathering one unit moves its values only and each rank holds about 1/N of every unit.
 
 namespace amp::parallel::detail {
 namespace {
@@ -71,6 +75,8 @@ struct ShardEntry {
   int64_t numel = 0;
   int64_t version = 0;  // the model parameter's, when it and the pieces last agreed
   const void* storage = nullptr;
+  int unit = -1;               // stage 3: its unit (NOTE [Stage 3 units])
+  size_t storage_bytes = 0;    // stage 3: its storage's size when whole
 };
 
 struct ShardPiece {
@@ -89,6 +95,7 @@ struct ShardSpan {
 
 struct ShardLane {
   size_t group = 0;
+  int unit = -1;                         // stage 3: lanes are per unit (NOTE [ZeRO layout])
   c10::ScalarType dtype = at::kFloat;    // of the model parameters
   bool mastered = false;                 // its tensors are fp32 masters of them
   std::vector<std::vector<ShardSpan>> spans;  // by rank
@@ -205,6 +212,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> slice_piece_state(torch::opti
 class Zero final : public amp::detail::Sharding,
                    public amp::detail::MasterWeights::Shards,
                    public amp::detail::LeanMasters::Shards,
+                   public UnitGatherer,
+                   public DistributedCore::ShardedParameters,
                    public std::enable_shared_from_this<Zero> {
  public:
   Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options);
@@ -224,7 +233,7 @@ class Zero final : public amp::detail::Sharding,
   void refresh_changed() override { refresh(/*all=*/false); }
   void refresh_all() override { refresh(/*all=*/true); }
   void after_step() override;
-  bool owns_unscale() const override { return stage_ == 2; }
+  bool owns_unscale() const override { return stage_ >= 2; }
   void unscale(bool delay_unscale, const amp::detail::InvScale& inv_scale, amp::detail::FoundInf& found_inf) override;
   void zero_grad(bool set_to_none) override;
   std::vector<at::Tensor> grads() override;
@@ -237,7 +246,7 @@ class Zero final : public amp::detail::Sharding,
   void check_shard_archive(torch::serialize::InputArchive& archive, const char* where) override;
   std::function<void()> load(OptimizerBase& optimizer, torch::serialize::InputArchive& amp_archive,
                              const std::vector<at::Tensor>& full_masters, const char* where) override;
-  void held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
+  void held(std::vector<at::Tensor>& params, std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
             std::vector<at::Tensor>& grads) const override;
   void with_full_state(OptimizerBase& optimizer, const std::function<void()>& fn) override;
   void with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) override;
@@ -255,7 +264,30 @@ class Zero final : public amp::detail::Sharding,
   std::vector<at::Tensor> gather_aux() override;
   const std::vector<at::Tensor>* consolidated_aux() const override { return full_aux_ ? &*full_aux_ : nullptr; }
 
+  // Stage 3 (NOTE [Stage 3 units]).
+  int unit_of(const c10::StorageImpl* storage) const override {
+    const auto it = unit_of_storage_.find(storage);
+    return it == unit_of_storage_.end() ? -1 : it->second;
+  }
+  void gather(int unit, bool backward) override;
+  std::shared_ptr<void> forward() override;
+  std::shared_ptr<void> gather_all() override;
+
  private:
+  struct Run {
+    int unit = -1;
+    int64_t begin = 0, end = 0;  // in the group's flat run
+  };
+  struct UnitInFlight {
+    std::vector<std::pair<size_t, c10::intrusive_ptr<c10d::Work>>> works;  // (lane, its all-gather)
+    std::vector<std::vector<std::vector<at::Tensor>>> outputs;
+  };
+  void start_gather(int unit);
+  void finish_gather(int unit);
+  void release(int unit);
+  void release_all();
+  void end_forward();
+  bool released(const ShardEntry& e) const { return stage_ == 3 && is_released(e.model); }
   void refresh(bool all);
   std::vector<int64_t> layout() const;
   std::vector<ShardSpan> slice_spans(size_t g, int64_t r) const;
@@ -310,6 +342,17 @@ class Zero final : public amp::detail::Sharding,
   std::vector<bool> never_ready_;  // per lane: it holds frozen parameters only
   std::vector<std::optional<ScatterInFlight>> in_flight_;
   size_t started_ = 0;  // lanes started, the last first
+  // Stage 3 (NOTE [Stage 3 units]).
+  std::vector<std::vector<Run>> runs_;                                // per group, by unit
+  std::vector<ZeroUnit> units_;                                       // as resolved at shard_optimizer
+  std::unordered_map<const c10::TensorImpl*, int> unit_of_param_;     // every model parameter's unit
+  std::unordered_map<const c10::StorageImpl*, int> unit_of_storage_;  // the sharded ones', by storage
+  std::vector<std::vector<size_t>> unit_lanes_;
+  std::vector<char> unit_whole_;
+  std::vector<std::optional<UnitInFlight>> unit_in_flight_;
+  int prefetch_ = 1;
+  int whole_guards_ = 0;                  // GatheredParametersGuards alive
+  std::vector<int> order_[2], this_order_[2];  // units in the order the last forward [0] / backward [1] gathered them
 
  public:
   void on_grad_ready(size_t i);  // core_->params()[i]'s gradient is in
@@ -321,13 +364,23 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
       stage_(options.stage()),
       bucket_bytes_(std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024))),
       fast_path_(OptimizerAccess::unscaled_fast_path(optimizer)) {
-  overlap_ = options.overlap() && options.stage() == 2;
+  overlap_ = options.overlap() && options.stage() >= 2;
   average_.always_fp32 = core_->options().allreduce_always_fp32();
   average_.predivide = core_->options().gradient_predivide_factor();
   format_ = OptimizerAccess::index(optimizer).state_format();
   if (format_) slice_multiple_ = format_->slice_alignment();
   const amp::detail::OptimizerKind* kind = amp::detail::kind_of(OptimizerAccess::torch_optimizer(optimizer));
   whole_tensors_ = kind != nullptr && kind->shards_whole_tensors;
+  if (stage_ == 3) {
+    prefetch_ = options.prefetch();
+    units_ = resolve_units(*core_->module(), options.units(), kShard);
+    for (size_t u = 0; u < units_.size(); ++u) {
+      for (const auto& param : units_[u].params) unit_of_param_.emplace(param.unsafeGetTensorImpl(), static_cast<int>(u));
+    }
+    unit_lanes_.resize(units_.size());
+    unit_whole_.assign(units_.size(), 1);
+    unit_in_flight_.resize(units_.size());
+  }
   add_groups(optimizer);
 }
 
@@ -366,37 +419,76 @@ void Zero::add_groups(OptimizerBase& optimizer) {
                   "optimizer of the model you passed to make_distributed.");
       TORCH_CHECK(e.model.is_contiguous() && t.is_contiguous(), kShard, ": parameter '", e.name, "' is not contiguous, "
                   "so its slices can't be views of it. Make it contiguous before amp::initialize.");
+      if (stage_ == 3) {  // NOTE [Stage 3 units]: each sharded parameter owns its storage, which is freed
+        const auto unit = unit_of_param_.find(e.model.unsafeGetTensorImpl());
+        TORCH_CHECK(unit != unit_of_param_.end(), kShard, ": the optimizer trains '", e.name, "', which is no parameter "
+                    "of the DistributedDataParallel's model, so stage 3 can't gather it with a unit. Shard the optimizer "
+                    "of the model you passed to make_distributed.");
+        e.unit = unit->second;
+        e.storage_bytes = e.model.storage().nbytes();
+        TORCH_CHECK(e.model.storage_offset() == 0 && e.storage_bytes == static_cast<size_t>(e.model.numel()) * e.model.element_size(),
+                    kShard, ": parameter '", e.name, "' shares its storage with other tensors (a view of a larger "
+                    "buffer), so stage 3 can't free it alone. Give each parameter its own storage, or use stage 2.");
+        TORCH_CHECK(!unit_of_storage_.count(e.model.storage().unsafeGetStorageImpl()), kShard, ": parameter '", e.name,
+                    "' shares its storage with another parameter, so stage 3 can't free it alone. Give each parameter "
+                    "its own storage, or use stage 2.");
+        unit_of_storage_.emplace(e.model.storage().unsafeGetStorageImpl(), e.unit);
+      }
       e.numel = t.numel();
-      const int64_t align = format_ ? format_->alignment(e.numel) : 1;  // a tensor's 8-bit blocks stay whole
-      total = (total + align - 1) / align * align;
-      e.offset = total;
       e.whole_offset = whole_numel_;
-      total += e.numel;
       whole_numel_ += e.numel;
       entries.push_back(std::move(e));
     }
+    // NOTE [ZeRO layout]: one run for the group, or at stage 3 one per unit, each starting on a slice multiple.
+    std::vector<int> run_units{-1};
+    if (stage_ == 3) {
+      run_units.clear();
+      for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
+        if (std::any_of(entries.begin(), entries.end(), [u](const ShardEntry& e) { return e.unit == u; })) run_units.push_back(u);
+      }
+    }
+    std::vector<Run> runs;
+    for (int u : run_units) {
+      total = (total + slice_multiple_ - 1) / slice_multiple_ * slice_multiple_;
+      Run run{u, total, total};
+      for (auto& e : entries) {
+        if (e.unit != u) continue;
+        const int64_t align = format_ ? format_->alignment(e.numel) : 1;  // a tensor's 8-bit blocks stay whole
+        total = (total + align - 1) / align * align;
+        e.offset = total;
+        total += e.numel;
+      }
+      run.end = total;
+      runs.push_back(run);
+    }
     groups_.push_back(std::move(entries));
     group_numel_.push_back(total);
+    runs_.push_back(std::move(runs));
   }
   // This rank's pieces, the lanes every rank's pieces travel in.
   const int64_t n_ranks = state_.world_size;
   const size_t first_piece = pieces_.size();
   for (size_t g = first; g < groups_.size(); ++g) {
-    std::vector<c10::ScalarType> dtypes;
-    for (const auto& e : groups_[g]) {
-      if (std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) == dtypes.end()) dtypes.push_back(e.model.scalar_type());
+    std::vector<std::pair<int, c10::ScalarType>> dtypes;  // a lane's unit (stage 3) and dtype
+    for (const auto& run : runs_[g]) {
+      for (const auto& e : groups_[g]) {
+        const std::pair<int, c10::ScalarType> key{e.unit, e.model.scalar_type()};
+        if (e.unit == run.unit && std::find(dtypes.begin(), dtypes.end(), key) == dtypes.end()) dtypes.push_back(key);
+      }
     }
     std::vector<ShardLane> lanes(dtypes.size());
     for (size_t d = 0; d < dtypes.size(); ++d) {
       lanes[d].group = g;
-      lanes[d].dtype = dtypes[d];
+      lanes[d].unit = dtypes[d].first;
+      lanes[d].dtype = dtypes[d].second;
       lanes[d].spans.resize(static_cast<size_t>(n_ranks));
     }
     for (int64_t r = 0; r < n_ranks; ++r) {
       for (ShardSpan span : slice_spans(g, r)) {
         const size_t i = span.entry;
         const ShardEntry& e = groups_[g][i];
-        const size_t d = static_cast<size_t>(std::find(dtypes.begin(), dtypes.end(), e.model.scalar_type()) - dtypes.begin());
+        const std::pair<int, c10::ScalarType> key{e.unit, e.model.scalar_type()};
+        const size_t d = static_cast<size_t>(std::find(dtypes.begin(), dtypes.end(), key) - dtypes.begin());
         for (const auto& s : lanes[d].spans[static_cast<size_t>(r)]) span.pos += s.length;
         if (r == state_.rank) {
           c10::NoGradGuard no_grad;
@@ -422,6 +514,7 @@ void Zero::add_groups(OptimizerBase& optimizer) {
         for (const auto& s : spans) n += s.length;
         lane.width = std::max(lane.width, n);
       }
+      if (lane.unit >= 0) unit_lanes_[static_cast<size_t>(lane.unit)].push_back(lanes_.size());
       lanes_.push_back(std::move(lane));
     }
     used_.emplace_back(groups_[g].size(), 0);
@@ -437,6 +530,13 @@ void Zero::add_groups(OptimizerBase& optimizer) {
   }
   index_lean();
   record_versions();
+  // Stage 3: the pieces hold every value now; the parameters give their memory back until a unit is gathered.
+  for (size_t g = first; g < groups_.size() && stage_ == 3; ++g) {
+    for (const auto& e : groups_[g]) {
+      if (!is_released(e.model)) release_storage(e.model);
+      unit_whole_[static_cast<size_t>(e.unit)] = 0;
+    }
+  }
 }
 
 bool Zero::lean_stale() const {
@@ -507,38 +607,44 @@ void Zero::check_groups(const torch::optim::Optimizer& opt) const {
   }
 }
 
-// NOTE [ZeRO layout]: the parts of group g's tensors inside rank r's slice, in group order (pos left 0).
+// NOTE [ZeRO layout]: the parts of group g's tensors inside rank r's slice of each run, in group order (pos left 0).
 std::vector<ShardSpan> Zero::slice_spans(size_t g, int64_t r) const {
-  const int64_t total = group_numel_[g];
-  int64_t lo = 0, hi = 0;
-  if (whole_tensors_) {
-    // Whole tensors: rank r's slice ends at the tensor end nearest r + 1 equal shares (never before the last rank's).
-    auto boundary = [&](int64_t rank) {
-      if (rank <= 0) return int64_t{0};
-      if (rank >= state_.world_size) return total;
-      const double target = static_cast<double>(total) * static_cast<double>(rank) / static_cast<double>(state_.world_size);
-      int64_t best = 0;
-      for (const ShardEntry& e : groups_[g]) {
-        const int64_t end = e.offset + e.numel;
-        if (std::abs(static_cast<double>(end) - target) < std::abs(static_cast<double>(best) - target)) best = end;
-      }
-      return best;
-    };
-    int64_t previous = 0;
-    for (int64_t k = 1; k <= r; ++k) previous = std::max(previous, boundary(k));
-    lo = previous;
-    hi = std::max(lo, boundary(r + 1));
-  } else {
-    const int64_t slice = ((total + state_.world_size - 1) / state_.world_size + slice_multiple_ - 1) / slice_multiple_ *
-                          slice_multiple_;
-    lo = std::min(total, r * slice);
-    hi = std::min(total, lo + slice);
-  }
   std::vector<ShardSpan> out;
-  for (size_t i = 0; i < groups_[g].size(); ++i) {
-    const ShardEntry& e = groups_[g][i];
-    const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
-    if (a < b) out.push_back(ShardSpan{i, a - e.offset, b - a, 0, -1});
+  for (const Run& run : runs_[g]) {
+    const int64_t total = run.end - run.begin;
+    int64_t lo = 0, hi = 0;  // relative to the run
+    if (whole_tensors_) {
+      // Whole tensors: rank r's slice ends at the tensor end nearest r + 1 equal shares (never before the last rank's).
+      auto boundary = [&](int64_t rank) {
+        if (rank <= 0) return int64_t{0};
+        if (rank >= state_.world_size) return total;
+        const double target = static_cast<double>(total) * static_cast<double>(rank) / static_cast<double>(state_.world_size);
+        int64_t best = 0;
+        for (const ShardEntry& e : groups_[g]) {
+          if (e.unit != run.unit) continue;
+          const int64_t end = e.offset + e.numel - run.begin;
+          if (std::abs(static_cast<double>(end) - target) < std::abs(static_cast<double>(best) - target)) best = end;
+        }
+        return best;
+      };
+      int64_t previous = 0;
+      for (int64_t k = 1; k <= r; ++k) previous = std::max(previous, boundary(k));
+      lo = previous;
+      hi = std::max(lo, boundary(r + 1));
+    } else {
+      const int64_t slice = ((total + state_.world_size - 1) / state_.world_size + slice_multiple_ - 1) / slice_multiple_ *
+                            slice_multiple_;
+      lo = std::min(total, r * slice);
+      hi = std::min(total, lo + slice);
+    }
+    lo += run.begin;
+    hi += run.begin;
+    for (size_t i = 0; i < groups_[g].size(); ++i) {
+      const ShardEntry& e = groups_[g][i];
+      if (e.unit != run.unit) continue;
+      const int64_t a = std::max(e.offset, lo), b = std::min(e.offset + e.numel, hi);
+      if (a < b) out.push_back(ShardSpan{i, a - e.offset, b - a, 0, -1});
+    }
   }
   return out;
 }
@@ -548,6 +654,7 @@ std::vector<int64_t> Zero::layout() const {
   for (size_t g = 0; g < groups_.size(); ++g) {
     out.push_back(static_cast<int64_t>(groups_[g].size()));
     out.push_back(group_numel_[g]);
+    for (size_t k = 0; stage_ == 3 && k < runs_[g].size(); ++k) out.push_back(runs_[g][k].end);  // by unit
   }
   return out;
 }
@@ -591,6 +698,7 @@ void Zero::refresh(bool all) {
   }
   for (auto& p : pieces_) {
     ShardEntry& e = groups_[p.group][p.entry];
+    if (released(e)) continue;  // stage 3: nothing can have written it
     const bool changed = e.model._version() != e.version || e.model.storage().unsafeGetStorageImpl() != e.storage;
     if (!all && !changed) continue;
     if (e.lean) {  // the piece sees the write (an alias of the weight), its aux follows it, as unsharded
@@ -637,7 +745,180 @@ void Zero::gather_into_model() {
   }
 }
 
-void Zero::after_step() { gather_into_model(); }
+void Zero::after_step() {
+  if (stage_ != 3) return gather_into_model();
+  if (whole_guards_ == 0) return release_all();  // the next forward gathers the updated values unit by unit
+  for (size_t u = 0; u < units_.size(); ++u) {     // a step under GatheredParametersGuard: whole, and updated
+    unit_whole_[u] = 0;
+    finish_gather(static_cast<int>(u));
+  }
+  record_versions();
+}
+
+namespace {
+// Runs `fn` when the last copy of the returned pointer dies (never throwing: a failed collective fails the next one).
+std::shared_ptr<void> on_release(std::function<void()> fn) {
+  struct Release {
+    std::function<void()> fn;
+    ~Release() {
+      try {
+        if (fn) fn();
+      } catch (...) {
+      }
+    }
+  };
+  auto release = std::make_shared<Release>();
+  release->fn = std::move(fn);
+  return release;
+}
+}  // namespace
+
+// NOTE [Stage 3 units] (zero_units.cpp). Every rank first agrees on the unit (8 bytes), so that ranks whose forwards
+// took different branches fail here, naming the units, instead of exchanging the values of different units; then
+// each lane of the unit is all-gathered in the model's dtype as bytes, in the background until finish_gather.
+void Zero::start_gather(int unit) {
+  const size_t u = static_cast<size_t>(unit);
+  if (unit_whole_[u] || unit_in_flight_[u]) return;
+  const int64_t n_ranks = state_.world_size;
+  if (n_ranks > 1) {
+    std::vector<at::Tensor> in{at::full({1}, static_cast<int64_t>(unit), at::TensorOptions().dtype(at::kLong))};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int64_t r = 0; r < n_ranks; ++r) out[0].push_back(at::empty({1}, in[0].options()));
+    wait(state_.group->allgather(out, in), state_, std::string(kShard) + " (stage 3: agreeing on the unit to gather)");
+    for (int64_t r = 0; r < n_ranks; ++r) {
+      const int64_t theirs = out[0][static_cast<size_t>(r)].item<int64_t>();
+      TORCH_CHECK(theirs == unit, kShard, ": stage 3: rank ", state_.rank, " gathers unit '", units_[u].name, "' while "
+                  "rank ", r, " gathers unit '", theirs >= 0 && theirs < static_cast<int64_t>(units_.size())
+                      ? units_[static_cast<size_t>(theirs)].name : std::string("?"),
+                  "': their forwards (or backwards) read different units. At stage 3 every rank must run the same "
+                  "modules in the same order (as FSDP's); route batches to different branches only at stage 1 or 2.");
+    }
+  }
+  c10::NoGradGuard no_grad;
+  UnitInFlight flight;
+  for (size_t l : unit_lanes_[u]) {
+    const ShardLane& lane = lanes_[l];
+    if (lane.width == 0) continue;
+    const std::vector<ShardEntry>& entries = groups_[lane.group];
+    at::Tensor send = at::zeros({lane.width}, entries.front().model.options().dtype(lane.dtype));
+    for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
+      send.narrow(0, s.pos, s.length).copy_(pieces_[static_cast<size_t>(s.piece)].value);  // rounded as the fused copy
+    }
+    std::vector<std::vector<at::Tensor>> out(1);
+    c10::intrusive_ptr<c10d::Work> work;
+    if (n_ranks == 1) {
+      out[0].push_back(send.view(at::kByte));
+    } else {
+      std::vector<at::Tensor> in{send.view(at::kByte)};
+      for (int64_t r = 0; r < n_ranks; ++r) out[0].push_back(at::empty({in[0].numel()}, in[0].options()));
+      work = state_.group->allgather(out, in);
+    }
+    core_->count_zero_bytes(0, n_ranks * lane.width * static_cast<int64_t>(send.element_size()));
+    flight.works.emplace_back(l, std::move(work));
+    flight.outputs.push_back(std::move(out));
+  }
+  unit_in_flight_[u] = std::move(flight);
+}
+
+void Zero::finish_gather(int unit) {
+  const size_t u = static_cast<size_t>(unit);
+  if (unit_whole_[u]) return;
+  start_gather(unit);
+  UnitInFlight flight = std::move(*unit_in_flight_[u]);
+  unit_in_flight_[u].reset();
+  for (const auto& [l, work] : flight.works) {
+    if (work) wait(work, state_, std::string(kShard) + " (stage 3: all-gathering unit '" + units_[u].name + "')");
+  }
+  c10::NoGradGuard no_grad;
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      if (e.unit == unit && is_released(e.model)) materialize_storage(e.model, e.storage_bytes);
+    }
+  }
+  for (size_t k = 0; k < flight.works.size(); ++k) {
+    const ShardLane& lane = lanes_[flight.works[k].first];
+    const std::vector<ShardEntry>& entries = groups_[lane.group];
+    for (size_t r = 0; r < lane.spans.size(); ++r) {
+      const at::Tensor recv = flight.outputs[k][0][r].view(lane.dtype);
+      for (const auto& s : lane.spans[r]) {
+        // variable_data: a write autograd does not count, since backward may read this parameter's saved alias
+        entries[s.entry].model.variable_data().view({-1}).narrow(0, s.begin, s.length).copy_(recv.narrow(0, s.pos, s.length));
+      }
+    }
+  }
+  unit_whole_[u] = 1;
+}
+
+void Zero::gather(int unit, bool backward) {
+  const size_t u = static_cast<size_t>(unit);
+  if (unit_whole_[u]) return;
+  std::vector<int>& order = this_order_[backward ? 1 : 0];
+  order.push_back(unit);
+  finish_gather(unit);
+  // Prefetch: the units that followed this one in the last pass of the same kind, while this one computes.
+  const std::vector<int>& last = order_[backward ? 1 : 0];
+  const size_t at = order.size() - 1;
+  if (at >= last.size() || last[at] != unit) return;
+  for (size_t k = at + 1; k < last.size() && k <= at + static_cast<size_t>(prefetch_); ++k) start_gather(last[k]);
+}
+
+void Zero::release(int unit) {
+  const size_t u = static_cast<size_t>(unit);
+  if (auto& flight = unit_in_flight_[u]) {  // every rank started it: wait, and drop what it brought
+    for (const auto& [l, work] : flight->works) {
+      if (work) wait(work, state_, std::string(kShard) + " (stage 3: all-gathering unit '" + units_[u].name + "')");
+    }
+    flight.reset();
+  }
+  if (!unit_whole_[u]) return;
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) {
+      if (e.unit == unit && !is_released(e.model)) release_storage(e.model);
+    }
+  }
+  unit_whole_[u] = 0;
+}
+
+void Zero::release_all() {
+  if (whole_guards_ > 0) return;
+  for (size_t u = 0; u < units_.size(); ++u) release(static_cast<int>(u));
+}
+
+std::shared_ptr<void> Zero::forward() {
+  release_all();  // what a no_sync() backward or an evaluation left whole
+  if (!this_order_[1].empty()) order_[1] = std::move(this_order_[1]);
+  this_order_[0].clear();
+  this_order_[1].clear();
+  std::weak_ptr<Zero> weak = weak_from_this();
+  return gather_in_forward(shared_from_this(), [weak] {
+    if (const auto zero = weak.lock()) zero->end_forward();
+  });
+}
+
+void Zero::end_forward() {
+  order_[0] = this_order_[0];
+  release_all();
+}
+
+std::shared_ptr<void> Zero::gather_all() {
+  ++whole_guards_;
+  try {
+    for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int>(u));
+    for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int>(u));
+  } catch (...) {
+    --whole_guards_;
+    throw;
+  }
+  record_versions();
+  std::weak_ptr<Zero> weak = weak_from_this();
+  return on_release([weak] {
+    const auto zero = weak.lock();
+    if (!zero) return;
+    --zero->whole_guards_;
+    zero->refresh_changed();  // what was written meanwhile reaches the pieces
+    zero->release_all();
+  });
+}
 
 double Zero::sum_over_ranks(double value) {
   if (state_.world_size == 1) return value;
@@ -706,6 +987,7 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
       e.model.mutable_grad() = at::Tensor();  // reduced into the slices: a rank keeps no full gradient
     }
   }
+  if (stage_ == 3) release_all();  // what backward gathered
   return handled;
 }
 
@@ -783,6 +1065,11 @@ void Zero::on_grad_ready(size_t i) {
     if (waiting_[l] > 0) break;
     in_flight_[l] = start_scatter(lane_input(lanes_[l], [](const ShardEntry&) { return true; }), /*during_backward=*/true);
     ++started_;
+    // Stage 3: a unit whose gradients are all on their way is freed (a later backward that reads it gathers again).
+    const int unit = lanes_[l].unit;
+    if (unit < 0 || whole_guards_ > 0) continue;
+    const auto& lanes = unit_lanes_[static_cast<size_t>(unit)];
+    if (std::all_of(lanes.begin(), lanes.end(), [&](size_t k) { return k >= lanes_.size() - started_; })) release(unit);
   }
 }
 
@@ -1124,24 +1411,27 @@ std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::Inp
       for (const auto& [k, v] : lean_aux) {  // paired with the weights the lean archive restored (NOTE [Lean masters])
         lean_pieces_->restore(static_cast<size_t>(pieces_[k].lean_slot), v, pieces_[k].value);
       }
-      gather_into_model();  // collective: every rank loads its shard
+      if (stage_ == 3) release_all();  // the next gathers bring the loaded values
+      else gather_into_model();       // collective: every rank loads its shard
     };
   }
   return [this, &opt, full_masters] {
     c10::NoGradGuard no_grad;
     for (const auto& entries : groups_) {
       for (const auto& e : entries) {
-        if (e.mastered) e.model.copy_(full_masters[e.master_index]);  // the model follows the restored masters
+        if (e.mastered && !released(e)) e.model.copy_(full_masters[e.master_index]);  // the model follows the masters
       }
     }
     for (auto& p : pieces_) {
       const ShardEntry& e = groups_[p.group][p.entry];
-      if (e.lean) continue;  // an alias of the restored weight; its aux came with the lean archive (keep_aux)
+      if (e.lean || (!e.mastered && released(e))) continue;  // lean: an alias of the restored weight, its aux came with
+                                                             // the lean archive (keep_aux); stage 3: the piece is the value
       const at::Tensor& source = e.mastered ? full_masters[e.master_index] : e.model;
       p.value.copy_(source.reshape({-1}).narrow(0, p.begin, p.length));
     }
     adopt_full_state(opt, 0);
     record_versions();
+    if (stage_ == 3) release_all();  // the next gathers bring the restored values
   };
 }
 
@@ -1186,6 +1476,7 @@ void Zero::with_whole(OptimizerBase& optimizer, const std::function<void()>& fn)
   group_numel_.clear();
   pieces_.clear();
   lanes_.clear();
+  runs_.clear();
   used_.clear();
   unreduced_.clear();
   piece_places_.clear();
@@ -1212,7 +1503,7 @@ void Zero::write_master(size_t i, const at::Tensor& value) {
   }
   for (auto& entries : groups_) {
     for (auto& e : entries) {
-      if (!e.mastered || e.master_index != i) continue;
+      if (!e.mastered || e.master_index != i || released(e)) continue;  // stage 3: the next gather brings it
       e.model.copy_(value);  // the rounded copy: every rank loads the same weights
       e.version = e.model._version();
       e.storage = e.model.storage().unsafeGetStorageImpl();
@@ -1327,9 +1618,11 @@ std::vector<at::Tensor> Zero::gather_aux() {
   return out;
 }
 
-void Zero::held(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads, std::vector<at::Tensor>& grads) const {
+void Zero::held(std::vector<at::Tensor>& params, std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
+                std::vector<at::Tensor>& grads) const {
   for (const auto& p : pieces_) {
-    masters.push_back(p.value);
+    const bool direct = !groups_[p.group][p.entry].mastered && !groups_[p.group][p.entry].lean;
+    (stage_ == 3 && direct ? params : masters).push_back(p.value);  // stage 3: the parameter's only values
     if (groups_[p.group][p.entry].mastered) master_grads.push_back(p.grad);
     else grads.push_back(p.grad);
   }
@@ -1481,8 +1774,13 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
 
 void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimizer, const ZeroOptions& options) {
   TORCH_CHECK(core, kShard, ": the DistributedDataParallel is empty.");
-  TORCH_CHECK(options.stage() == 1 || options.stage() == 2, kShard, ": stage must be 1 (masters and optimizer state "
-              "sharded) or 2 (and the gradients), got ", options.stage(), ".");
+  TORCH_CHECK(options.stage() >= 1 && options.stage() <= 3, kShard, ": stage must be 1 (masters and optimizer state "
+              "sharded), 2 (and the gradients) or 3 (and the parameters), got ", options.stage(), ".");
+  TORCH_CHECK(options.stage() == 3 || (options.units().empty() && options.prefetch() == 1), kShard, ": ZeroOptions::",
+              options.units().empty() ? "prefetch" : "units", " applies to stage 3 only (it chooses how parameters are "
+              "gathered), and this is stage ", options.stage(), ". Drop it, or use stage(3).");
+  TORCH_CHECK(options.prefetch() >= 0, kShard, ": ZeroOptions::prefetch must be 0 (gather each unit when an op needs "
+              "it) or more (units gathered ahead), got ", options.prefetch(), ".");
   TORCH_CHECK(options.bucket_cap_mb() > 0 && std::isfinite(options.bucket_cap_mb()), kShard, ": bucket_cap_mb must be "
               "positive, got ", options.bucket_cap_mb(), ".");
   TORCH_CHECK(!OptimizerAccess::sharding(optimizer), kShard, ": this optimizer is sharded already; call "
@@ -1493,6 +1791,14 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   const Properties& p = optimizer.properties();
   TORCH_CHECK(p.enabled, kShard, ": amp is disabled for this optimizer (enabled = false); ZeRO shards amp's optimizer "
               "state. Enable amp, or use torch's own data parallelism.");
+  if (options.stage() == 3) {  // docs/distributed.md: what stage 3 does not take yet
+    TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": stage 3 with the lean master format '",
+                amp::to_string(p.master_weights_format), "' is not supported yet: its fp32 values are the weight "
+                "itself plus low bits, and stage 3 frees the weight between uses. Use master_weights_format = copy at "
+                "stage 3, or stage 2 (which takes every master format).");
+    TORCH_CHECK(p.auto_fp32 == 0, kShard, ": stage 3 with auto_fp32 is not supported yet (moving a module to fp32 "
+                "mid-run needs its parameters whole). Use stage 2, or keep_fp32 for the modules it would move.");
+  }
   torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
   // NOTE [Optimizer kinds]: the table says which types ZeRO can slice, and why not.
   const amp::detail::OptimizerKind* kind = amp::detail::kind_of(opt);
@@ -1501,7 +1807,8 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   TORCH_CHECK(kind && !kind->unshardable, kShard, ": this optimizer type can't be sharded (", why, "). Use "
               "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or LibTorch's SGD, Adam or AdamW.");
   auto zero = std::make_shared<Zero>(core, optimizer, options);
-  if (options.stage() == 2) {
+  if (options.stage() == 3) core->set_sharded_parameters(zero);
+  if (options.stage() >= 2) {
     std::weak_ptr<Zero> weak = zero;
     if (options.overlap()) {  // NOTE [Overlapped reduce-scatter]
       core->add_ready_listener([weak](size_t i) {

@@ -21,6 +21,9 @@ void scenario_auto_fp32(const amp::parallel::ProcessGroup& group);
 // zero_scenarios.cpp (2 or 4 ranks)
 void scenario_zero(const amp::parallel::ProcessGroup& group);
 void scenario_zero_sync_free(const amp::parallel::ProcessGroup& group);
+void scenario_zero_stage3(const amp::parallel::ProcessGroup& group);
+// zero_stage3_scenarios.cpp (2 ranks)
+void scenario_zero_stage3_units(const amp::parallel::ProcessGroup& group);
 void scenario_zero_bench(const amp::parallel::ProcessGroup& group);
 void scenario_zero_python(const amp::parallel::ProcessGroup& group);
 void scenario_zero_fsdp2(const amp::parallel::ProcessGroup& group);

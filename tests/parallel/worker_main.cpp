@@ -60,6 +60,8 @@ const std::map<std::string, std::function<void(const ProcessGroup&)>> kScenarios
     {"dies", amp_worker::scenario_dies},
     {"zero", amp_worker::scenario_zero},
     {"zero_sync_free", amp_worker::scenario_zero_sync_free},
+    {"zero_stage3", amp_worker::scenario_zero_stage3},
+    {"zero_stage3_units", amp_worker::scenario_zero_stage3_units},
     {"zero_bench", amp_worker::scenario_zero_bench},
     {"zero_python", amp_worker::scenario_zero_python},
     {"zero_fsdp2", amp_worker::scenario_zero_fsdp2},

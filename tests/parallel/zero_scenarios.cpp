@@ -102,6 +102,13 @@ Opt optimizer_like(int kind, torch::nn::Sequential& net) {
 
 std::vector<torch::Tensor> params_of(torch::nn::Sequential& net) { return clones(net->parameters()); }
 
+// The parameters of ddp's model, whole: collective at stage 3 (GatheredParametersGuard), whole anyway at 0-2.
+template <class Ddp>
+std::vector<torch::Tensor> whole_params(Ddp& ddp, torch::nn::Sequential& net) {
+  amp::parallel::GatheredParametersGuard whole(ddp);
+  return params_of(net);
+}
+
 bool bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -162,6 +169,10 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
           amp::parallel::make_distributed(reordered_model, group, wire_for(n).bucket_cap_mb(0.0005).delay_allreduce(true));
       auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
       amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage).bucket_cap_mb(0.001));
+      auto whole_params = [&] {  // stage 3: collective, the parameters live in the shards; else nothing to do
+        amp::parallel::GatheredParametersGuard whole(ddp);
+        return params_of(net);
+      };
       bool same = true, same_scale = true, same_skips = true, norms_close = true;
       double worst = 0, spread = 0;
       amp::StateBytes sharded{}, unsharded{};
@@ -204,7 +215,7 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
           norms[k++] = amp::clip_grad_norm_(optimizer, 5.0).template item<float>();
           optimizer.step();
         }
-        const auto a = params_of(net), b = params_of(ref_net);
+        const auto a = whole_params(), b = params_of(ref_net);
         same = same && bitwise(a, b);
         worst = std::max(worst, relative_diff(a, b));
         spread = std::max(spread, relative_diff(params_of(reordered_net), b));
@@ -212,7 +223,7 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
         same_skips = same_skips && optimizer.skipped_steps() == ref_optimizer.skipped_steps();
         const bool finite = std::isfinite(norms[1]);
         // More than 2 ranks at stage 2, and O3 (below): the gradients themselves differ in the last bits.
-        const double norm_bound = (n > 2 && stage == 2) || config.label.rfind("O3", 0) == 0 ? 1e-2 : 1e-6;
+        const double norm_bound = (n > 2 && stage >= 2) || config.label.rfind("O3", 0) == 0 ? 1e-2 : 1e-6;
         norms_close = norms_close && (finite ? std::abs(norms[0] - norms[1]) <= norm_bound * std::abs(norms[1]) + 1e-30
                                              : !std::isfinite(norms[0]));
       }
@@ -237,10 +248,14 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
       report(same_scale && same_skips, label + ": the same loss scale and skipped steps",
              "skipped " + std::to_string(optimizer.skipped_steps()) + " vs " + std::to_string(ref_optimizer.skipped_steps()));
       report(norms_close, label + ": clip_grad_norm_ gives the unsharded global norm (1e-6 relative on 2 ranks)");
-      report(same_on_all_ranks(group, params_of(net)), label + ": every rank's replica is identical");
+      report(same_on_all_ranks(group, whole_params()), label + ": every rank's replica is identical");
       report(sharded.optimizer_state < unsharded.optimizer_state, label + ": optimizer state is divided",
              std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
-      if (stage == 2) {
+      if (stage == 3) {
+        report(sharded.params < unsharded.params, label + ": parameters are divided",
+               std::to_string(sharded.params) + " vs " + std::to_string(unsharded.params) + " bytes");
+      }
+      if (stage >= 2) {
         report(sharded.grads + sharded.master_grads < unsharded.grads + unsharded.master_grads,
                label + ": gradients are divided",
                std::to_string(sharded.grads + sharded.master_grads) + " vs " +
@@ -296,7 +311,10 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
   amp::parallel::save_consolidated(optimizer, consolidated);
   if (group.rank() == 0) torch::save(ref_optimizer, unsharded);
   group.barrier();
-  torch::save(net, shard_path + ".model");
+  {
+    amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: the model is whole only under the guard
+    torch::save(net, shard_path + ".model");
+  }
   if (n == 2) {  // another rank's shard, and a shard into an unsharded optimizer: refused, named
     const std::string other = dir + "/zero_s" + std::to_string(stage) + "_w2_r" + std::to_string(1 - group.rank()) + ".pt";
     auto net6 = make_mlp(5);
@@ -340,17 +358,18 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     // More than 2 ranks: a fresh DistributedDataParallel buckets the gradients as the model orders them, the running
     // one as backward produced them (c10d's rebuilt buckets), and Gloo sums each bucket's elements in an order that
     // depends on its size: stage 1's all-reduce differs in the last bit there. Stage 2's lanes are fixed.
-    const double d = relative_diff(params_of(net2), params_of(net));
-    report(n == 2 || stage == 2 ? d == 0 : d <= 1e-2, label + ": resuming from this rank's shard is the run that did not "
+    const double d = relative_diff(whole_params(ddp2, net2), whole_params(ddp, net));
+    report(n == 2 || stage >= 2 ? d == 0 : d <= 1e-2, label + ": resuming from this rank's shard is the run that did not "
            "stop (bitwise where the reduction order is fixed)", "relative " + str(d));
   }
-  // The consolidated archive loads into a sharded optimizer (this world) and into an unsharded one; both continue as
-  // the unsharded reference does.
+  // The consolidated archive loads into a sharded optimizer (this world, another stage) and into an unsharded one; both
+  // continue as the unsharded reference does.
   {
+    const int other_stage = stage == 3 ? 1 : stage + 1;
     auto net3 = make_mlp(98);
     auto [model3, optimizer3] = amp::initialize(net3, make(net3), options);
     auto ddp3 = amp::parallel::make_distributed(model3, group);
-    amp::parallel::shard_optimizer(ddp3, optimizer3, amp::parallel::ZeroOptions().stage(3 - stage));
+    amp::parallel::shard_optimizer(ddp3, optimizer3, amp::parallel::ZeroOptions().stage(other_stage));
     torch::load(optimizer3, consolidated);  // masters and state; the model follows the masters
     auto net4 = make_mlp(97);
     auto [model4, optimizer4] = amp::initialize(net4, make(net4), options);
@@ -359,9 +378,11 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     train(ref_ddp, ref_optimizer, 3, 6);
     train(ddp3, optimizer3, 3, 6);
     train(ddp4, optimizer4, 3, 6);
-    const double d3 = relative_diff(params_of(net3), params_of(ref_net)), d4 = relative_diff(params_of(net4), params_of(ref_net));
+    const double d3 = relative_diff(whole_params(ddp3, net3), params_of(ref_net));
+    const double d4 = relative_diff(params_of(net4), params_of(ref_net));
     report(n == 2 ? d3 == 0 && d4 == 0 : d3 <= 1e-2 && d4 <= 1e-2,
-           label + ": the consolidated archive resumes sharded (the other stage) and unsharded like the unsharded run",
+           label + ": the consolidated archive resumes sharded (at stage " + std::to_string(other_stage) + ") and "
+           "unsharded like the unsharded run",
            "relative " + str(d3) + ", " + str(d4));
   }
   // Rank 0's consolidated file holds what the unsharded run's torch::save holds (2 ranks: same trajectory, bitwise).
@@ -424,12 +445,12 @@ void accumulation(const ProcessGroup& group, int stage) {
   };
   run(ref_ddp, ref_optimizer);
   run(ddp, optimizer);
-  const double d = relative_diff(params_of(net), params_of(ref_net));
+  const double d = relative_diff(whole_params(ddp, net), params_of(ref_net));
   // Every stage sums the micro-batches in fp32 as the unsharded run (NOTE [fp32 accumulation under no_sync]); more
   // than 2 ranks add those fp32 sums in other orders (wire_for): a float's rounding per step.
   report(n == 2 ? d == 0 : d <= 1e-5, "no_sync accumulation stage " + std::to_string(stage) +
          " against the unsharded run", "relative " + str(d));
-  report(same_on_all_ranks(group, params_of(net)), "no_sync accumulation stage " + std::to_string(stage) +
+  report(same_on_all_ranks(group, whole_params(ddp, net)), "no_sync accumulation stage " + std::to_string(stage) +
          ": every rank's replica is identical");
 }
 
@@ -538,11 +559,11 @@ void two_optimizers(const ProcessGroup& group, int stage) {
       oa.step();
       ob.step();
     }
+    return whole_params(ddp, net);  // (stage 3: while its optimizers live, which hold the values)
   };
   auto ref_net = make_mlp(31), net = make_mlp(31);
-  run(ref_net, false);
-  run(net, true);
-  const double d = relative_diff(params_of(net), params_of(ref_net));
+  const auto expected = run(ref_net, false);
+  const double d = relative_diff(run(net, true), expected);
   report(d == 0, "two optimizers for one loss, both sharded at stage " + std::to_string(stage),
          "relative " + str(d));
 }
@@ -1275,6 +1296,24 @@ void scenario_zero(const ProcessGroup& group) {
   misuse(group);
 }
 
+// Stage 3 (NOTE [Stage 3 units]): the side-by-side runs of stage 1 and 2 with the parameters sharded too, then what
+// only stage 3 has (zero_stage3_scenarios.cpp).
+void scenario_zero_stage3(const ProcessGroup& group) {
+  const std::vector<Config> configs = {
+      {"O0 FusedAdam", amp::Options("O0").verbosity(0), 3},
+      {"O1 LibTorch Adam", amp::Options("O1").low_precision_dtype(torch::kBFloat16).verbosity(0), 2},
+      {"O2 bf16 FusedAdamW", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 0, true},
+      {"O3 bf16 FusedSGD", amp::Options("O3").low_precision_dtype(torch::kBFloat16).verbosity(0), 1},
+      {"O2 bf16 FusedLAMB", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 4},
+  };
+  for (const auto& config : configs) train_side_by_side(group, config, 3);
+  const char* dir_env = std::getenv("AMP_ZERO_DIR");
+  const std::string dir = dir_env ? dir_env : "/tmp";
+  checkpoints(group, 3, dir);
+  accumulation(group, 3);
+  two_optimizers(group, 3);
+}
+
 void scenario_zero_sync_free(const ProcessGroup& group) {
   if (!amp::optim::detail::has_aten_fused_optimizers()) {  // per op, a fused step reads the flag (docs/cuda.md)
     std::cout << "[rank " << group.rank() << "] skipped: this LibTorch has no ATen fused optimizer kernels\n";
@@ -1453,7 +1492,7 @@ void scenario_zero_fsdp2(const ProcessGroup& group) {
   std::vector<double> losses;
   const auto every_rank = reference.get("libtorch_adam_losses").toList();
   for (const auto& loss : every_rank.get(static_cast<size_t>(group.rank())).toList()) losses.push_back(loss.get().toDouble());
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     auto net = make_mlp(0);
     reference.load_model(*net, "model");
     auto [model, optimizer] = amp::initialize(net, torch::optim::Adam(net->parameters(), torch::optim::AdamOptions(lr)),

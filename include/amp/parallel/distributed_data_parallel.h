@@ -91,6 +91,25 @@ class DistributedCore {
   const std::vector<at::Tensor>& params() const;
   /// Counts ZeRO's collectives in stats().
   void count_zero_bytes(int64_t reduce_scatter_bytes, int64_t allgather_bytes, bool during_backward = false);
+  /// The module the engine hooks (amp::parallel::shard_optimizer resolves stage 3's units in it).
+  const std::shared_ptr<torch::nn::Module>& module() const;
+
+  /// ZeRO stage 3 (src/parallel/zero.cpp): the parameters live in every rank's shards; these make them whole.
+  class ShardedParameters {
+   public:
+    virtual ~ShardedParameters() = default;
+    /// Runs one forward: the ops of this thread gather the units they read until the returned object dies, which
+    /// frees them again (backward gathers what it needs itself).
+    virtual std::shared_ptr<void> forward() = 0;
+    /// Collective: every parameter whole until the returned object dies; what was written to them meanwhile then
+    /// reaches the shards (GatheredParametersGuard).
+    virtual std::shared_ptr<void> gather_all() = 0;
+  };
+  /// One per stage-3 sharded optimizer of the model (two optimizers for one loss each shard their parameters).
+  void set_sharded_parameters(std::weak_ptr<ShardedParameters> parameters);
+  /// What forward() and GatheredParametersGuard call: null where the parameters are not sharded.
+  std::shared_ptr<void> begin_forward();
+  std::shared_ptr<void> gather_parameters();
 
  private:
   struct Impl;
@@ -160,6 +179,7 @@ class DistributedDataParallel {
   template <class... Args>
   auto forward(Args&&... args) {
     core_->before_forward();
+    const std::shared_ptr<void> gathering = core_->begin_forward();  // ZeRO stage 3: ops gather what they read
     return model_(std::forward<Args>(args)...);
   }
   template <class... Args>

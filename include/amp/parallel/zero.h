@@ -1,7 +1,8 @@
 #pragma once
 // ZeRO (Rajbhandari et al., arXiv 1910.02054) over amp::parallel: each rank keeps 1/N of the fp32 master weights
-// and of the optimizer state (stage 1) and, at stage 2, of the gradients (DeepSpeed's zero_optimization.stage 1/2,
-// torch's ZeroRedundancyOptimizer for stage 1). docs/distributed.md has the byte table and the mapping.
+// and of the optimizer state (stage 1), at stage 2 of the gradients too, and at stage 3 of the parameters themselves
+// (DeepSpeed's zero_optimization.stage 1/2/3, torch's ZeroRedundancyOptimizer for stage 1, FSDP2's fully_shard for
+// stage 3). docs/distributed.md has the byte table and the mapping.
 //
 //   auto [model, optimizer] = amp::initialize(net, std::move(adam), amp::Options("O2"));
 //   auto ddp = amp::parallel::make_distributed(model, group);
@@ -14,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "amp/optimizer.h"
 #include "amp/parallel/distributed_data_parallel.h"
@@ -22,11 +24,20 @@ namespace amp::parallel {
 
 /// Options of shard_optimizer.
 struct ZeroOptions {
-  /// 1: fp32 masters and optimizer state sharded; 2: the master gradients too (reduce-scattered during backward).
+  /// 1: fp32 masters and optimizer state sharded; 2: the master gradients too (reduce-scattered during backward);
+  /// 3: the parameters too (FSDP's full shard): each unit's are all-gathered when an op of a forward first reads
+  /// one, again before the backward of what read them, and freed after.
   TORCH_ARG(int, stage) = 1;
   /// The size of a reduce-scatter / all-gather bucket in MiB.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
-  /// Stage 2: reduce-scatter each bucket as its gradients are ready during backward, where the
+  /// Stage 3: the modules (qualified names as named_modules gives them, '*' matching any run of characters) whose
+  /// parameters are gathered and freed together; a pattern matching a module and its children makes the outermost
+  /// the unit. Empty: each direct child of the model. Parameters in no unit belong to the root unit.
+  TORCH_ARG(std::vector<std::string>, units) = {};
+  /// Stage 3: how many units, in the order the last forward (backward) gathered them, are all-gathered ahead of the
+  /// one an op needs, in the background (0: each when needed).
+  TORCH_ARG(int, prefetch) = 1;
+  /// Stage 2 and 3: reduce-scatter each bucket as its gradients are ready during backward, where the
   /// DistributedDataParallel reaches every parameter in every backward (made without delay_allreduce); else, and
   /// with false, after backward. The same values either way.
   TORCH_ARG(bool, overlap) = true;

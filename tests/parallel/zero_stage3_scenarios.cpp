@@ -1,0 +1,273 @@
+// What only ZeRO stage 3 has, on 2 ranks, each against the unsharded run doing the same (bitwise): units (each direct
+// child, patterns, nested modules), prefetch, a tied weight read outside its unit, a unit called twice, a parameter of
+// the root, fp32 islands, evaluation, writes under GatheredParametersGuard, the all-gathered bytes against stage 2,
+// and misuse (zero_scenarios.cpp runs the stage 1 and 2 side-by-side runs, archives and accumulation at stage 3).
+
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "amp/amp.h"
+#include "options/exception_message.h"
+#include "scenarios.h"
+#include "worker_support.h"
+
+namespace amp_worker {
+namespace {
+
+// enc's weight is read again, transposed, by the root's own forward (a tied decoder), mid runs twice, and the
+// decoder's bias belongs to the root.
+struct TiedNetImpl : torch::nn::Module {
+  explicit TiedNetImpl(uint64_t seed) {
+    torch::manual_seed(seed);
+    enc = register_module("enc", torch::nn::Linear(12, 32));
+    mid = register_module("mid", torch::nn::Sequential(torch::nn::Linear(32, 32), torch::nn::Tanh()));
+    head = register_module("head", torch::nn::Linear(12, 5));
+    dec_bias = register_parameter("dec_bias", torch::zeros({12}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = torch::relu(enc(x));
+    h = mid->forward(h);
+    h = mid->forward(h);
+    const torch::Tensor r = torch::nn::functional::linear(h, enc->weight.t(), dec_bias);
+    return head(torch::relu(r));
+  }
+  torch::nn::Linear enc{nullptr}, head{nullptr};
+  torch::nn::Sequential mid{nullptr};
+  torch::Tensor dec_bias;
+};
+TORCH_MODULE(TiedNet);
+
+std::vector<torch::Tensor> params_of(TiedNet& net) { return clones(net->parameters()); }
+
+template <class Ddp>
+std::vector<torch::Tensor> whole_params(Ddp& ddp, TiedNet& net) {
+  amp::parallel::GatheredParametersGuard whole(ddp);
+  return params_of(net);
+}
+
+bool bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return amp::detail::message_of(e);
+  }
+  return "";
+}
+
+amp::optim::FusedAdamW adamw_of(TiedNet& net) {
+  return amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+}
+
+struct Variant {
+  std::string label;
+  amp::Options options;
+  amp::parallel::ZeroOptions zero;
+  bool overflow = true;  // an inf on one rank's batch at step 2 (a dynamic loss scale skips it)
+};
+
+// Trains the tied net sharded and unsharded side by side; bitwise after every step, also the losses, the loss scale
+// and the evaluation outputs; the parameters hold no memory between steps.
+void side_by_side(const ProcessGroup& group, const Variant& v) {
+  const int64_t local_rows = kGlobal / group.world_size();
+  TiedNet ref_net(7), net(7);
+  auto [ref_model, ref_optimizer] = amp::initialize(ref_net, adamw_of(ref_net), v.options);
+  auto [model, optimizer] = amp::initialize(net, adamw_of(net), v.options);
+  auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
+  auto ddp = amp::parallel::make_distributed(model, group);
+  amp::parallel::shard_optimizer(ddp, optimizer, v.zero);
+  bool same = true, same_losses = true, same_scale = true, released = true;
+  for (int step = 0; step < 5; ++step) {
+    const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+    const int64_t inf_at = v.overflow && step == 2 && group.rank() == 1 ? 1 : -1;  // on one rank: every rank skips
+    double losses[2];
+    int k = 0;
+    for (auto* run : {&ref_ddp, &ddp}) {
+      auto& o = run == &ref_ddp ? ref_optimizer : optimizer;
+      o.zero_grad();
+      const torch::Tensor loss = loss_of((*run)(local.x), local.y, inf_at);
+      losses[k++] = loss.item<double>();
+      amp::scale_loss(loss, o).backward();
+      (void)amp::clip_grad_norm_(o, 1.0);
+      o.step();
+    }
+    for (const auto& p : net->parameters()) released = released && p.storage().nbytes() == 0;
+    same = same && bitwise(whole_params(ddp, net), params_of(ref_net));
+    same_losses = same_losses && (losses[0] == losses[1] || (std::isnan(losses[0]) && std::isnan(losses[1])));
+    same_scale = same_scale && optimizer.loss_scaler().loss_scale() == ref_optimizer.loss_scaler().loss_scale();
+  }
+  report(same, v.label + ": the parameters equal the unsharded run's bit for bit after every step");
+  report(same_losses && same_scale && optimizer.skipped_steps() == ref_optimizer.skipped_steps(),
+         v.label + ": the same losses, loss scale and skipped steps",
+         "skipped " + std::to_string(optimizer.skipped_steps()) + " vs " + std::to_string(ref_optimizer.skipped_steps()));
+  report(released, v.label + ": between steps the model's parameters hold no memory");
+  {
+    torch::NoGradGuard no_grad;
+    ref_ddp.eval();
+    ddp.eval();
+    const Batch batch = global_batch(9, kGlobal);
+    report(torch::equal(ddp(batch.x), ref_ddp(batch.x)), v.label + ": evaluation without gradients gives the same outputs");
+    ddp.train();
+    ref_ddp.train();
+  }
+  report(same_on_all_ranks(group, whole_params(ddp, net)), v.label + ": every rank's replica is identical");
+}
+
+// Writes under GatheredParametersGuard reach the shards: the masters follow the written weights, as unsharded.
+void guarded_writes(const ProcessGroup& group) {
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const int64_t local_rows = kGlobal / group.world_size();
+  TiedNet ref_net(8), net(8);
+  auto [ref_model, ref_optimizer] = amp::initialize(ref_net, adamw_of(ref_net), options);
+  auto [model, optimizer] = amp::initialize(net, adamw_of(net), options);
+  auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
+  auto ddp = amp::parallel::make_distributed(model, group);
+  amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3));
+  auto step = [&](auto& d, auto& o, int i) {
+    const Batch local = rows(global_batch(i, kGlobal), group.rank() * local_rows, local_rows);
+    o.zero_grad();
+    amp::scale_loss(loss_of(d(local.x), local.y), o).backward();
+    o.step();
+  };
+  step(ref_ddp, ref_optimizer, 0);
+  step(ddp, optimizer, 0);
+  {
+    torch::NoGradGuard no_grad;
+    ref_net->head->weight.mul_(0.5);
+    amp::parallel::GatheredParametersGuard whole(ddp);
+    net->head->weight.mul_(0.5);
+  }
+  step(ref_ddp, ref_optimizer, 1);
+  step(ddp, optimizer, 1);
+  report(bitwise(whole_params(ddp, net), params_of(ref_net)),
+         "stage 3: a weight written under GatheredParametersGuard trains on as the unsharded run's");
+}
+
+// The bytes all-gathered per step: stage 3 gathers each unit before its forward and again before its backward,
+// stage 2 the updated parameters once (ZeRO's paper: stage 3 communicates 1.5x stage 2, all-gathers twice).
+void communication(const ProcessGroup& group) {
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const int64_t local_rows = kGlobal / group.world_size();
+  int64_t gathered[2] = {0, 0}, scattered[2] = {0, 0};
+  for (int stage : {2, 3}) {
+    TiedNet net(9);
+    auto [model, optimizer] = amp::initialize(net, adamw_of(net), options);
+    auto ddp = amp::parallel::make_distributed(model, group);
+    amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage));
+    const auto before = ddp.communication_stats();
+    const Batch local = rows(global_batch(0, kGlobal), group.rank() * local_rows, local_rows);
+    optimizer.zero_grad();
+    amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer).backward();
+    optimizer.step();
+    const auto after = ddp.communication_stats();
+    gathered[stage - 2] = after.allgather_bytes - before.allgather_bytes;
+    scattered[stage - 2] = after.reduce_scatter_bytes - before.reduce_scatter_bytes;
+  }
+  const double ratio = static_cast<double>(gathered[1] + scattered[1]) / static_cast<double>(gathered[0] + scattered[0]);
+  std::cout << "[ measured ] one step's all-gather + reduce-scatter bytes, stage 3 / stage 2: " << ratio << " ("
+            << gathered[1] << " + " << scattered[1] << " vs " << gathered[0] << " + " << scattered[0] << ")" << std::endl;
+  report(scattered[1] == scattered[0] && gathered[1] >= 2 * gathered[0] - 64 && gathered[1] <= 2 * gathered[0] + 4096,
+         "stage 3: a step all-gathers each unit twice (forward, backward) where stage 2 gathers once, and reduce-scatters "
+         "as much");
+}
+
+// Two heads; each rank routes its batch to another one. Stage 3 refuses this on both ranks, naming the units.
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    torch::manual_seed(3);
+    a = register_module("a", torch::nn::Linear(12, 5));
+    b = register_module("b", torch::nn::Linear(12, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_a) { return use_a ? a(x) : b(x); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+void misuse(const ProcessGroup& group) {
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  auto fresh = [&](const amp::Options& o) {
+    TiedNet net(1);
+    auto [model, optimizer] = amp::initialize(net, adamw_of(net), o);
+    auto ddp = amp::parallel::make_distributed(model, group);
+    return std::make_tuple(net, std::move(optimizer), ddp);
+  };
+  {
+    auto [net, optimizer, ddp] = fresh(options);
+    std::string m = message_of([&] {
+      amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3).units({"enc", "decoder"}));
+    });
+    report(m.find("the stage-3 unit pattern 'decoder' (ZeroOptions::units) matches no module") != std::string::npos &&
+               m.find("closest:") != std::string::npos,
+           "stage 3: a unit pattern matching no module is refused, naming it and the closest names", m);
+    m = message_of([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(2).units({"enc"})); });
+    report(m.find("ZeroOptions::units applies to stage 3 only") != std::string::npos,
+           "stage 2 with units is refused (they apply to stage 3 only)", m);
+    m = message_of([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3).prefetch(-1)); });
+    report(m.find("ZeroOptions::prefetch must be 0") != std::string::npos && m.find("got -1") != std::string::npos,
+           "a negative prefetch is refused, naming it", m);
+    m = message_of([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(4)); });
+    report(m.find("stage must be 1") != std::string::npos && m.find("or 3 (and the parameters), got 4") != std::string::npos,
+           "stage 4 is refused, naming the stages", m);
+  }
+  {
+    auto [net, optimizer, ddp] = fresh(amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).master_weights_format(
+        amp::MasterWeights::kSplit));
+    const std::string m = message_of([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3)); });
+    report(m.find("stage 3 with the lean master format 'split' is not supported yet") != std::string::npos,
+           "stage 3 with a lean master format is refused, naming it", m);
+  }
+  {  // Each rank routes its batch to another head: both ranks fail at the same gather, naming both units.
+    TwoHeads net;
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-2)), options);
+    auto ddp = amp::parallel::make_distributed(model, group, amp::parallel::DistributedDataParallelOptions().delay_allreduce(true));
+    amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3));
+    const Batch local = rows(global_batch(0, kGlobal), group.rank() * 8, 8);
+    const std::string m = message_of([&] { (void)ddp(local.x, group.rank() == 0); });
+    report(m.find("rank " + std::to_string(group.rank()) + " gathers unit '" + (group.rank() == 0 ? "a" : "b") +
+                  "' while rank " + std::to_string(1 - group.rank()) + " gathers unit '" + (group.rank() == 0 ? "b" : "a")) !=
+                   std::string::npos &&
+               m.find("route batches to different branches only at stage 1 or 2") != std::string::npos,
+           "stage 3: ranks whose forwards read different units fail on both, naming the units", m);
+  }
+}
+
+}  // namespace
+
+void scenario_zero_stage3_units(const ProcessGroup& group) {
+  const amp::Options o2 = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const std::vector<Variant> variants = {
+      {"O2 bf16, each child a unit, prefetch 1", o2, amp::parallel::ZeroOptions().stage(3)},
+      {"O2 bf16, units enc and mid.* (the rest the root's), prefetch 0", o2,
+       amp::parallel::ZeroOptions().stage(3).units({"enc", "mid.*"}).prefetch(0)},
+      {"O2 bf16, units * (the outermost modules), prefetch 3", o2,
+       amp::parallel::ZeroOptions().stage(3).units({"*"}).prefetch(3)},
+      {"O2 bf16, overlap off", o2, amp::parallel::ZeroOptions().stage(3).overlap(false)},
+      {"O1 bf16 with head kept in fp32", amp::Options("O1").low_precision_dtype(torch::kBFloat16).keep_fp32({"head"}).verbosity(0),
+       amp::parallel::ZeroOptions().stage(3)},
+      {"O0", amp::Options("O0").verbosity(0), amp::parallel::ZeroOptions().stage(3), /*overflow=*/false},
+      {"O2 bf16, 8-bit optimizer state", amp::Options(o2).optimizer_state_format(amp::OptimizerStateFormat::k8Bit),
+       amp::parallel::ZeroOptions().stage(3)},
+  };
+  for (const auto& v : variants) side_by_side(group, v);
+  guarded_writes(group);
+  communication(group);
+  misuse(group);
+}
+
+}  // namespace amp_worker
