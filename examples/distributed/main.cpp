@@ -8,8 +8,11 @@
 // Each rank trains on its share of every epoch (torch::data::samplers::DistributedRandomSampler), gradients are
 // averaged across ranks in bf16 during backward, BatchNorm statistics cover the global batch (SyncBatchNorm), and
 // rank 0 prints one line per epoch and writes the checkpoint; `--resume true` loads it on every rank.
-// `--zero-stage 1|2` shards the fp32 masters, the momentum (and at 2 the gradients) across the ranks (ZeRO,
-// amp::parallel::shard_optimizer); the checkpoint is then the consolidated one (amp::parallel::save_consolidated).
+// `--zero-stage 1|2|3` shards the fp32 masters, the momentum (at 2 the gradients, at 3 the parameters too) across the
+// ranks (ZeRO, amp::parallel::shard_optimizer); the checkpoint is then the consolidated one
+// (amp::parallel::save_consolidated). At stage 3, `--zero-units` names the modules gathered together and
+// `--zero-prefetch` how many are gathered ahead; reading the weights outside the forward takes a
+// GatheredParametersGuard (the checkpoint, the checksum).
 
 #include <amp/amp.h>
 #include <torch/torch.h>
@@ -48,7 +51,8 @@ int main(int argc, char** argv) {
   int64_t batch_size = 32;
   double lr = 0.05;
   bool resume = false, syncbn = true, delay_allreduce = false;
-  int zero_stage = 0;
+  int zero_stage = 0, zero_prefetch = 1;
+  std::string zero_units;
   amp::ProgramFlags flags(
       "distributed: trains the digits classifier on every rank of a torchrun job (torchrun --standalone "
       "--nproc-per-node 2 --no-python ./distributed --config O2_bf16.ini)");
@@ -60,7 +64,10 @@ int main(int argc, char** argv) {
       .add("delay_allreduce", &delay_allreduce, "reduce gradients once after backward instead of during it")
       .add("checkpoint", &checkpoint, "rank 0 saves CHECKPOINT.{model,optimizer,epoch} after every epoch")
       .add("resume", &resume, "every rank loads --checkpoint and continues from its epoch")
-      .add("zero_stage", &zero_stage, "0: off; 1: ZeRO-shard the masters and momentum; 2: and the gradients");
+      .add("zero_stage", &zero_stage, "0: off; 1: ZeRO-shard the masters and momentum; 2: and the gradients; 3: and "
+           "the parameters")
+      .add("zero_units", &zero_units, "stage 3: comma-separated module patterns gathered together (empty: each child)")
+      .add("zero_prefetch", &zero_prefetch, "stage 3: units all-gathered ahead of the one in use");
   try {
     const auto options = amp::parse_command_line(argc, argv, flags);
     if (!options) return 0;
@@ -89,7 +96,19 @@ int main(int argc, char** argv) {
     if (resume) torch::load(net, checkpoint + ".model");  // after initialize: the model holds its amp dtypes
     auto ddp = amp::parallel::make_distributed(model, group,
                                                amp::parallel::DistributedDataParallelOptions().delay_allreduce(delay_allreduce));
-    if (zero_stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(zero_stage));
+    if (zero_stage > 0) {
+      amp::parallel::ZeroOptions zero = amp::parallel::ZeroOptions().stage(zero_stage);
+      if (zero_stage == 3) {
+        std::vector<std::string> units;
+        for (size_t at = 0; at < zero_units.size();) {
+          const size_t comma = std::min(zero_units.find(',', at), zero_units.size());
+          units.push_back(zero_units.substr(at, comma - at));
+          at = comma + 1;
+        }
+        zero.units(units).prefetch(zero_prefetch);
+      }
+      amp::parallel::shard_optimizer(ddp, optimizer, zero);
+    }
     if (resume) {
       torch::load(optimizer, checkpoint + ".optimizer");  // every rank; a sharded one keeps its slice
       std::ifstream(checkpoint + ".epoch") >> first_epoch;
@@ -128,9 +147,9 @@ int main(int argc, char** argv) {
         torch::NoGradGuard no_grad;
         const int64_t per_rank = (n_val + world - 1) / world, begin = std::min<int64_t>(rank * per_rank, n_val);
         const int64_t count = std::min<int64_t>(per_rank, n_val - begin);
-        if (count > 0) {
-          correct = model(val_x.narrow(0, begin, count)).argmax(1).eq(val_y.narrow(0, begin, count)).sum().item<double>();
-        }
+        // Through ddp: at ZeRO stage 3 its forward gathers each unit's parameters (every rank runs it, even on none).
+        const auto predicted = ddp(val_x.narrow(0, begin, count)).argmax(1);
+        if (count > 0) correct = predicted.eq(val_y.narrow(0, begin, count)).sum().item<double>();
       }
       const auto totals = sum_over_ranks(group, {loss_sum, seen, correct});
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -142,6 +161,7 @@ int main(int argc, char** argv) {
       }
       if (!checkpoint.empty()) {
         if (zero_stage > 0) amp::parallel::save_consolidated(optimizer, checkpoint + ".optimizer");  // every rank
+        amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: the weights whole (every rank); else nothing
         if (leader) {
           torch::save(net, checkpoint + ".model");
           if (zero_stage == 0) torch::save(optimizer, checkpoint + ".optimizer");
@@ -154,8 +174,11 @@ int main(int argc, char** argv) {
     // Every rank holds the same weights: the checksum of the fp32 masters (sharded: of the model, as each rank holds
     // only its slice of the masters) has the same bits everywhere.
     double checksum = 0;
-    for (const auto& p : zero_stage > 0 ? net->parameters() : amp::master_params(optimizer)) {
-      checksum += p.to(torch::kDouble).abs().sum().item<double>();
+    {
+      amp::parallel::GatheredParametersGuard whole(ddp);
+      for (const auto& p : zero_stage > 0 ? net->parameters() : amp::master_params(optimizer)) {
+        checksum += p.to(torch::kDouble).abs().sum().item<double>();
+      }
     }
     std::vector<torch::Tensor> low{torch::tensor({checksum}, torch::kDouble)}, high{low[0].clone()};
     c10d::AllreduceOptions min_op, max_op;
@@ -177,9 +200,9 @@ int main(int argc, char** argv) {
       if (zero_stage > 0) {
         const amp::StateBytes bytes = amp::state_bytes(optimizer);
         std::printf("ZeRO stage %d: reduce-scattered %.1f KiB, all-gathered %.1f KiB; rank 0 holds %.1f KiB of masters, "
-                    "%.1f KiB of optimizer state\n", zero_stage, static_cast<double>(stats.reduce_scatter_bytes) / 1024.0,
+                    "%.1f KiB of optimizer state, %.1f KiB of parameters\n", zero_stage, static_cast<double>(stats.reduce_scatter_bytes) / 1024.0,
                     static_cast<double>(stats.allgather_bytes) / 1024.0, static_cast<double>(bytes.masters) / 1024.0,
-                    static_cast<double>(bytes.optimizer_state) / 1024.0);
+                    static_cast<double>(bytes.optimizer_state) / 1024.0, static_cast<double>(bytes.params) / 1024.0);
       }
     }
     return agree ? 0 : 2;

@@ -44,6 +44,8 @@
 #include <utility>
 #include <vector>
 
+#include "interception/interception.h"
+
 #include "amp/autocast_guard.h"
 #include "amp/precision_policy.h"
 #include "casting/autocast_adapter.h"
@@ -64,6 +66,7 @@ struct CastState {
   bool apex_rows = true;
   bool cache_enabled = true;
   std::shared_ptr<PrecisionPolicy> policy;  // the fp32 islands of the model being run, or null
+  std::vector<ForwardContext> contexts;     // NOTE [One interception key]: ZeRO stage 3's gatherers, or none
 
   static CastState current() {
     CastState s;
@@ -75,6 +78,7 @@ struct CastState {
     s.apex_rows = apex_rows_active();
     s.cache_enabled = autocast::is_cache_enabled();
     s.policy = current_precision_policy();
+    s.contexts = capture_forward_contexts();
     return s;
   }
 
@@ -94,6 +98,7 @@ class CastStateGuard {
  public:
   explicit CastStateGuard(const CastState& state) : saved_(CastState::current()), policy_(state.policy) {
     state.install(false);
+    for (const auto& context : state.contexts) entered_.push_back(context());
   }
   ~CastStateGuard() {
     try {
@@ -108,6 +113,7 @@ class CastStateGuard {
  private:
   CastState saved_;
   PrecisionPolicyGuard policy_;
+  std::vector<std::shared_ptr<void>> entered_;  // the forward's contexts, re-entered for the recompute
 };
 
 // The states of the generators fn may draw from: the CPU's, and those of the devices of the inputs (as torch's

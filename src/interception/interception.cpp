@@ -69,4 +69,27 @@ void register_interception_fallback() {
   });
 }
 
+namespace {
+std::mutex contexts_mutex;
+std::vector<ForwardContextCapture> context_captures;
+}  // namespace
+
+void register_forward_context(ForwardContextCapture capture) {
+  std::lock_guard<std::mutex> lock(contexts_mutex);
+  context_captures.push_back(std::move(capture));
+}
+
+std::vector<ForwardContext> capture_forward_contexts() {
+  std::vector<ForwardContextCapture> captures;
+  {
+    std::lock_guard<std::mutex> lock(contexts_mutex);
+    captures = context_captures;
+  }
+  std::vector<ForwardContext> out;
+  for (const auto& capture : captures) {
+    if (ForwardContext context = capture()) out.push_back(std::move(context));
+  }
+  return out;
+}
+
 }  // namespace amp::detail

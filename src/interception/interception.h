@@ -18,6 +18,7 @@
 #include <c10/core/DispatchKey.h>
 #include <c10/core/DispatchKeySet.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -75,5 +76,15 @@ void register_interception_handler(int order, std::shared_ptr<InterceptionHandle
 /// Installs the fallback on kInterceptionKey, once per process (throws if another library holds the key). Call
 /// before turning the key on.
 void register_interception_fallback();
+
+/// A per-thread state of a forward that a region recomputed in backward must see again (ZeRO stage 3's gatherers:
+/// amp::checkpoint recomputes a unit's ops after its forward ended). A capture runs in the forward and returns what
+/// re-enters that state for the recompute (the object it returns lives as long as the recompute), or null.
+using ForwardContext = std::function<std::shared_ptr<void>()>;
+using ForwardContextCapture = std::function<ForwardContext()>;
+/// Adds `capture` (once per process and feature).
+void register_forward_context(ForwardContextCapture capture);
+/// Every registered capture's context now (amp::checkpoint's forward); the null ones left out.
+std::vector<ForwardContext> capture_forward_contexts();
 
 }  // namespace amp::detail

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "casting/model_casting.h"
+#include "core/released_parameters.h"
 #include "optim/float32_bytes.h"
 #include "optim/lean_masters.h"
 #include "optim/master_weights.h"
@@ -60,8 +61,9 @@ std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& mo
       }
       table->refresh_changed();
       value = table->value(index);  // the fp32 value the lean form keeps (master_weights_format)
-    } else if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) {
-      value = value.to(at::kFloat);
+    } else {
+      check_not_released(value, name, "amp (writing the model's fp32 weights)");
+      if (value.scalar_type() == at::kHalf || value.scalar_type() == at::kBFloat16) value = value.to(at::kFloat);
     }
   }
   return out;

@@ -787,7 +787,7 @@ void Zero::start_gather(int unit) {
     wait(state_.group->allgather(out, in), state_, std::string(kShard) + " (stage 3: agreeing on the unit to gather)");
     for (int64_t r = 0; r < n_ranks; ++r) {
       const int64_t theirs = out[0][static_cast<size_t>(r)].item<int64_t>();
-      TORCH_CHECK(theirs == unit, kShard, ": stage 3: rank ", state_.rank, " gathers unit '", units_[u].name, "' while "
+      TORCH_CHECK(theirs == unit, "amp::parallel (ZeRO stage 3): rank ", state_.rank, " gathers unit '", units_[u].name, "' while "
                   "rank ", r, " gathers unit '", theirs >= 0 && theirs < static_cast<int64_t>(units_.size())
                       ? units_[static_cast<size_t>(theirs)].name : std::string("?"),
                   "': their forwards (or backwards) read different units. At stage 3 every rank must run the same "
@@ -1374,6 +1374,12 @@ void Zero::check_shard_archive(torch::serialize::InputArchive& archive, const ch
               "that on every rank after shard_optimizer (each rank keeps its slice).");
   TORCH_CHECK(rank.toInt() == state_.rank, where, ": the checkpoint is rank ", rank.toInt(), "'s shard, this is rank ",
               state_.rank, ". Each rank loads the file it saved (name it by rank, e.g. optimizer.rank<N>.pt).");
+  c10::IValue saved_stage;
+  const int64_t theirs_stage = amp_archive.try_read("zero/stage", saved_stage) && saved_stage.isInt() ? saved_stage.toInt() : 1;
+  TORCH_CHECK((theirs_stage == 3) == (stage_ == 3), where, ": the checkpoint is a shard of ZeRO stage ", theirs_stage,
+              ", this optimizer is sharded at stage ", stage_, ", and stage 3 cuts every unit into slices of its own. "
+              "Resume a rank's shard at the stage it was saved at, or save with amp::parallel::save_consolidated, which "
+              "any stage loads.");
   const std::vector<int64_t> theirs = saved_layout.toIntVector();
   TORCH_CHECK(theirs == layout(), where, ": the checkpoint's param groups hold (tensors, elements) ",
               shard_sizes_text(theirs), ", this optimizer's ", shard_sizes_text(layout()), ". Resume with the same model and param "

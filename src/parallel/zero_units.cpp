@@ -95,11 +95,27 @@ class ZeroGatherHandler final : public amp::detail::InterceptionHandler {
   bool sees_writes() const override { return true; }
 };
 
+// amp::checkpoint recomputes a region in backward, after the forward's gathering ended: it re-enters this thread's
+// gatherers for the recompute, whose ops then gather what they read (and hook their outputs) as the forward's did.
+amp::detail::ForwardContext capture_gatherers() {
+  if (active_gatherers.empty()) return nullptr;
+  std::vector<std::weak_ptr<UnitGatherer>> captured;
+  for (const auto& entry : active_gatherers) captured.push_back(entry.second);
+  return [captured] {
+    auto scopes = std::make_shared<std::vector<std::shared_ptr<void>>>();
+    for (const auto& weak : captured) {
+      if (const auto gatherer = weak.lock()) scopes->push_back(gather_in_forward(gatherer, nullptr));
+    }
+    return std::shared_ptr<void>(scopes);
+  };
+}
+
 void register_gather_handler() {
   static std::once_flag once;
   std::call_once(once, [] {
     amp::detail::register_interception_fallback();
     amp::detail::register_interception_handler(amp::detail::kZeroGatherOrder, std::make_shared<ZeroGatherHandler>());
+    amp::detail::register_forward_context(capture_gatherers);
   });
 }
 
@@ -177,8 +193,6 @@ void release_storage(const at::Tensor& t) {
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   storage->set_nbytes(0);
 }
-
-bool is_released(const at::Tensor& t) { return t.numel() > 0 && t.storage().nbytes() == 0; }
 
 void materialize_storage(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "core/released_parameters.h"
+
 namespace amp::parallel::detail {
 
 /// The parameters gathered and freed together: a module's (recursively), or the root's (name "<root>": those in no
@@ -28,7 +30,7 @@ std::vector<ZeroUnit> resolve_units(const torch::nn::Module& module, const std::
 /// A parameter's storage without memory (ATen refuses to read it: "data is not allocated"), its metadata kept, and
 /// the same storage given memory again (its views, autograd's saved tensors included, see it).
 void release_storage(const at::Tensor& t);
-bool is_released(const at::Tensor& t);
+using amp::detail::is_released;  // src/core/released_parameters.h
 void materialize_storage(const at::Tensor& t, size_t nbytes);
 
 /// What the interception handler asks of the ZeRO engine that owns this thread's forward.

@@ -402,6 +402,17 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     }
     report(equal, label + ": the consolidated archive's masters equal the unsharded run's");
   }
+  // A stage-1 or 2 shard at stage 3 and the reverse: refused, naming both stages (stage 3's slices are per unit).
+  {
+    auto net9 = make_mlp(5);
+    auto [model9, optimizer9] = amp::initialize(net9, make(net9), options);
+    auto ddp9 = amp::parallel::make_distributed(model9, group);
+    amp::parallel::shard_optimizer(ddp9, optimizer9, amp::parallel::ZeroOptions().stage(stage == 3 ? 2 : 3));
+    const std::string message = expect_throw([&] { torch::load(optimizer9, shard_path); });
+    report(message.find("the checkpoint is a shard of ZeRO stage " + std::to_string(stage) + ", this optimizer is "
+                        "sharded at stage " + std::to_string(stage == 3 ? 2 : 3)) != std::string::npos,
+           label + ": a rank's shard at another side of stage 3 is refused, naming both stages", message.substr(0, 200));
+  }
   // A shard from another world size (the 2-rank run's, read by the 4-rank run) is refused naming both sizes.
   if (n == 4) {
     const std::string other = dir + "/zero_s" + std::to_string(stage) + "_w2_r" + std::to_string(group.rank() % 2) + ".pt";
@@ -719,8 +730,8 @@ void misuse(const ProcessGroup& group) {
   auto net = make_mlp(3);
   auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters()), options);
   auto ddp = amp::parallel::make_distributed(model, group);
-  std::string m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3)); });
-  report(m.find("stage must be 1") != std::string::npos && m.find("got 3") != std::string::npos, "stage 3 is refused", m);
+  std::string m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(4)); });
+  report(m.find("stage must be 1") != std::string::npos && m.find("got 4") != std::string::npos, "stage 4 is refused", m);
   amp::parallel::shard_optimizer(ddp, optimizer);
   m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer); });
   report(m.find("sharded already") != std::string::npos, "sharding twice is refused", m);
@@ -1347,12 +1358,14 @@ void scenario_zero_bench(const ProcessGroup& group) {
   int64_t num_params = 0;
   // Rows 4 and 5 keep Adam's moments in 8 bits (optimizer_state_format 8bit), unsharded and at stage 2; rows 6 and 7
   // also keep no fp32 masters (master_weights_format split: the bf16 weight and its low 16 bits); row 8 is row 3
-  // reduce-scattering after backward instead of during it (ZeroOptions::overlap(false)).
+  // reduce-scattering after backward instead of during it (ZeroOptions::overlap(false)); rows 9-12 are stage 3 (the
+  // parameters sharded too: each Linear a unit), with fp32 and 8-bit moments, after backward, and without prefetch.
   struct Run {
     int stage;
     amp::OptimizerStateFormat format;
     amp::MasterWeights masters;
     bool overlap = true;
+    int prefetch = 1;
   };
   const std::vector<Run> runs = {{0, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
                                  {1, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
@@ -1361,8 +1374,12 @@ void scenario_zero_bench(const ProcessGroup& group) {
                                  {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
                                  {0, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
                                  {2, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
-                                 {2, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, false}};
-  for (const auto& [stage, format, masters, overlap] : runs) {
+                                 {2, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, false},
+                                 {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
+                                 {3, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
+                                 {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, false},
+                                 {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, true, 0}};
+  for (const auto& [stage, format, masters, overlap, prefetch] : runs) {
     auto net = make_net();
     num_params = 0;
     for (const auto& p : net->parameters()) num_params += p.numel();
@@ -1374,11 +1391,14 @@ void scenario_zero_bench(const ProcessGroup& group) {
             .master_weights_format(masters)
             .verbosity(0));
     auto ddp = amp::parallel::make_distributed(model, group);
-    if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(stage).overlap(overlap));
+    amp::parallel::ZeroOptions zero = amp::parallel::ZeroOptions().stage(stage).overlap(overlap);
+    if (stage == 3) zero.prefetch(prefetch);
+    if (stage > 0) amp::parallel::shard_optimizer(ddp, optimizer, zero);
     Row row{(stage == 0 ? std::string("unsharded") : "stage " + std::to_string(stage)) +
             (format == amp::OptimizerStateFormat::k8Bit ? ", 8-bit moments" : "") +
             (masters == amp::MasterWeights::kSplit ? ", split masters" : "") +
-            (stage == 2 && !overlap ? ", reduce-scatter after backward" : "")};
+            (stage >= 2 && !overlap ? ", reduce-scatter after backward" : "") +
+            (stage == 3 && prefetch == 0 ? ", no prefetch" : "")};
     std::vector<double> times;
     amp::parallel::CommunicationStats before{};
     for (int step = 0; step < 9; ++step) {
@@ -1425,6 +1445,8 @@ void scenario_zero_bench(const ProcessGroup& group) {
          "8-bit moments hold less than fp32 ones, sharded or not");
   report(rows_out[6].bytes.total() < rows_out[5].bytes.total() && rows_out[6].bytes.total() < rows_out[4].bytes.total(),
          "split masters with 8-bit moments at stage 2 hold less than unsharded and than fp32 masters at stage 2");
+  report(rows_out[8].bytes.total() < rows_out[2].bytes.total() && rows_out[9].bytes.total() < rows_out[4].bytes.total(),
+         "stage 3 holds less than stage 2, with fp32 and with 8-bit moments");
 }
 
 }  // namespace amp_worker

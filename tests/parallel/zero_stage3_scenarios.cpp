@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,10 +23,10 @@
 namespace amp_worker {
 namespace {
 
-// enc's weight is read again, transposed, by the root's own forward (a tied decoder), mid runs twice, and the
-// decoder's bias belongs to the root.
+// enc's weight is read again, transposed, by the root's own forward (a tied decoder), mid runs twice (its second run
+// under activation checkpointing when `checkpointed`: recomputed in backward), and the decoder's bias belongs to the root.
 struct TiedNetImpl : torch::nn::Module {
-  explicit TiedNetImpl(uint64_t seed) {
+  explicit TiedNetImpl(uint64_t seed, bool checkpointed = false) : checkpointed(checkpointed) {
     torch::manual_seed(seed);
     enc = register_module("enc", torch::nn::Linear(12, 32));
     mid = register_module("mid", torch::nn::Sequential(torch::nn::Linear(32, 32), torch::nn::Tanh()));
@@ -35,13 +36,14 @@ struct TiedNetImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     torch::Tensor h = torch::relu(enc(x));
     h = mid->forward(h);
-    h = mid->forward(h);
+    h = checkpointed ? amp::checkpoint(mid, h) : mid->forward(h);
     const torch::Tensor r = torch::nn::functional::linear(h, enc->weight.t(), dec_bias);
     return head(torch::relu(r));
   }
   torch::nn::Linear enc{nullptr}, head{nullptr};
   torch::nn::Sequential mid{nullptr};
   torch::Tensor dec_bias;
+  bool checkpointed = false;
 };
 TORCH_MODULE(TiedNet);
 
@@ -79,13 +81,14 @@ struct Variant {
   amp::Options options;
   amp::parallel::ZeroOptions zero;
   bool overflow = true;  // an inf on one rank's batch at step 2 (a dynamic loss scale skips it)
+  bool checkpointed = false;
 };
 
 // Trains the tied net sharded and unsharded side by side; bitwise after every step, also the losses, the loss scale
 // and the evaluation outputs; the parameters hold no memory between steps.
 void side_by_side(const ProcessGroup& group, const Variant& v) {
   const int64_t local_rows = kGlobal / group.world_size();
-  TiedNet ref_net(7), net(7);
+  TiedNet ref_net(7, v.checkpointed), net(7, v.checkpointed);
   auto [ref_model, ref_optimizer] = amp::initialize(ref_net, adamw_of(ref_net), v.options);
   auto [model, optimizer] = amp::initialize(net, adamw_of(net), v.options);
   auto ref_ddp = amp::parallel::make_distributed(ref_model, group);
@@ -238,12 +241,46 @@ void misuse(const ProcessGroup& group) {
     auto ddp = amp::parallel::make_distributed(model, group, amp::parallel::DistributedDataParallelOptions().delay_allreduce(true));
     amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3));
     const Batch local = rows(global_batch(0, kGlobal), group.rank() * 8, 8);
-    const std::string m = message_of([&] { (void)ddp(local.x, group.rank() == 0); });
+    std::string m = message_of([&] { (void)ddp(local.x, group.rank() == 0); });
     report(m.find("rank " + std::to_string(group.rank()) + " gathers unit '" + (group.rank() == 0 ? "a" : "b") +
                   "' while rank " + std::to_string(1 - group.rank()) + " gathers unit '" + (group.rank() == 0 ? "b" : "a")) !=
                    std::string::npos &&
                m.find("route batches to different branches only at stage 1 or 2") != std::string::npos,
            "stage 3: ranks whose forwards read different units fail on both, naming the units", m);
+    // Between uses a parameter holds no values: amp's readers and writers say so and name the guard.
+    m = message_of([&] { amp::load_weights(*net, "/nonexistent-is-not-read"); });
+    report(m.find("cannot read") != std::string::npos, "amp::load_weights reports an unreadable file first", m);
+    std::ostringstream bytes;
+    {
+      amp::parallel::GatheredParametersGuard whole(ddp);  // (an archive refers to the tensors until it is written)
+      torch::serialize::OutputArchive out;
+      net->save(out);
+      out.save_to(bytes);
+    }
+    std::istringstream in_bytes(bytes.str());
+    torch::serialize::InputArchive in;
+    in.load_from(in_bytes);
+    m = message_of([&] { amp::load_weights(*net, in); });
+    report(m.find("amp::load_weights: parameter 'a.weight' holds no values on this rank") != std::string::npos &&
+               m.find("GatheredParametersGuard") != std::string::npos,
+           "amp::load_weights outside GatheredParametersGuard is refused, naming the parameter and the guard", m);
+    m = message_of([&] { amp::PythonCheckpoint().put_model("model", *net); });
+    report(m.empty(), "PythonCheckpoint::put_model of a stage-3 O2 model needs no guard (it gathers the masters)", m);
+    torch::Tensor saved;
+    torch::serialize::InputArchive a_archive;
+    in.read("a", a_archive);
+    a_archive.read("weight", saved);
+    {
+      torch::NoGradGuard no_grad;
+      amp::parallel::GatheredParametersGuard whole(ddp);
+      net->a->weight.mul_(2);
+    }
+    {
+      amp::parallel::GatheredParametersGuard whole(ddp);
+      amp::load_weights(*net, in);
+    }
+    amp::parallel::GatheredParametersGuard whole(ddp);
+    report(torch::equal(net->a->weight, saved), "amp::load_weights under GatheredParametersGuard reaches the shards");
   }
 }
 
@@ -261,6 +298,10 @@ void scenario_zero_stage3_units(const ProcessGroup& group) {
       {"O1 bf16 with head kept in fp32", amp::Options("O1").low_precision_dtype(torch::kBFloat16).keep_fp32({"head"}).verbosity(0),
        amp::parallel::ZeroOptions().stage(3)},
       {"O0", amp::Options("O0").verbosity(0), amp::parallel::ZeroOptions().stage(3), /*overflow=*/false},
+      {"O2 bf16, mid's second run checkpointed (recomputed in backward)", o2, amp::parallel::ZeroOptions().stage(3),
+       true, /*checkpointed=*/true},
+      {"O2 bf16, units * with mid.0 checkpointed, prefetch 0", o2,
+       amp::parallel::ZeroOptions().stage(3).units({"*"}).prefetch(0), true, true},
       {"O2 bf16, 8-bit optimizer state", amp::Options(o2).optimizer_state_format(amp::OptimizerStateFormat::k8Bit),
        amp::parallel::ZeroOptions().stage(3)},
   };
