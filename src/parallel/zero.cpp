@@ -270,6 +270,9 @@ class Zero final : public amp::detail::Sharding,
     return it == unit_of_storage_.end() ? -1 : it->second;
   }
   void gather(int unit, bool backward) override;
+  void keep_for_backward(int unit) override {
+    if (forward_records_grad_) kept_[static_cast<size_t>(unit)] = 1;
+  }
   std::shared_ptr<void> forward() override;
   std::shared_ptr<void> gather_all() override;
 
@@ -352,6 +355,8 @@ class Zero final : public amp::detail::Sharding,
   std::vector<std::optional<UnitInFlight>> unit_in_flight_;
   int prefetch_ = 1;
   int whole_guards_ = 0;                  // GatheredParametersGuards alive
+  bool forward_records_grad_ = false;     // the forward in flight records gradients
+  std::vector<char> kept_;                // units whole until backward ends (keep_for_backward)
   std::vector<int> order_[2], this_order_[2];  // units in the order the last forward [0] / backward [1] gathered them
 
  public:
@@ -380,6 +385,7 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
     unit_lanes_.resize(units_.size());
     unit_whole_.assign(units_.size(), 1);
     unit_in_flight_.resize(units_.size());
+    kept_.assign(units_.size(), 0);
   }
   add_groups(optimizer);
 }
@@ -882,6 +888,7 @@ void Zero::release(int unit) {
 void Zero::release_all() {
   if (whole_guards_ > 0) return;
   for (size_t u = 0; u < units_.size(); ++u) release(static_cast<int>(u));
+  std::fill(kept_.begin(), kept_.end(), 0);
 }
 
 std::shared_ptr<void> Zero::forward() {
@@ -889,6 +896,7 @@ std::shared_ptr<void> Zero::forward() {
   if (!this_order_[1].empty()) order_[1] = std::move(this_order_[1]);
   this_order_[0].clear();
   this_order_[1].clear();
+  forward_records_grad_ = c10::GradMode::is_enabled();
   std::weak_ptr<Zero> weak = weak_from_this();
   return gather_in_forward(shared_from_this(), [weak] {
     if (const auto zero = weak.lock()) zero->end_forward();
@@ -897,7 +905,10 @@ std::shared_ptr<void> Zero::forward() {
 
 void Zero::end_forward() {
   order_[0] = this_order_[0];
-  release_all();
+  if (whole_guards_ > 0) return;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (!kept_[u]) release(static_cast<int>(u));
+  }
 }
 
 std::shared_ptr<void> Zero::gather_all() {
@@ -1067,7 +1078,7 @@ void Zero::on_grad_ready(size_t i) {
     ++started_;
     // Stage 3: a unit whose gradients are all on their way is freed (a later backward that reads it gathers again).
     const int unit = lanes_[l].unit;
-    if (unit < 0 || whole_guards_ > 0) continue;
+    if (unit < 0 || whole_guards_ > 0 || kept_[static_cast<size_t>(unit)]) continue;
     const auto& lanes = unit_lanes_[static_cast<size_t>(unit)];
     if (std::all_of(lanes.begin(), lanes.end(), [&](size_t k) { return k >= lanes_.size() - started_; })) release(unit);
   }

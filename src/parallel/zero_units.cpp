@@ -9,7 +9,10 @@
 // (t(), slicing), names its unit, which is all-gathered before the op runs. The outputs of such an op that need a
 // gradient get a hook, which runs just before autograd runs the op's backward (a tensor hook is a pre-hook of its
 // grad_fn), and gathers the unit again if it was freed meanwhile: the saved tensors are the parameters themselves,
-// whose storage gets its memory back in place. A unit is freed when the forward ends and, in backward, once its
+// whose storage gets its memory back in place. An op that reads a unit with gradients off inside a forward that
+// records them runs in a custom autograd function's forward (SyncBatchNorm's), whose backward reads the saved
+// parameters with no op to hook: that unit stays whole until backward ends. A unit is freed when the forward ends
+// and, in backward, once its
 // gradients are on their way (NOTE [Overlapped reduce-scatter] in zero.cpp) or backward ends. A freed parameter keeps
 // its shape and dtype and has no memory: anything that reads it outside the forward gets ATen's "data is not
 // allocated" error rather than a wrong value (GatheredParametersGuard makes them whole for reading).
@@ -83,6 +86,9 @@ class ZeroGatherHandler final : public amp::detail::InterceptionHandler {
       std::vector<int> units;
       for (size_t i = 0; i < op.num_arguments(); ++i) units_read(args[i], *gatherer, units);
       for (int unit : units) gatherer->gather(unit, /*backward=*/false);
+      if (!c10::GradMode::is_enabled()) {
+        for (int unit : units) gatherer->keep_for_backward(unit);
+      }
       if (!units.empty()) read.emplace_back(weak, std::move(units));
     }
     next(op);

@@ -41,6 +41,10 @@ class UnitGatherer {
   virtual int unit_of(const c10::StorageImpl* storage) const = 0;
   /// Collective: makes `unit` whole (in a forward, or before the backward of an op that read it).
   virtual void gather(int unit, bool backward) = 0;
+  /// An op read `unit` with gradients off inside a forward that records them: a custom autograd function's forward
+  /// (SyncBatchNorm's), whose backward reads the saved parameters with no op to hook. The unit stays whole until
+  /// backward ends.
+  virtual void keep_for_backward(int unit) = 0;
 };
 
 /// Runs this thread's ops through the interception key while the returned object lives: an op reading a parameter
