@@ -718,6 +718,7 @@ void torchscript(const ProcessGroup& group, int stage) {
       }
       optimizer.step();
     }
+    amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: collective
     results[sharded] = clones(amp::parameters(module));
   }
   const double d = relative_diff(results[1], results[0]);
@@ -1323,6 +1324,7 @@ void scenario_zero_stage3(const ProcessGroup& group) {
   checkpoints(group, 3, dir);
   accumulation(group, 3);
   two_optimizers(group, 3);
+  torchscript(group, 3);
 }
 
 void scenario_zero_sync_free(const ProcessGroup& group) {
