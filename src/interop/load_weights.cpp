@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <vector>
 
-#include "core/released_parameters.h"
 #include "optim/fp32_values.h"
 #include "optim/master_weights.h"
 
@@ -26,7 +25,7 @@ void collect(torch::nn::Module& module, torch::serialize::InputArchive& archive,
   std::vector<std::string> expected;
   auto read = [&](const std::string& name, const at::Tensor& target, bool is_buffer) {
     const std::string key = prefix + name;
-    detail::check_not_released(target, key, "amp::load_weights");
+    detail::check_loadable(target, key, "amp::load_weights");
     expected.push_back(name);
     at::Tensor value;  // undefined: try_read hands the stored tensor over instead of set_-ing it into target
     TORCH_CHECK(archive.try_read(name, value, is_buffer), "amp::load_weights: the checkpoint has no ",

@@ -340,6 +340,7 @@ void PythonCheckpoint::load_model(torch::nn::Module& module, std::string_view ke
                 (ckpt_key == name ? std::string() : " ('" + name + "')"), ".");
     TORCH_CHECK(t.is_floating_point() == target.is_floating_point(), "amp::PythonCheckpoint::load_model: '", ckpt_key,
                 "' is ", t.scalar_type(), " in the checkpoint and ", target.scalar_type(), " in the model.");
+    detail::check_loadable(target, name, "amp::PythonCheckpoint::load_model");
     pending.push_back({ckpt_key, target, t});
   }
   std::vector<std::string> missing;

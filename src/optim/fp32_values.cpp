@@ -35,6 +35,12 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
   }
 }
 
+void check_loadable(const at::Tensor& target, const std::string& name, const char* where) {
+  const auto master = find_master(target);
+  if (master && master->first->shards()) return;  // its slice of the fp32 value takes it; the next gather brings it
+  check_not_released(target, name, where);
+}
+
 std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
   auto out = named_tensors(module);
   std::unordered_set<const MasterWeights*> refreshed;

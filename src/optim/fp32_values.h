@@ -17,6 +17,10 @@ namespace amp::detail {
 /// (fp32 bytes under a low-precision tensor) first.
 void write_loaded(const at::Tensor& target, const at::Tensor& value);
 
+/// Throws (naming `name`, for `where`) where write_loaded could not write `target`: a ZeRO stage-3 parameter between
+/// uses that has no sharded master to take the value (src/core/released_parameters.h).
+void check_loadable(const at::Tensor& target, const std::string& name, const char* where);
+
 /// Returns the module's parameters and buffers as a Python state_dict orders them, each with its fp32 value where
 /// amp keeps one: a parameter's fp32 master (O2), the value a lean master format keeps, else low-precision tensors
 /// cast to fp32 (Apex's O2 state_dict hook). Not copied: a tensor already fp32 is the model's own.
