@@ -975,7 +975,8 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
     ShardLane& lane = lanes_[l];
     const std::vector<ShardEntry>& entries = groups_[lane.group];
     if (closes_window) reduce_unreduced(lane);  // first, as the unsharded unscale adds the last micro-batch to them
-    if (l < started.size() && started[l]) {  // started during backward: every parameter of it has a gradient
+    const bool started_here = l < started.size() && started[l];
+    if (started_here) {  // started during backward: every trainable parameter of it has a gradient
       finish_scatter(lane, *started[l], lane_output_dtype(lane), "reduce-scattering the gradients");
     } else {
       bool any = false;
@@ -986,7 +987,10 @@ std::vector<bool> Zero::reduce(const std::vector<at::Tensor>& params, const std:
       scatter_into(lane, lane_input(lane, used), lane_output_dtype(lane), "reduce-scattering the gradients");
     }
     for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
-      if (used(entries[s.entry])) used_[lane.group][s.entry] = 1;
+      // Stage 3 dropped a started lane's gradients once they were on their way (on_grad_ready): its trainable
+      // parameters all had one.
+      const bool stage3_started = stage_ == 3 && started_here && entries[s.entry].model.requires_grad();
+      if (stage3_started || used(entries[s.entry])) used_[lane.group][s.entry] = 1;
     }
   }
   std::vector<bool> handled(params.size(), false);
@@ -1076,6 +1080,11 @@ void Zero::on_grad_ready(size_t i) {
     if (waiting_[l] > 0) break;
     in_flight_[l] = start_scatter(lane_input(lanes_[l], [](const ShardEntry&) { return true; }), /*during_backward=*/true);
     ++started_;
+    if (stage_ == 3) {  // the lane's gradients are in the scatter's input: a rank keeps no full gradient
+      for (const auto& spans : lanes_[l].spans) {
+        for (const auto& s : spans) groups_[lanes_[l].group][s.entry].model.mutable_grad() = at::Tensor();
+      }
+    }
     // Stage 3: a unit whose gradients are all on their way is freed (a later backward that reads it gathers again).
     const int unit = lanes_[l].unit;
     if (unit < 0 || whole_guards_ > 0 || kept_[static_cast<size_t>(unit)]) continue;

@@ -161,6 +161,34 @@ void guarded_writes(const ProcessGroup& group) {
          "stage 3: a weight written under GatheredParametersGuard trains on as the unsharded run's");
 }
 
+// During backward, a unit whose gradients are on their way holds neither its parameters nor their full gradients:
+// seen from a hook on the input's gradient, which runs after every unit's backward but enc's.
+void backward_frees(const ProcessGroup& group) {
+  const int64_t local_rows = kGlobal / group.world_size();
+  TiedNet net(10);
+  auto [model, optimizer] =
+      amp::initialize(net, adamw_of(net), amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0));
+  auto ddp = amp::parallel::make_distributed(model, group);
+  amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3));
+  const Batch local = rows(global_batch(0, kGlobal), group.rank() * local_rows, local_rows);
+  const torch::Tensor x = local.x.clone().requires_grad_(true);
+  int whole = -1, with_grad = -1;
+  x.register_hook([&](const torch::Tensor&) {
+    whole = with_grad = 0;
+    for (const auto& item : net->named_parameters()) {
+      if (item.key().rfind("enc.", 0) == 0) continue;
+      whole += item.value().storage().nbytes() > 0 ? 1 : 0;
+      with_grad += item.value().grad().defined() ? 1 : 0;
+    }
+  });
+  optimizer.zero_grad();
+  amp::scale_loss(loss_of(ddp(x), local.y), optimizer).backward();
+  optimizer.step();
+  report(whole == 0 && with_grad == 0, "stage 3: during backward, the units whose gradients are on their way hold "
+         "neither parameters nor full gradients", std::to_string(whole) + " whole, " + std::to_string(with_grad) +
+         " with a gradient, of mid's, head's and the root's parameters");
+}
+
 // The bytes all-gathered per step: stage 3 gathers each unit before its forward and again before its backward,
 // stage 2 the updated parameters once (ZeRO's paper: stage 3 communicates 1.5x stage 2, all-gathers twice).
 void communication(const ProcessGroup& group) {
@@ -325,6 +353,7 @@ void scenario_zero_stage3_units(const ProcessGroup& group) {
   };
   for (const auto& v : variants) side_by_side(group, v);
   guarded_writes(group);
+  backward_frees(group);
   communication(group);
   misuse(group);
 }
