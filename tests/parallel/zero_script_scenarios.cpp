@@ -21,6 +21,13 @@ namespace {
 
 std::vector<torch::Tensor> parameters_of(torch::nn::Sequential& net) { return clones(net->parameters()); }
 
+// The same through ddp: collective at ZeRO stage 3 (the parameters live in the shards between uses).
+template <class Ddp>
+std::vector<torch::Tensor> whole_parameters_of(Ddp& ddp, torch::nn::Sequential& net) {
+  amp::parallel::GatheredParametersGuard whole(ddp);
+  return parameters_of(net);
+}
+
 bool equal_bits(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -107,7 +114,7 @@ void unfreeze(const ProcessGroup& group, const UnfreezeCase& c, int stage, const
       std::vector<torch::Tensor> last_before;
       for (int step = 0; step < 7; ++step) {
         if (step == 3) {
-          last_before = clones(last_layer(net));
+          last_before = clones(last_layer(net));  // (not in the optimizer yet: whole at every stage)
           ref_optimizer.add_param_group(torch::optim::OptimizerParamGroup(last_layer(ref_net), added_options(c.optimizer)));
           optimizer.add_param_group(torch::optim::OptimizerParamGroup(last_layer(net), added_options(c.optimizer)));
         }
@@ -120,20 +127,27 @@ void unfreeze(const ProcessGroup& group, const UnfreezeCase& c, int stage, const
         const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
         train_step(ref_ddp, ref_optimizer, local);
         train_step(ddp, optimizer, local);
-        same = same && equal_bits(parameters_of(net), parameters_of(ref_net));
+        same = same && equal_bits(whole_parameters_of(ddp, net), parameters_of(ref_net));
       }
       report(same, label + ": a group added after shard_optimizer, and an lr changed, step as the unsharded run's, "
              "bit for bit after every step");
-      const auto last_after = clones(last_layer(net));
+      std::vector<torch::Tensor> last_after;
+      {
+        amp::parallel::GatheredParametersGuard whole(ddp);
+        last_after = clones(last_layer(net));
+      }
       bool moved = true;
       for (size_t i = 0; i < last_after.size(); ++i) moved = moved && !torch::equal(last_after[i], last_before[i]);
       report(moved, label + ": the added group's parameters changed");
-      report(same_on_all_ranks(group, parameters_of(net)), label + ": every rank's replica is identical");
+      report(same_on_all_ranks(group, whole_parameters_of(ddp, net)), label + ": every rank's replica is identical");
       // Resume after the unfreezing: the consolidated archive loads into a fresh unsharded optimizer with the same
       // groups (added before loading, as a resumed script adds them) and continues as the run that did not stop.
       const std::string path = dir + "/unfreeze_" + std::to_string(c.optimizer) + "_s" + std::to_string(stage) + ".pt";
       amp::parallel::save_consolidated(optimizer, path);
-      torch::save(net, path + ".model." + std::to_string(group.rank()));
+      {
+        amp::parallel::GatheredParametersGuard whole(ddp);
+        torch::save(net, path + ".model." + std::to_string(group.rank()));
+      }
       auto resumed_net = make_mlp(62);
       with_unfreeze_optimizer(c.optimizer, resumed_net, [&](auto resumed_opt) {
         auto [resumed_model, resumed] = amp::initialize(resumed_net, std::move(resumed_opt), c.options);
@@ -270,8 +284,11 @@ void scenario_zero_scripts(const ProcessGroup& group) {
        2},
   };
   accumulate_in_fp32(group);
-  for (int stage : {1, 2}) {
-    for (const auto& c : cases) unfreeze(group, c, stage, dir);
+  for (int stage : {1, 2, 3}) {
+    for (const auto& c : cases) {
+      if (stage == 3 && c.options.resolve().master_weights_format != amp::MasterWeights::kCopy) continue;  // refused
+      unfreeze(group, c, stage, dir);
+    }
   }
   refused_changes(group);
 }
