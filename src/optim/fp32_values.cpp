@@ -43,6 +43,22 @@ void check_loadable(const at::Tensor& target, const std::string& name, const cha
 
 std::vector<std::pair<std::string, at::Tensor>> fp32_state(torch::nn::Module& module) {
   auto out = named_tensors(module);
+  // ZeRO stage 3: parameters stepped directly hold no values between uses; their owner makes them whole (collective,
+  // as the gather of sharded masters below) and they are copied while whole.
+  std::vector<std::shared_ptr<void>> whole;
+  std::unordered_set<const void*> entered;
+  for (const auto& [name, value] : out) {
+    if (!is_released(value)) continue;
+    const auto master = find_master(value);
+    if (master && master->first->shards()) continue;  // its fp32 value comes from the masters' slices
+    const WholeOwner owner = whole_owner_of(value);
+    if (owner.scope && entered.insert(owner.owner).second) {
+      if (auto made = owner.scope()) whole.push_back(std::move(made));
+    }
+  }
+  for (auto& [name, value] : out) {
+    if (!whole.empty() && !find_master(value) && !find_lean(value)) value = value.clone();
+  }
   std::unordered_set<const MasterWeights*> refreshed;
   std::unordered_map<const MasterWeights*, std::vector<at::Tensor>> gathered;  // ZeRO: the masters whole, once
   std::unordered_map<const LeanMasters*, std::vector<at::Tensor>> gathered_aux;  // ZeRO: the lean aux whole, once

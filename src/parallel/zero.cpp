@@ -256,6 +256,7 @@ class Zero final : public amp::detail::Sharding,
   void check_groups(const torch::optim::Optimizer& opt) const override;
   void adopt_groups(OptimizerBase& optimizer) override {
     add_groups(optimizer);
+    register_whole_scopes();
     OptimizerAccess::index(optimizer).masters().mark_sharded(weak_from_this());
   }
   void write_master(size_t i, const at::Tensor& value) override;
@@ -290,6 +291,11 @@ class Zero final : public amp::detail::Sharding,
   void release(int unit);
   void release_all();
   void end_forward();
+ public:
+  // Stage 3: what amp's collective readers call to make a sharded parameter whole (src/core/released_parameters.h).
+  void register_whole_scopes();
+
+ private:
   bool released(const ShardEntry& e) const { return stage_ == 3 && is_released(e.model); }
   void refresh(bool all);
   std::vector<int64_t> layout() const;
@@ -908,6 +914,18 @@ void Zero::end_forward() {
   if (whole_guards_ > 0) return;
   for (size_t u = 0; u < units_.size(); ++u) {
     if (!kept_[u]) release(static_cast<int>(u));
+  }
+}
+
+void Zero::register_whole_scopes() {
+  if (stage_ != 3) return;
+  std::weak_ptr<Zero> weak = weak_from_this();
+  const amp::detail::WholeScope scope = [weak]() -> std::shared_ptr<void> {
+    const auto zero = weak.lock();
+    return zero ? zero->gather_all() : nullptr;
+  };
+  for (const auto& entries : groups_) {
+    for (const auto& e : entries) amp::detail::register_whole_scope(e.model.storage().unsafeGetStorageImpl(), {this, scope});
   }
 }
 
@@ -1833,7 +1851,10 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   TORCH_CHECK(kind && !kind->unshardable, kShard, ": this optimizer type can't be sharded (", why, "). Use "
               "amp::optim::FusedSGD, FusedAdam, FusedAdamW, FusedLAMB or FusedMuon, or LibTorch's SGD, Adam or AdamW.");
   auto zero = std::make_shared<Zero>(core, optimizer, options);
-  if (options.stage() == 3) core->set_sharded_parameters(zero);
+  if (options.stage() == 3) {
+    core->set_sharded_parameters(zero);
+    zero->register_whole_scopes();
+  }
   if (options.stage() >= 2) {
     std::weak_ptr<Zero> weak = zero;
     if (options.overlap()) {  // NOTE [Overlapped reduce-scatter]
