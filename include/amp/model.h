@@ -80,6 +80,10 @@ T cast_result(T value, c10::ScalarType dtype) {
 std::vector<std::pair<std::string, at::Tensor>> low_precision_tensors(torch::nn::Module& module);
 /// Throws if one of them holds fp32 bytes: torch::load into a cast model (see amp::load_weights).
 void check_low_precision_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+/// Throws if a parameter of `module` holds no values (its ZeRO stage-3 optimizer keeps them in shards) and this
+/// forward does not gather them (it does not run through the DistributedDataParallel). One load where no stage-3
+/// sharding exists.
+void check_parameters_gathered(const torch::nn::Module& module);
 
 }  // namespace detail
 
@@ -109,6 +113,7 @@ class Model {
       input_dtype = properties_.cast_model_type;
       detail::check_low_precision_tensors(low_precision_tensors_);  // a few loads per tensor, no data read
     }
+    detail::check_parameters_gathered(*module_pointer());
     auto output = impl().forward(detail::cast_input(std::forward<Args>(args), input_dtype)...);
     if (!properties_.enabled) return output;
     if (!float16_bn_statistics_.empty() && impl().is_training()) detail::check_batchnorm_statistics(float16_bn_statistics_);

@@ -2,6 +2,7 @@
 
 #include "amp/batchnorm.h"
 #include "casting/precision_policy.h"
+#include "core/released_parameters.h"
 
 namespace amp::detail {
 
@@ -46,5 +47,15 @@ std::vector<std::pair<std::string, at::Tensor>> named_tensors(torch::nn::Module&
   return out;
 }
 
+
+void check_parameters_gathered(const torch::nn::Module& module) {
+  if (!stage3_shardings_exist() || gathering_forwards() > 0) return;
+  for (const auto& item : module.named_parameters()) {
+    TORCH_CHECK(!is_released(item.value()), "amp::Model::forward: parameter '", item.key(), "' holds no values on this "
+                "rank: a ZeRO stage-3 optimizer keeps them in the ranks' shards between uses, and this forward does not "
+                "gather them. Run it through the DistributedDataParallel (ddp(x); for evaluation too, on every rank), "
+                "or under amp::parallel::GatheredParametersGuard.");
+  }
+}
 
 }  // namespace amp::detail

@@ -244,6 +244,7 @@ Model<torch::jit::Module>::Model(torch::jit::Module module, std::shared_ptr<torc
 
 c10::IValue Model<torch::jit::Module>::forward(std::vector<c10::IValue> inputs) {
   detail::check_current(*mirror_);
+  detail::check_parameters_gathered(*mirror_);
   std::optional<AutocastGuard> casts;
   detail::PrecisionPolicyGuard policy(policy_);
   detail::OpByOpGuard op_by_op;

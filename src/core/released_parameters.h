@@ -26,6 +26,12 @@ inline void check_not_released(const at::Tensor& t, const std::string& name, con
               "(every rank constructs it; writes reach the shards when it ends).");
 }
 
+/// ZeRO stage-3 shardings alive in this process (amp::Model's forward looks for released parameters only then).
+void count_stage3_shardings(int delta);
+bool stage3_shardings_exist();
+/// How many forwards that gather what they read this thread runs now (ZeRO stage 3's gather_in_forward).
+int& gathering_forwards();
+
 /// Collective: makes every parameter its owner shards whole while the returned object lives (null: the owner is
 /// gone). ZeRO stage 3 registers one per sharded storage, the same `owner` for all of one optimizer's.
 using WholeScope = std::function<std::shared_ptr<void>()>;

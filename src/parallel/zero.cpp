@@ -217,6 +217,9 @@ class Zero final : public amp::detail::Sharding,
                    public std::enable_shared_from_this<Zero> {
  public:
   Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, const ZeroOptions& options);
+  ~Zero() override {
+    if (stage_ == 3) amp::detail::count_stage3_shardings(-1);
+  }
 
   std::vector<bool> reduce(const std::vector<at::Tensor>& params, const std::vector<bool>& used_anywhere,
                            bool closes_window);
@@ -383,6 +386,7 @@ Zero::Zero(std::shared_ptr<DistributedCore> core, OptimizerBase& optimizer, cons
   const amp::detail::OptimizerKind* kind = amp::detail::kind_of(OptimizerAccess::torch_optimizer(optimizer));
   whole_tensors_ = kind != nullptr && kind->shards_whole_tensors;
   if (stage_ == 3) {
+    amp::detail::count_stage3_shardings(1);
     prefetch_ = options.prefetch();
     units_ = resolve_units(*core_->module(), options.units(), kShard);
     for (size_t u = 0; u < units_.size(); ++u) {

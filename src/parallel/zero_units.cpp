@@ -132,6 +132,7 @@ struct ForwardGathering {
 
   ~ForwardGathering() {
     key.reset();
+    --amp::detail::gathering_forwards();
     const auto it = std::find_if(active_gatherers.begin(), active_gatherers.end(),
                                  [this](const auto& entry) { return entry.first == gatherer; });
     if (it != active_gatherers.end()) active_gatherers.erase(it);
@@ -213,6 +214,7 @@ std::shared_ptr<void> gather_in_forward(const std::shared_ptr<UnitGatherer>& gat
   scope->gatherer = gatherer.get();
   scope->on_end = std::move(on_end);
   active_gatherers.emplace_back(gatherer.get(), gatherer);
+  ++amp::detail::gathering_forwards();
   scope->key.emplace(amp::detail::kInterceptionKey);
   return scope;
 }

@@ -318,6 +318,10 @@ void misuse(const ProcessGroup& group) {
     report(m.find("amp::load_weights: parameter 'a.weight' holds no values on this rank") != std::string::npos &&
                m.find("GatheredParametersGuard") != std::string::npos,
            "O0 stage 3: amp::load_weights outside GatheredParametersGuard is refused, naming the parameter and the guard", m);
+    m = message_of([&] { (void)model(global_batch(0, 4).x, true); });
+    report(m.find("amp::Model::forward: parameter 'a.weight' holds no values on this rank") != std::string::npos &&
+               m.find("Run it through the DistributedDataParallel") != std::string::npos,
+           "stage 3: the model's own forward, which gathers nothing, is refused, naming the parameter and the wrapper", m);
     m = message_of([&] {
       amp::parallel::GatheredParametersGuard whole(ddp);
       amp::load_weights(*net, in);
@@ -331,6 +335,10 @@ void misuse(const ProcessGroup& group) {
     amp::parallel::GatheredParametersGuard whole(ddp);
     report(m.empty() && released_again && torch::equal(written.at("a.weight").toTensor(), net->a->weight),
            "O0 stage 3: PythonCheckpoint::put_model gathers the parameters itself, writes them whole and frees them", m);
+    // The model's own forward, not the wrapper's, gathers nothing: refused (under the guard it runs).
+    const Batch batch = global_batch(0, 4);
+    const torch::Tensor under_guard = model(batch.x, true);
+    report(torch::equal(under_guard, ddp(batch.x, true)), "O0 stage 3: the model's own forward runs under the guard");
   }
 }
 
