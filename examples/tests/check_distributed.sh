@@ -25,34 +25,29 @@ want=$(echo "$straight" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6
 got=$(echo "$resumed" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
 [ -n "$want" ] && [ "$want" = "$got" ] || { echo "FAIL: resumed epochs differ:"; echo "$want"; echo "vs"; echo "$got"; exit 1; }
 echo "resume: epochs 3-4 identical to the straight run"
-# ZeRO stage 2: the same accuracy bar, ranks identical, and a resume from the consolidated checkpoint bitwise.
-zero=$(run "$1" "$2" "$3" --epochs 4 --zero-stage 2)
-echo "$zero"
-echo "$zero" | grep -q "ranks agree on the weights: yes" || { echo "FAIL: ZeRO ranks disagree"; exit 1; }
-echo "$zero" | grep -q "ZeRO stage 2: reduce-scattered" || { echo "FAIL: no ZeRO line"; exit 1; }
-echo "$zero" | awk '$1 == 4 { a = $4 + 0; if (a < 90) { print "FAIL: ZeRO accuracy " a "%"; exit 1 } found = 1 }
-                    END { if (!found) { print "FAIL: no ZeRO epoch 4 line"; exit 1 } }'
-run "$1" "$2" "$3" --epochs 2 --zero-stage 2 --checkpoint "$2/zckpt" > /dev/null
-zresumed=$(run "$1" "$2" "$3" --epochs 4 --zero-stage 2 --checkpoint "$2/zckpt" --resume true)
-want=$(echo "$zero" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
-got=$(echo "$zresumed" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
-[ -n "$want" ] && [ "$want" = "$got" ] || { echo "FAIL: ZeRO resumed epochs differ:"; echo "$want"; echo "vs"; echo "$got"; exit 1; }
-echo "ZeRO resume: epochs 3-4 identical to the straight run"
-# ZeRO stage 3 (the parameters sharded too, each layer a unit): the same bars, and the consolidated checkpoint of 2
-# ranks resumed bitwise on 2 and, on 1 rank (another world size, other batches), to the same accuracy bar.
-zero3=$(run "$1" "$2" "$3" --epochs 4 --zero-stage 3)
-echo "$zero3"
-echo "$zero3" | grep -q "ranks agree on the weights: yes" || { echo "FAIL: stage-3 ranks disagree"; exit 1; }
-echo "$zero3" | grep -q "ZeRO stage 3: reduce-scattered" || { echo "FAIL: no stage-3 line"; exit 1; }
-echo "$zero3" | awk '$1 == 4 { a = $4 + 0; if (a < 90) { print "FAIL: stage-3 accuracy " a "%"; exit 1 } found = 1 }
-                     END { if (!found) { print "FAIL: no stage-3 epoch 4 line"; exit 1 } }'
-run "$1" "$2" "$3" --epochs 2 --zero-stage 3 --checkpoint "$2/z3ckpt" > /dev/null
-cp "$2/z3ckpt.model" "$2/z3ckpt.model.2ranks" && cp "$2/z3ckpt.optimizer" "$2/z3ckpt.optimizer.2ranks"
-z3resumed=$(run "$1" "$2" "$3" --epochs 4 --zero-stage 3 --checkpoint "$2/z3ckpt" --resume true)
-want=$(echo "$zero3" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
-got=$(echo "$z3resumed" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
-[ -n "$want" ] && [ "$want" = "$got" ] || { echo "FAIL: stage-3 resumed epochs differ:"; echo "$want"; echo "vs"; echo "$got"; exit 1; }
-echo "ZeRO stage 3 resume: epochs 3-4 identical to the straight run"
+# ZeRO stage N (2, then 3: the parameters sharded too, each layer a unit): the same accuracy bar, ranks identical,
+# and a resume from the consolidated checkpoint bitwise.
+check_zero() {
+  local stage=$1 out resumed want got
+  out=$(run "$BIN" "$WORK" "$CONFIG" --epochs 4 --zero-stage "$stage")
+  echo "$out"
+  echo "$out" | grep -q "ranks agree on the weights: yes" || { echo "FAIL: stage-$stage ranks disagree"; exit 1; }
+  echo "$out" | grep -q "ZeRO stage $stage: reduce-scattered" || { echo "FAIL: no stage-$stage line"; exit 1; }
+  echo "$out" | awk -v s="$stage" '$1 == 4 { a = $4 + 0; if (a < 90) { print "FAIL: stage-" s " accuracy " a "%"; exit 1 } found = 1 }
+                                   END { if (!found) { print "FAIL: no stage-" s " epoch 4 line"; exit 1 } }'
+  run "$BIN" "$WORK" "$CONFIG" --epochs 2 --zero-stage "$stage" --checkpoint "$WORK/z${stage}ckpt" > /dev/null
+  cp "$WORK/z${stage}ckpt.model" "$WORK/z${stage}ckpt.model.2ranks"
+  cp "$WORK/z${stage}ckpt.optimizer" "$WORK/z${stage}ckpt.optimizer.2ranks"
+  resumed=$(run "$BIN" "$WORK" "$CONFIG" --epochs 4 --zero-stage "$stage" --checkpoint "$WORK/z${stage}ckpt" --resume true)
+  want=$(echo "$out" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
+  got=$(echo "$resumed" | awk '$1 == 3 || $1 == 4 { print $1, $2, $3, $4, $5, $6 }')
+  [ -n "$want" ] && [ "$want" = "$got" ] || { echo "FAIL: stage-$stage resumed epochs differ:"; echo "$want"; echo "vs"; echo "$got"; exit 1; }
+  echo "ZeRO stage $stage resume: epochs 3-4 identical to the straight run"
+}
+BIN=$1 WORK=$2 CONFIG=$3
+check_zero 2
+check_zero 3
+# Stage 3's consolidated checkpoint of 2 ranks resumed on 1 rank (another world size, other batches): the same bar.
 cp "$2/z3ckpt.model.2ranks" "$2/z3ckpt.model" && cp "$2/z3ckpt.optimizer.2ranks" "$2/z3ckpt.optimizer" && echo 2 > "$2/z3ckpt.epoch"
 z3one=$(NPROC=1 run "$1" "$2" "$3" --epochs 4 --zero-stage 3 --checkpoint "$2/z3ckpt" --resume true)
 echo "$z3one"

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "optim/optimizer_state_key.h"
+#include "options/exception_message.h"
 
 namespace amp_worker {
 
@@ -61,6 +62,23 @@ double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch
     d = std::max(d, (a[i].detach().to(torch::kDouble) - b[i].detach().to(torch::kDouble)).abs().max().item<double>());
   }
   return d;
+}
+
+bool equal_bits(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return amp::detail::message_of(e);
+  }
+  return "";
 }
 
 std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ts) {

@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,12 @@ std::string str(double v);
 bool same_on_all_ranks(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors);
 
 double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b);
+
+/// Whether `a` and `b` hold the same tensors bit for bit.
+bool equal_bits(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b);
+
+/// The message `f` throws (amp's, without LibTorch's backtrace), or "" if it throws nothing.
+std::string message_of(const std::function<void()>& f);
 
 /// Detached copies.
 std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ts);

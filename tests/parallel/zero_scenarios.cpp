@@ -109,14 +109,6 @@ std::vector<torch::Tensor> whole_params(Ddp& ddp, torch::nn::Sequential& net) {
   return params_of(net);
 }
 
-bool bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
-
 // Largest difference in units of the tensors' own magnitude (relative to max |b| per tensor).
 double relative_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   double worst = 0;
@@ -135,15 +127,6 @@ double relative_diff(const std::vector<torch::Tensor>& a, const std::vector<torc
 // gradient, so there the sharded run must equal the unsharded one bit for bit on 4 ranks too.
 amp::parallel::DistributedDataParallelOptions wire_for(int world_size) {
   return amp::parallel::DistributedDataParallelOptions().allreduce_always_fp32(world_size > 2);
-}
-
-std::string expect_throw(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return amp::detail::message_of(e);
-  }
-  return "";
 }
 
 void train_side_by_side(const ProcessGroup& group, const Config& config, int stage) {
@@ -216,7 +199,7 @@ void train_side_by_side(const ProcessGroup& group, const Config& config, int sta
           optimizer.step();
         }
         const auto a = whole_params(), b = params_of(ref_net);
-        same = same && bitwise(a, b);
+        same = same && equal_bits(a, b);
         worst = std::max(worst, relative_diff(a, b));
         spread = std::max(spread, relative_diff(params_of(reordered_net), b));
         same_scale = same_scale && optimizer.loss_scaler().loss_scale() == ref_optimizer.loss_scaler().loss_scale();
@@ -321,13 +304,13 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     auto [model6, optimizer6] = amp::initialize(net6, make(net6), options);
     auto ddp6 = amp::parallel::make_distributed(model6, group);
     amp::parallel::shard_optimizer(ddp6, optimizer6, amp::parallel::ZeroOptions().stage(stage));
-    std::string message = expect_throw([&] { torch::load(optimizer6, other); });
+    std::string message = message_of([&] { torch::load(optimizer6, other); });
     report(message.find("is rank " + std::to_string(1 - group.rank()) + "'s shard, this is rank " +
                         std::to_string(group.rank())) != std::string::npos,
            label + ": another rank's shard is refused, naming both ranks", message.substr(0, 200));
     auto net7 = make_mlp(5);
     auto [model7, optimizer7] = amp::initialize(net7, make(net7), options);
-    message = expect_throw([&] { torch::load(optimizer7, shard_path); });
+    message = message_of([&] { torch::load(optimizer7, shard_path); });
     report(message.find("holds rank " + std::to_string(group.rank()) + "'s shard of a ZeRO world of 2 ranks") !=
                    std::string::npos &&
                message.find("this optimizer is not sharded") != std::string::npos,
@@ -338,7 +321,7 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
         net8, amp::optim::FusedAdamW(net8->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01)), options);
     auto ddp8 = amp::parallel::make_distributed(model8, group);
     amp::parallel::shard_optimizer(ddp8, optimizer8, amp::parallel::ZeroOptions().stage(stage));
-    message = expect_throw([&] { torch::load(optimizer8, shard_path); });
+    message = message_of([&] { torch::load(optimizer8, shard_path); });
     report(message.find("the checkpoint's param groups hold (tensors, elements) [3, ") != std::string::npos &&
                message.find("this optimizer's [6, ") != std::string::npos &&
                message.find("Resume with the same model and param groups") != std::string::npos,
@@ -408,7 +391,7 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     auto [model9, optimizer9] = amp::initialize(net9, make(net9), options);
     auto ddp9 = amp::parallel::make_distributed(model9, group);
     amp::parallel::shard_optimizer(ddp9, optimizer9, amp::parallel::ZeroOptions().stage(stage == 3 ? 2 : 3));
-    const std::string message = expect_throw([&] { torch::load(optimizer9, shard_path); });
+    const std::string message = message_of([&] { torch::load(optimizer9, shard_path); });
     report(message.find("the checkpoint is a shard of ZeRO stage " + std::to_string(stage) + ", this optimizer is "
                         "sharded at stage " + std::to_string(stage == 3 ? 2 : 3)) != std::string::npos,
            label + ": a rank's shard at another side of stage 3 is refused, naming both stages", message.substr(0, 200));
@@ -420,7 +403,7 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     auto [model5, optimizer5] = amp::initialize(net5, make(net5), options);
     auto ddp5 = amp::parallel::make_distributed(model5, group);
     amp::parallel::shard_optimizer(ddp5, optimizer5, amp::parallel::ZeroOptions().stage(stage));
-    const std::string message = expect_throw([&] { torch::load(optimizer5, other); });
+    const std::string message = message_of([&] { torch::load(optimizer5, other); });
     report(message.find("world of 2 ranks, this run has 4") != std::string::npos,
            label + ": a shard of a 2-rank world is refused at 4 ranks", message.substr(0, 200));
   }
@@ -511,9 +494,9 @@ void overlap(const ProcessGroup& group) {
   for (const bool frozen : {false, true}) {
     const std::string label = std::string("overlapped reduce-scatter") + (frozen ? ", a frozen bias" : "");
     const Run unsharded = train(0, frozen), after = train(1, frozen), during = train(2, frozen), delayed = train(3, frozen);
-    report(bitwise(during.params, after.params) && bitwise(during.params, unsharded.params),
+    report(equal_bits(during.params, after.params) && equal_bits(during.params, unsharded.params),
            label + ": the parameters of the reduction after backward and of the unsharded run, bit for bit");
-    report(bitwise(delayed.params, after.params), label + ": delay_allreduce reduces after backward, the same bits");
+    report(equal_bits(delayed.params, after.params), label + ": delay_allreduce reduces after backward, the same bits");
     report(during.stats.overlapped_reduce_scatter_bytes > 0 &&
                during.stats.overlapped_reduce_scatter_bytes <= during.stats.reduce_scatter_bytes,
            label + ": lanes start during backward",
@@ -529,7 +512,7 @@ void overlap(const ProcessGroup& group) {
   auto ddp = amp::parallel::make_distributed(model, group, wire_for(n));
   amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(2));
   const Batch local = rows(global_batch(0, kGlobal), group.rank() * local_rows, local_rows);
-  const std::string missing = expect_throw([&] {
+  const std::string missing = message_of([&] {
     auto hidden = net[1]->as<torch::nn::ReLU>()->forward(net[0]->as<torch::nn::Linear>()->forward(local.x.to(torch::kBFloat16)));
     amp::scale_loss(hidden.sum(), optimizer).backward();  // the last two Linear layers get no gradient
   });
@@ -692,7 +675,7 @@ void python_checkpoints(const ProcessGroup& group, int stage, const std::string&
     auto model_a = make_mlp(1), model_b = make_mlp(1);
     a.load_model(*model_a, "model");
     b.load_model(*model_b, "model");
-    report(bitwise(params_of(model_a), params_of(model_b)), label + ": put_model writes the unsharded run's fp32 masters");
+    report(equal_bits(params_of(model_a), params_of(model_b)), label + ": put_model writes the unsharded run's fp32 masters");
   }
 }
 
@@ -730,10 +713,10 @@ void misuse(const ProcessGroup& group) {
   auto net = make_mlp(3);
   auto [model, optimizer] = amp::initialize(net, amp::optim::FusedAdam(net->parameters()), options);
   auto ddp = amp::parallel::make_distributed(model, group);
-  std::string m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(4)); });
+  std::string m = message_of([&] { amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(4)); });
   report(m.find("stage must be 1") != std::string::npos && m.find("got 4") != std::string::npos, "stage 4 is refused", m);
   amp::parallel::shard_optimizer(ddp, optimizer);
-  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp, optimizer); });
+  m = message_of([&] { amp::parallel::shard_optimizer(ddp, optimizer); });
   report(m.find("sharded already") != std::string::npos, "sharding twice is refused", m);
 
   auto net2 = make_mlp(3);
@@ -745,20 +728,20 @@ void misuse(const ProcessGroup& group) {
     scaled.backward();
   }
   optimizer2.step();
-  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp2, optimizer2); });
+  m = message_of([&] { amp::parallel::shard_optimizer(ddp2, optimizer2); });
   report(m.find("stepped 1 time") != std::string::npos, "sharding after the first step is refused", m);
 
   auto net3 = make_mlp(3);
   auto [model3, optimizer3] = amp::initialize(
       net3, torch::optim::RMSprop(net3->parameters(), torch::optim::RMSpropOptions(1e-3)), options);
   auto ddp3 = amp::parallel::make_distributed(model3, group);
-  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer3); });
+  m = message_of([&] { amp::parallel::shard_optimizer(ddp3, optimizer3); });
   report(m.find("can't be sharded") != std::string::npos, "an optimizer type amp can't slice is refused", m);
 
   // An optimizer that trains another model than the wrapper's.
   auto net4 = make_mlp(3);
   auto [model4, optimizer4] = amp::initialize(net4, amp::optim::FusedAdam(net4->parameters()), options);
-  m = expect_throw([&] { amp::parallel::shard_optimizer(ddp3, optimizer4); });
+  m = message_of([&] { amp::parallel::shard_optimizer(ddp3, optimizer4); });
   report(m.find("does not reduce") != std::string::npos, "an optimizer of another model is refused", m);
 
   // A lean weight whose data is replaced by another size after sharding: its slices can't alias it.
@@ -773,7 +756,7 @@ void misuse(const ProcessGroup& group) {
     scaled.backward();
   }
   net5[0]->named_parameters()["weight"].set_data(torch::zeros({3, 3}, torch::kBFloat16));
-  m = expect_throw([&] { optimizer5.step(); });
+  m = message_of([&] { optimizer5.step(); });
   report(m.find("parameter '0.weight' is of another size") != std::string::npos &&
              m.find("amp::load_weights") != std::string::npos,
          "a sharded lean weight replaced by another size is refused, named, with the fix", m);
@@ -830,7 +813,7 @@ void state_formats(const ProcessGroup& group, int stage, const std::string& dir)
           train(ref_optimizer, ref_ddp);
           train(optimizer, ddp);
           const auto a = whole_params(ddp, net), b = params_of(ref_net);
-          same = same && bitwise(a, b);
+          same = same && equal_bits(a, b);
           worst = std::max(worst, relative_diff(a, b));
         }
         report(same, label + ": the sharded replica equals the unsharded one bit for bit", "worst relative " + str(worst));
@@ -955,7 +938,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
           train(ref_optimizer, ref_ddp, step);
           train(optimizer, ddp, step);
           const auto a = lean_state(net), b = lean_state(ref_net);
-          same = same && bitwise(a.first, b.first) && a.second == b.second;
+          same = same && equal_bits(a.first, b.first) && a.second == b.second;
           worst = std::max(worst, relative_diff(a.first, b.first));
         }
         report(same, label + ": weights, aux and generator equal the unsharded run's bit for bit after every step",
@@ -1006,7 +989,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
               int which = 0;
               for (auto* other : {&net, &resumed_net, &sharded_net, &own_net}) {
                 const auto a = lean_state(*other);
-                const bool equal = bitwise(a.first, b.first) && a.second == b.second;
+                const bool equal = equal_bits(a.first, b.first) && a.second == b.second;
                 if (!equal && differs.empty()) differs = "run " + std::to_string(which) + " at step " + std::to_string(step);
                 resumed_same = resumed_same && equal;
                 ++which;
@@ -1028,7 +1011,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         train(ref_optimizer, ref_ddp, 9);
         train(optimizer, ddp, 9);
         const auto a = lean_state(net), b = lean_state(ref_net);
-        report(bitwise(a.first, b.first) && a.second == b.second,
+        report(equal_bits(a.first, b.first) && a.second == b.second,
                label + ": after load_weights the sharded run steps as the unsharded one");
         // A weight edited in place: its low bits go, on every rank's slices as unsharded (NOTE [Lean masters]).
         {
@@ -1039,7 +1022,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         train(ref_optimizer, ref_ddp, 10);
         train(optimizer, ddp, 10);
         const auto edited = lean_state(net), ref_edited = lean_state(ref_net);
-        report(bitwise(edited.first, ref_edited.first) && edited.second == ref_edited.second,
+        report(equal_bits(edited.first, ref_edited.first) && edited.second == ref_edited.second,
                label + ": after a weight edited in place the sharded run steps as the unsharded one");
       }
     });
@@ -1110,7 +1093,7 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
       train(optimizer, ddp, step);
       train(reordered_optimizer, reordered_ddp, step);
       const auto b = state_of(ref_net);
-      worst = std::max(worst, bitwise(state_of(net), b) ? 0.0 : std::max(relative_diff(state_of(net), b), 1e-300));
+      worst = std::max(worst, equal_bits(state_of(net), b) ? 0.0 : std::max(relative_diff(state_of(net), b), 1e-300));
       spread = std::max(spread, relative_diff(state_of(reordered_net), b));
     }
     const double bound = n == 2 ? 0.0 : std::max(2 * spread, 1e-6);
@@ -1151,7 +1134,7 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
       const auto b = state_of(net);  // the sharded run that did not stop
       for (auto* other : {&resumed_net, &own_net}) {
         const auto a = state_of(*other);
-        resumed_worst = std::max(resumed_worst, bitwise(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
+        resumed_worst = std::max(resumed_worst, equal_bits(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
       }
     }
     report(moved_again && resumed_worst == 0, label + ": the consolidated archive and a rank's own resume a sharded run "
@@ -1218,7 +1201,7 @@ void sync_free(const ProcessGroup& group, int stage) {
         optimizer.step();
       }
       if (device_path) {
-        const std::string refused = expect_throw([&] { amp::GraphCaptureGuard capture(optimizer); });
+        const std::string refused = message_of([&] { amp::GraphCaptureGuard capture(optimizer); });
         report(refused.find("is sharded by amp::parallel::shard_optimizer (ZeRO), whose step's reduce-scatters and "
                             "all-gathers amp does not capture") != std::string::npos,
                label + ": GraphCaptureGuard refuses it, naming the fix", refused);
@@ -1250,14 +1233,14 @@ void sync_free(const ProcessGroup& group, int stage) {
     auto adamw = [](torch::nn::Sequential& net) { return adamw_of(net); };
     const Outcome host = c.sgd ? run(false, sgd_of) : run(false, adamw);
     const Outcome device = c.sgd ? run(true, sgd_of) : run(true, adamw);
-    report(bitwise(device.params, host.params), label + ": the device's path equals the host's bit for bit");
+    report(equal_bits(device.params, host.params), label + ": the device's path equals the host's bit for bit");
     report(device.skipped == skips && host.skipped == skips && device.loss_scale == host.loss_scale,
            label + ": the same " + std::to_string(skips) + " skips and loss scale",
            "skipped " + std::to_string(device.skipped) + " vs " + std::to_string(host.skipped) + ", scale " +
                str(device.loss_scale) + " vs " + str(host.loss_scale));
     report(device.syncs == 0, label + ": no host sync while training on the device's path",
            std::to_string(device.syncs) + " counted");
-    report(bitwise(device.resumed, host.resumed), label + ": resuming from a checkpoint taken on either path, bit for bit");
+    report(equal_bits(device.resumed, host.resumed), label + ": resuming from a checkpoint taken on either path, bit for bit");
     report(same_on_all_ranks(group, device.params), label + ": every rank's replica is identical");
   }
 }
@@ -1541,7 +1524,7 @@ void scenario_zero_fsdp2(const ProcessGroup& group) {
     for (const auto& item : amp::detail::fp32_state(*net)) masters.push_back(item.second.clone());
     const std::string at = "O2 bf16 stage " + std::to_string(stage);
     report(same_losses, at + ": every loss is FSDP2's bit for bit");
-    report(bitwise(masters, fsdp2), at + ": the fp32 masters equal FSDP2's (LibTorch's Adam on both sides) bit for bit");
+    report(equal_bits(masters, fsdp2), at + ": the fp32 masters equal FSDP2's (LibTorch's Adam on both sides) bit for bit");
     std::cout << "[ measured ] " << at << ": against FSDP2 with torch.optim.Adam, worst relative "
               << relative_diff(masters, fsdp2_torch_adam) << std::endl;
   }

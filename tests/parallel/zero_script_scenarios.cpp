@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "amp/amp.h"
-#include "options/exception_message.h"
 #include "scenarios.h"
 #include "worker_support.h"
 
@@ -26,23 +25,6 @@ template <class Ddp>
 std::vector<torch::Tensor> whole_parameters_of(Ddp& ddp, torch::nn::Sequential& net) {
   amp::parallel::GatheredParametersGuard whole(ddp);
   return parameters_of(net);
-}
-
-bool equal_bits(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return amp::detail::message_of(e);
-  }
-  return "";
 }
 
 // The first two Linear layers' parameters: what the optimizer trains before the last layer is unfrozen.

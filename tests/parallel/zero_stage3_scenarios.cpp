@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "amp/amp.h"
-#include "options/exception_message.h"
 #include "scenarios.h"
 #include "worker_support.h"
 
@@ -53,23 +52,6 @@ template <class Ddp>
 std::vector<torch::Tensor> whole_params(Ddp& ddp, TiedNet& net) {
   amp::parallel::GatheredParametersGuard whole(ddp);
   return params_of(net);
-}
-
-bool bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return amp::detail::message_of(e);
-  }
-  return "";
 }
 
 amp::optim::FusedAdamW adamw_of(TiedNet& net) {
@@ -110,7 +92,7 @@ void side_by_side(const ProcessGroup& group, const Variant& v) {
       o.step();
     }
     for (const auto& p : net->parameters()) released = released && p.storage().nbytes() == 0;
-    same = same && bitwise(whole_params(ddp, net), params_of(ref_net));
+    same = same && equal_bits(whole_params(ddp, net), params_of(ref_net));
     same_losses = same_losses && (losses[0] == losses[1] || (std::isnan(losses[0]) && std::isnan(losses[1])));
     same_scale = same_scale && optimizer.loss_scaler().loss_scale() == ref_optimizer.loss_scaler().loss_scale();
   }
@@ -157,7 +139,7 @@ void guarded_writes(const ProcessGroup& group) {
   }
   step(ref_ddp, ref_optimizer, 1);
   step(ddp, optimizer, 1);
-  report(bitwise(whole_params(ddp, net), params_of(ref_net)),
+  report(equal_bits(whole_params(ddp, net), params_of(ref_net)),
          "stage 3: a weight written under GatheredParametersGuard trains on as the unsharded run's");
 }
 
