@@ -734,8 +734,8 @@ TEST(ZeroTest, FollowsWhatScriptsChangeAfterSharding) {
 }
 
 // A sharded step that never waits (tests/parallel/zero_scenarios.cpp, sync_free): the ranks agree on an overflow only
-// one of them saw without a host read, and the device's path equals the host's bit for bit, at stages 1 and 2, with
-// fp32, bf16 and 8-bit moments and lean masters, a checkpoint taken on it resuming exactly (LibTorch 2.4 and later:
+// one of them saw without a host read, and the device's path equals the host's bit for bit, at stages 1, 2 and 3,
+// with fp32, bf16 and 8-bit moments and (stages 1 and 2) lean masters, a checkpoint taken on it resuming exactly (LibTorch 2.4 and later:
 // before, a fused step runs per op and reads the flag).
 TEST(ZeroTest, StepsThatNeverWaitEqualTheHostsPath) {
   const auto ranks = two_ranks("zero_sync_free", 120, "30");

@@ -1162,7 +1162,13 @@ void sync_free(const ProcessGroup& group, int stage) {
                              amp::MasterWeights::kStochasticRounding},
                         Case{"8bit moments, split masters", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
                         Case{"dampening, the first step overflowing", amp::OptimizerStateFormat::kFp32,
-                             amp::MasterWeights::kCopy, true}}) {
+                             amp::MasterWeights::kCopy, true},
+                        // Stage 3 refuses the lean master formats: its state formats with fp32 masters instead.
+                        Case{"bf16 moments", amp::OptimizerStateFormat::kBf16, amp::MasterWeights::kCopy},
+                        Case{"8bit moments", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy}}) {
+    const bool lean = c.master != amp::MasterWeights::kCopy;
+    const bool stand_in = !lean && c.format != amp::OptimizerStateFormat::kFp32;  // the lean cases' at stage 3
+    if (stage == 3 ? lean : stand_in) continue;
     const std::string label =
         std::string(c.sgd ? "O2 bf16 FusedSGD, " : "O2 bf16 FusedAdamW, ") + c.label + ", stage " + std::to_string(stage);
     const int64_t skips = c.sgd ? 4 : 3;
@@ -1209,10 +1215,13 @@ void sync_free(const ProcessGroup& group, int stage) {
       Outcome out;
       out.syncs = amp::host_sync_count(optimizer);
       std::stringstream model_bytes, optimizer_bytes;  // what the device kept: step counts, generators
-      torch::save(net, model_bytes);
+      {
+        amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: collective
+        torch::save(net, model_bytes);
+      }
       torch::save(optimizer, optimizer_bytes);
       deferred.reset();
-      out.params = params_of(net);
+      out.params = whole_params(ddp, net);
       out.loss_scale = amp::loss_scale(optimizer);
       out.skipped = optimizer.skipped_steps();
       auto fresh = make_net();
@@ -1222,7 +1231,7 @@ void sync_free(const ProcessGroup& group, int stage) {
       amp::parallel::shard_optimizer(fresh_ddp, fresh_optimizer, zero);
       torch::load(fresh_optimizer, optimizer_bytes);
       train_steps(group, fresh_ddp, fresh_optimizer, 7, 9);
-      out.resumed = params_of(fresh);
+      out.resumed = whole_params(fresh_ddp, fresh);
       return out;
     };
     // FusedSGD with dampening: NOTE [A first momentum buffer on the device] (the kernel runs both ways until the host
@@ -1300,7 +1309,21 @@ void scenario_zero_stage3(const ProcessGroup& group) {
       {"O3 bf16 FusedSGD", amp::Options("O3").low_precision_dtype(torch::kBFloat16).verbosity(0), 1},
       {"O2 bf16 FusedLAMB", amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0), 4},
   };
-  for (const auto& config : configs) train_side_by_side(group, config, 3);
+  std::vector<Config> all = configs;
+  if (amp::detail::fp8_supported_by_build()) {  // FP8 GEMMs on gathered weights; delayed scaling's amaxes agreed
+    all.push_back({"O2 bf16 FP8 delayed FusedAdamW",
+                   amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8(
+                       amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kDelayed).amax_history_len(4)),
+                   0});
+    all.push_back({"O2 bf16 FP8 mxfp8 FusedAdamW",
+                   amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0).fp8(
+                       amp::Fp8Options().scaling(amp::Fp8Options::Scaling::kMxfp8)),
+                   0});
+  }
+#if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no fp16 GEMM on the CPU
+  all.push_back({"O2 fp16 FusedSGD", amp::Options("O2").low_precision_dtype(torch::kHalf).verbosity(0), 1});
+#endif
+  for (const auto& config : all) train_side_by_side(group, config, 3);
   const char* dir_env = std::getenv("AMP_ZERO_DIR");
   const std::string dir = dir_env ? dir_env : "/tmp";
   checkpoints(group, 3, dir);
@@ -1317,7 +1340,7 @@ void scenario_zero_sync_free(const ProcessGroup& group) {
     std::cout << "[rank " << group.rank() << "] skipped: this LibTorch has no ATen fused optimizer kernels\n";
     return;
   }
-  for (int stage : {1, 2}) sync_free(group, stage);
+  for (int stage : {1, 2, 3}) sync_free(group, stage);
 }
 
 }  // namespace amp_worker
