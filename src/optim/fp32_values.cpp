@@ -38,6 +38,9 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
 void check_loadable(const at::Tensor& target, const std::string& name, const char* where) {
   const auto master = find_master(target);
   if (master && master->first->shards()) return;  // its slice of the fp32 value takes it; the next gather brings it
+  const auto lean = find_lean(target);
+  const auto shards = lean ? lean->first->shards() : nullptr;
+  if (shards && shards->holds_weights()) return;  // the same for the slices of a lean weight and its aux
   check_not_released(target, name, where);
 }
 

@@ -18,7 +18,7 @@ namespace amp::detail {
 void write_loaded(const at::Tensor& target, const at::Tensor& value);
 
 /// Throws (naming `name`, for `where`) where write_loaded could not write `target`: a ZeRO stage-3 parameter between
-/// uses that has no sharded master to take the value (src/core/released_parameters.h).
+/// uses that has no sharded master or lean slices to take the value (src/core/released_parameters.h).
 void check_loadable(const at::Tensor& target, const std::string& name, const char* where);
 
 /// Returns the module's parameters and buffers as a Python state_dict orders them, each with its fp32 value where

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "amp/properties.h"
+#include "core/released_parameters.h"
 #include "optim/float32_bytes.h"
 #include "optim/fused_route.h"
 #include "optim/residual8.h"
@@ -217,27 +218,28 @@ at::Tensor LeanMasters::value(size_t i, const at::Tensor& aux) const {
 
 void LeanMasters::store(size_t i, const at::Tensor& value) {
   c10::NoGradGuard no_grad;
-  at::Tensor& p = params_[i];
+  const at::Tensor& p = params_[i];
   TORCH_INTERNAL_ASSERT(p.scalar_type() == at::kBFloat16 && value.sizes() == p.sizes());
-  // A sharded table's store (load_weights) computes the whole aux and hands it to its shards.
+  // A sharded table's store (load_weights) computes the whole aux and hands it to its shards; at ZeRO stage 3 the
+  // weight too, which between uses has no memory to take it.
+  const std::shared_ptr<Shards> shards = shards_.lock();
+  TORCH_INTERNAL_ASSERT(shards || !aux_sharded_, "amp: a sharded lean table outlived its sharding");
+  const bool weight_sharded = shards && shards->holds_weights();
+  const at::Tensor weight = weight_sharded && is_released(p) ? at::empty(p.sizes(), p.options()) : p;
   const at::Tensor whole_aux = aux_sharded_ ? fresh_aux(p) : aux_[i];
   if (on_device_route(p)) {
-    store_on_device(i, value, whole_aux);
+    store_on_device(i, weight, value, whole_aux);
   } else {
-    store_on_host(i, value, whole_aux);
+    store_on_host(i, weight, value, whole_aux);
   }
   loaded_[i] = at::Tensor();
   mark_synced(i);
-  if (aux_sharded_) {
-    const auto shards = shards_.lock();
-    TORCH_INTERNAL_ASSERT(shards, "amp: a sharded lean table outlived its sharding");
-    shards->keep_aux(i, whole_aux, at::Tensor());
-  }
+  if (weight_sharded) shards->keep_weight(i, weight);
+  if (aux_sharded_) shards->keep_aux(i, whole_aux, at::Tensor());
 }
 
 // NOTE [Lean masters on the device]: store()'s arithmetic in ATen ops, bit for bit store_on_host's.
-void LeanMasters::store_on_device(size_t i, const at::Tensor& value, const at::Tensor& whole_aux) {
-  at::Tensor& p = params_[i];
+void LeanMasters::store_on_device(size_t i, const at::Tensor& p, const at::Tensor& value, const at::Tensor& whole_aux) {
   const at::Tensor v = value.to(at::kFloat).contiguous();
   at::Tensor w, aux;
   switch (format_) {
@@ -270,8 +272,7 @@ void LeanMasters::store_on_device(size_t i, const at::Tensor& value, const at::T
   if (aux.defined()) whole_aux.copy_(aux.view(p.sizes()));
 }
 
-void LeanMasters::store_on_host(size_t i, const at::Tensor& value, const at::Tensor& whole_aux) {
-  at::Tensor& p = params_[i];
+void LeanMasters::store_on_host(size_t i, const at::Tensor& p, const at::Tensor& value, const at::Tensor& whole_aux) {
   const at::Tensor v = lean_cpu_contiguous(value.to(at::kFloat));
   const bool in_place = p.device().is_cpu() && p.is_contiguous();
   at::Tensor w_t = in_place ? p : at::empty(p.sizes(), v.options().dtype(at::kBFloat16));
@@ -359,14 +360,16 @@ void LeanMasters::mark_synced(size_t i) {
 }
 
 void LeanMasters::save(torch::serialize::OutputArchive& archive) const {
-  const std::shared_ptr<Shards> shards = aux_sharded_ ? shards_.lock() : nullptr;
-  const std::vector<at::Tensor>* whole = shards ? shards->consolidated_aux() : &aux_;  // null: a rank's shard
+  const std::shared_ptr<Shards> shards = shards_.lock();
+  const std::vector<at::Tensor>* whole = aux_sharded_ && shards ? shards->consolidated_aux() : &aux_;  // null: a rank's shard
+  // ZeRO stage 3: the weights are the shards' too (a rank's archive holds its slices, the sharding writes them).
+  const std::vector<at::Tensor>* weights = shards && shards->holds_weights() ? shards->consolidated_weights() : &params_;
   archive.write("lean/format", c10::IValue(static_cast<int64_t>(format_)));
   archive.write("lean/seed", c10::IValue(static_cast<int64_t>(seed_)));  // the bits of the uint64
   archive.write("lean/counter", c10::IValue(static_cast<int64_t>(counter_.value())));
   archive.write("lean/count", c10::IValue(static_cast<int64_t>(params_.size())));
   for (size_t i = 0; i < params_.size(); ++i) {
-    archive.write("lean/param/" + std::to_string(i), params_[i].detach());
+    if (weights) archive.write("lean/param/" + std::to_string(i), (*weights)[i].detach());
     if (whole && (*whole)[i].defined()) archive.write("lean/aux/" + std::to_string(i), (*whole)[i]);
   }
 }
@@ -383,9 +386,13 @@ std::function<void()> LeanMasters::load(torch::serialize::InputArchive& archive,
               "parameters with lean masters, this optimizer has ", params_.size(), ". Resume with the same model, "
               "opt level and param groups.");
   std::vector<at::Tensor> weights(params_.size()), aux(params_.size());
-  // A ZeRO rank's own archive holds no whole aux (its slices are the sharding's); any other holds each.
-  const bool sliced = aux_sharded_ && Sharding::is_shard_amp_archive(archive);
-  for (size_t i = 0; i < params_.size(); ++i) {
+  // A ZeRO rank's own archive holds no whole aux (its slices are the sharding's), nor at stage 3 whole weights; any
+  // other holds each.
+  const std::shared_ptr<Shards> owner = shards_.lock();
+  const bool weights_sharded = owner && owner->holds_weights();
+  const bool shard_archive = Sharding::is_shard_amp_archive(archive);
+  const bool sliced = aux_sharded_ && shard_archive;
+  for (size_t i = 0; i < params_.size() && !(weights_sharded && shard_archive); ++i) {
     archive.read("lean/param/" + std::to_string(i), weights[i]);
     TORCH_CHECK(weights[i].sizes() == params_[i].sizes() && weights[i].scalar_type() == at::kBFloat16, where,
                 ": lean master ", i, " ('", names_[i], "') is ", dtype_name(weights[i].scalar_type()), " of shape ",
@@ -400,9 +407,11 @@ std::function<void()> LeanMasters::load(torch::serialize::InputArchive& archive,
   }
   return [this, weights, aux, seed = static_cast<uint64_t>(*seed), counter = static_cast<uint64_t>(*counter)] {
     c10::NoGradGuard no_grad;
-    const std::shared_ptr<Shards> shards = aux_sharded_ ? shards_.lock() : nullptr;
+    const std::shared_ptr<Shards> shards = shards_.lock();
     for (size_t i = 0; i < params_.size(); ++i) {
-      params_[i].copy_(weights[i]);
+      if (!weights[i].defined()) continue;  // a stage-3 rank's archive: its sharding restores its slices
+      if (shards && shards->holds_weights()) shards->keep_weight(i, weights[i].to(params_[i].device()));
+      else params_[i].copy_(weights[i]);
       if (aux_[i].defined()) {
         aux_[i].copy_(aux[i]);
         loaded_[i] = weights[i].to(params_[i].device());  // until the weight's next write (refresh_changed)

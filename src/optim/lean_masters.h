@@ -131,6 +131,14 @@ class LeanMasters {
     virtual std::vector<at::Tensor> gather_aux() = 0;
     /// While save_consolidated writes: every parameter's whole aux; else null (a rank's archive holds its slices).
     virtual const std::vector<at::Tensor>* consolidated_aux() const = 0;
+    /// ZeRO stage 3: the slices hold the weights too, and the parameters hold no values between uses, so a store or
+    /// a load hands each written weight to keep_weight instead of writing the parameter alone.
+    virtual bool holds_weights() const = 0;
+    /// Parameter i's whole weight was written (a store, a checkpoint's): this rank keeps its slices of it.
+    virtual void keep_weight(size_t i, const at::Tensor& weight) = 0;
+    /// While save_consolidated writes at stage 3: every parameter's whole weight; else null (a rank's archive holds
+    /// its slices).
+    virtual const std::vector<at::Tensor>* consolidated_weights() const = 0;
   };
   /// From now on `shards` holds the aux in slices and this table keeps none (stores hand theirs over).
   void mark_sharded(std::weak_ptr<Shards> shards);
@@ -148,8 +156,8 @@ class LeanMasters {
   void check_usable(size_t i) const;
   at::Tensor fresh_aux(const at::Tensor& param) const;
   bool on_device_route(const at::Tensor& param) const;
-  void store_on_device(size_t i, const at::Tensor& value, const at::Tensor& whole_aux);
-  void store_on_host(size_t i, const at::Tensor& value, const at::Tensor& whole_aux);
+  void store_on_device(size_t i, const at::Tensor& weight, const at::Tensor& value, const at::Tensor& whole_aux);
+  void store_on_host(size_t i, const at::Tensor& weight, const at::Tensor& value, const at::Tensor& whole_aux);
 
   amp::MasterWeights format_;
   uint64_t seed_;

@@ -229,6 +229,7 @@ class Zero final : public amp::detail::Sharding,
     full_state_.reset();
     full_masters_.clear();
     full_aux_.reset();
+    full_weights_.reset();
   }
   const GroupState& group() const { return state_; }
 
@@ -267,6 +268,11 @@ class Zero final : public amp::detail::Sharding,
   void keep_aux(size_t i, const at::Tensor& aux, const at::Tensor& loaded_weight) override;
   std::vector<at::Tensor> gather_aux() override;
   const std::vector<at::Tensor>* consolidated_aux() const override { return full_aux_ ? &*full_aux_ : nullptr; }
+  bool holds_weights() const override { return stage_ == 3; }
+  void keep_weight(size_t i, const at::Tensor& weight) override;
+  const std::vector<at::Tensor>* consolidated_weights() const override {
+    return full_weights_ ? &*full_weights_ : nullptr;
+  }
 
   // Stage 3 (NOTE [Stage 3 units]).
   int unit_of(const c10::StorageImpl* storage) const override {
@@ -301,6 +307,7 @@ class Zero final : public amp::detail::Sharding,
  private:
   bool released(const ShardEntry& e) const { return stage_ == 3 && is_released(e.model); }
   void refresh(bool all);
+  void follow_storages();
   std::vector<int64_t> layout() const;
   std::vector<ShardSpan> slice_spans(size_t g, int64_t r) const;
   void record_versions();
@@ -316,6 +323,8 @@ class Zero final : public amp::detail::Sharding,
   void gather_into_model();
   void index_lean();
   bool lean_stale() const;
+  std::vector<at::Tensor> gather_lean(c10::ScalarType dtype, const std::function<at::Tensor(const ShardPiece&)>& part,
+                                      const std::string& what);
   void add_groups(OptimizerBase& optimizer);
   void adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece);
   double sum_over_ranks(double value);
@@ -346,6 +355,7 @@ class Zero final : public amp::detail::Sharding,
   std::shared_ptr<amp::detail::LeanMasters> lean_;         // the optimizer's lean masters (null: none)
   std::shared_ptr<amp::detail::LeanMasters> lean_pieces_;  // this rank's pieces of them, in lean_'s numbering
   std::optional<std::vector<at::Tensor>> full_aux_;        // while gathered (save_consolidated): the whole aux
+  std::optional<std::vector<at::Tensor>> full_weights_;    // the same, stage 3: the whole lean weights
   // NOTE [Overlapped reduce-scatter]: this synchronized backward's lanes, started as their gradients came in.
   bool overlap_ = false;
   std::unordered_map<const c10::TensorImpl*, std::vector<size_t>> lanes_of_;  // by model parameter
@@ -513,8 +523,9 @@ void Zero::add_groups(OptimizerBase& optimizer) {
           p.entry = i;
           p.begin = span.begin;
           p.length = span.length;
-          p.value = e.lean ? alias_of(e.model, p.begin, p.length)
-                           : e.stepped.detach().reshape({-1}).narrow(0, p.begin, p.length).clone();
+          // (stage 3: a lean piece holds its values, as the weight it follows has none between uses)
+          p.value = e.lean && stage_ != 3 ? alias_of(e.model, p.begin, p.length)
+                                          : e.stepped.detach().reshape({-1}).narrow(0, p.begin, p.length).clone();
           span.piece = static_cast<int>(pieces_.size());
           piece_places_.emplace(p.value.unsafeGetTensorImpl(),
                                 amp::detail::StateFormat::Place{e.whole_offset + p.begin, e.numel});
@@ -702,6 +713,7 @@ void Zero::adopt_full_state(torch::optim::Optimizer& opt, size_t first_piece) {
 
 void Zero::refresh(bool all) {
   c10::NoGradGuard no_grad;
+  if (stage_ == 3) follow_storages();
   if (lean_) lean_->refresh_changed();  // (its aux are the slices': this checks the weights are usable)
   for (const auto& entries : groups_) {  // every rank alike, pieces here or not
     for (const auto& e : entries) {
@@ -717,9 +729,11 @@ void Zero::refresh(bool all) {
     if (released(e)) continue;  // stage 3: nothing can have written it
     const bool changed = e.model._version() != e.version || e.model.storage().unsafeGetStorageImpl() != e.storage;
     if (!all && !changed) continue;
-    if (e.lean) {  // the piece sees the write (an alias of the weight), its aux follows it, as unsharded
+    if (e.lean) {  // the piece sees the write (an alias of the weight; stage 3: a copy), its aux follows it
       if (!changed) continue;
-      if (e.model.storage().unsafeGetStorageImpl() != e.storage) {
+      if (stage_ == 3) {
+        p.value.copy_(e.model.detach().reshape({-1}).narrow(0, p.begin, p.length));
+      } else if (e.model.storage().unsafeGetStorageImpl() != e.storage) {
         p.value.set_(e.model.storage(), e.model.storage_offset() + p.begin, {p.length}, {1});
       }
       lean_pieces_->follow_write(static_cast<size_t>(p.lean_slot));
@@ -731,6 +745,29 @@ void Zero::refresh(bool all) {
     else p.value.copy_(written);
   }
   record_versions();
+}
+
+// Stage 3: a parameter whose data something replaced while it was whole (torch::load(net) under a
+// GatheredParametersGuard sets each parameter to the loaded tensor's storage) is gathered into and freed from its new
+// storage from now on, which must hold exactly its elements, as at shard_optimizer.
+void Zero::follow_storages() {
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      const c10::StorageImpl* now = e.model.storage().unsafeGetStorageImpl();
+      if (now == e.storage) continue;
+      const size_t bytes = static_cast<size_t>(e.model.numel()) * e.model.element_size();
+      TORCH_CHECK(e.model.is_contiguous() && e.model.storage_offset() == 0 && e.model.storage().nbytes() == bytes &&
+                      e.model.numel() == e.numel,
+                  "amp::parallel (ZeRO stage 3): parameter '", e.name, "' now holds ", e.model.storage().nbytes(),
+                  " bytes at offset ", e.model.storage_offset(), " for ", bytes, " bytes of values (something replaced "
+                  "its data: a checkpoint of another dtype or shape, or a view), so stage 3 can't free it alone. Write "
+                  "weights in place instead: amp::load_weights, or copy_ under GatheredParametersGuard.");
+      unit_of_storage_.erase(static_cast<const c10::StorageImpl*>(e.storage));
+      unit_of_storage_.emplace(now, e.unit);
+      e.storage_bytes = bytes;
+    }
+  }
+  register_whole_scopes();
 }
 
 void Zero::gather_into_model() {
@@ -902,7 +939,8 @@ void Zero::release_all() {
 }
 
 std::shared_ptr<void> Zero::forward() {
-  release_all();  // what a no_sync() backward or an evaluation left whole
+  follow_storages();  // data replaced under a guard (which can't throw when it ends)
+  release_all();      // what a no_sync() backward or an evaluation left whole
   if (!this_order_[1].empty()) order_[1] = std::move(this_order_[1]);
   this_order_[0].clear();
   this_order_[1].clear();
@@ -1399,6 +1437,7 @@ void Zero::save(torch::serialize::OutputArchive& amp_archive) const {
     if (slot >= 0 && lean_pieces_->aux(static_cast<size_t>(slot)).defined()) {
       amp_archive.write("zero/lean_aux/" + std::to_string(k), lean_pieces_->aux(static_cast<size_t>(slot)));
     }
+    if (slot >= 0 && stage_ == 3) amp_archive.write("zero/lean_piece/" + std::to_string(k), pieces_[k].value);
   }
 }
 
@@ -1452,6 +1491,16 @@ std::function<void()> Zero::load(OptimizerBase& optimizer, torch::serialize::Inp
                   "is damaged.");
       lean_aux.emplace_back(k, std::move(v));
     }
+    for (size_t k = 0; stage_ == 3 && k < pieces_.size(); ++k) {  // stage 3: the lean weights' slices are the shard's
+      if (pieces_[k].lean_slot < 0) continue;
+      at::Tensor v;
+      TORCH_CHECK(amp_archive.try_read("zero/lean_piece/" + std::to_string(k), v) && v.sizes() == pieces_[k].value.sizes() &&
+                      v.scalar_type() == pieces_[k].value.scalar_type(),
+                  where, ": the checkpoint's shard lacks the weights of piece ", k, " (of '",
+                  groups_[pieces_[k].group][pieces_[k].entry].name, "') or they have another size or dtype; the file "
+                  "is damaged.");
+      values.emplace_back(k, std::move(v));
+    }
     return [this, values, lean_aux] {
       c10::NoGradGuard no_grad;
       refresh_changed();  // direct pieces: the model's values
@@ -1500,6 +1549,10 @@ void Zero::with_full_state(OptimizerBase& optimizer, const std::function<void()>
 
 void Zero::with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) {
   torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
+  if (stage_ == 3) {  // fn reads and replaces whole parameters; the layout that lays them out again frees them
+    for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int>(u));
+    for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int>(u));
+  }
   gather_consolidated(optimizer, /*everywhere=*/true);
   auto& state = opt.state();
   // State keyed by a whole tensor (a checkpoint torch::load-ed, not sliced yet) is newer than its pieces'.
@@ -1531,6 +1584,8 @@ void Zero::with_whole(OptimizerBase& optimizer, const std::function<void()>& fn)
   whole_numel_ = 0;
   lean_pieces_.reset();
   lean_.reset();
+  unit_of_storage_.clear();  // stage 3: a parameter moved to fp32 has another storage
+  for (auto& lanes : unit_lanes_) lanes.clear();
   auto lay_out = [&] {
     if (groups_.empty()) adopt_groups(optimizer);
   };
@@ -1625,12 +1680,37 @@ void Zero::keep_aux(size_t i, const at::Tensor& aux, const at::Tensor& loaded_we
   }
 }
 
+void Zero::keep_weight(size_t i, const at::Tensor& weight) {
+  c10::NoGradGuard no_grad;
+  for (auto& p : pieces_) {
+    const ShardEntry& e = groups_[p.group][p.entry];
+    if (e.lean && e.lean_index == i) p.value.copy_(weight.reshape({-1}).narrow(0, p.begin, p.length));
+  }
+  for (auto& entries : groups_) {
+    for (auto& e : entries) {
+      if (!e.lean || e.lean_index != i || released(e)) continue;  // released: the next gather brings it
+      if (!weight.is_same(e.model)) e.model.copy_(weight);       // whole (a guard): it shows the value at once
+      e.version = e.model._version();
+      e.storage = e.model.storage().unsafeGetStorageImpl();
+      lean_->mark_synced(i);
+    }
+  }
+}
+
 // Every rank's slices of the lean aux, lane by lane as the weights travel, whole in the lean table's order.
 std::vector<at::Tensor> Zero::gather_aux() {
   refresh_changed();
-  std::vector<at::Tensor> out(lean_ ? lean_->size() : 0);
   const auto dtype = lean_ ? lean_->aux_dtype() : std::nullopt;
-  if (!dtype) return out;
+  if (!dtype) return std::vector<at::Tensor>(lean_ ? lean_->size() : 0);
+  return gather_lean(*dtype, [this](const ShardPiece& p) { return lean_pieces_->aux(static_cast<size_t>(p.lean_slot)); },
+                     "the lean masters' low bits");
+}
+
+// Every rank's `part` of each lean piece (its aux, or at stage 3 its weight), lane by lane as the weights travel,
+// whole in the lean table's order.
+std::vector<at::Tensor> Zero::gather_lean(c10::ScalarType dtype, const std::function<at::Tensor(const ShardPiece&)>& part,
+                                          const std::string& what) {
+  std::vector<at::Tensor> out(lean_ ? lean_->size() : 0);
   c10::NoGradGuard no_grad;
   for (const auto& lane : lanes_) {
     const std::vector<ShardEntry>& entries = groups_[lane.group];
@@ -1641,16 +1721,16 @@ std::vector<at::Tensor> Zero::gather_aux() {
       width = std::max(width, n);
     }
     if (width == 0) continue;  // the same on every rank: the layout is
-    at::Tensor send = at::zeros({width}, entries.front().model.options().dtype(*dtype));
+    at::Tensor send = at::zeros({width}, entries.front().model.options().dtype(dtype));
     int64_t pos = 0;
     for (const auto& s : lane.spans[static_cast<size_t>(state_.rank)]) {
       if (!entries[s.entry].lean) continue;
-      send.narrow(0, pos, s.length).copy_(lean_pieces_->aux(static_cast<size_t>(pieces_[static_cast<size_t>(s.piece)].lean_slot)));
+      send.narrow(0, pos, s.length).copy_(part(pieces_[static_cast<size_t>(s.piece)]));
       pos += s.length;
     }
     const at::Tensor recv = shard_all_gather_bytes(state_, send.view(at::kByte), bucket_bytes_,
-                                                   std::string(kShard) + " (gathering the lean masters' low bits)")
-                                .view(*dtype);
+                                                   std::string(kShard) + " (gathering " + what + ")")
+                                .view(dtype);
     for (size_t r = 0; r < lane.spans.size(); ++r) {
       pos = static_cast<int64_t>(r) * width;
       for (const auto& s : lane.spans[r]) {
@@ -1669,8 +1749,8 @@ std::vector<at::Tensor> Zero::gather_aux() {
 void Zero::held(std::vector<at::Tensor>& params, std::vector<at::Tensor>& masters, std::vector<at::Tensor>& master_grads,
                 std::vector<at::Tensor>& grads) const {
   for (const auto& p : pieces_) {
-    const bool direct = !groups_[p.group][p.entry].mastered && !groups_[p.group][p.entry].lean;
-    (stage_ == 3 && direct ? params : masters).push_back(p.value);  // stage 3: the parameter's only values
+    // Stage 3: a piece of a parameter stepped directly or through a lean master is the parameter's only values.
+    (stage_ == 3 && !groups_[p.group][p.entry].mastered ? params : masters).push_back(p.value);
     if (groups_[p.group][p.entry].mastered) master_grads.push_back(p.grad);
     else grads.push_back(p.grad);
   }
@@ -1763,6 +1843,10 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
   }
   const at::Tensor recv = shard_all_gather_bytes(state_, send, bucket_bytes_, what);
   std::vector<at::Tensor> aux = gather_aux();  // collective: the lean masters' archive writes them whole
+  std::optional<std::vector<at::Tensor>> lean_weights;  // stage 3: and the weights, which no parameter holds
+  if (lean_ && stage_ == 3) {
+    lean_weights = gather_lean(at::kBFloat16, [](const ShardPiece& p) { return p.value; }, "the lean weights");
+  }
   if (state_.rank != 0 && !everywhere) return;
   // 3. Rank 0 assembles the whole tensors: masters slice by slice, each state field from its pieces in order.
   ShardStateMap full;
@@ -1816,6 +1900,7 @@ void Zero::gather_consolidated(OptimizerBase& optimizer, bool everywhere) {
   full_state_ = std::move(full);
   full_masters_ = std::move(masters);
   if (lean_) full_aux_ = std::move(aux);
+  full_weights_ = std::move(lean_weights);
 }
 
 }  // namespace
@@ -1839,14 +1924,6 @@ void shard(const std::shared_ptr<DistributedCore>& core, OptimizerBase& optimize
   const Properties& p = optimizer.properties();
   TORCH_CHECK(p.enabled, kShard, ": amp is disabled for this optimizer (enabled = false); ZeRO shards amp's optimizer "
               "state. Enable amp, or use torch's own data parallelism.");
-  if (options.stage() == 3) {  // docs/distributed.md: what stage 3 does not take yet
-    TORCH_CHECK(!OptimizerAccess::index(optimizer).lean(), kShard, ": stage 3 with the lean master format '",
-                amp::to_string(p.master_weights_format), "' is not supported yet: its fp32 values are the weight "
-                "itself plus low bits, and stage 3 frees the weight between uses. Use master_weights_format = copy at "
-                "stage 3, or stage 2 (which takes every master format).");
-    TORCH_CHECK(p.auto_fp32 == 0, kShard, ": stage 3 with auto_fp32 is not supported yet (moving a module to fp32 "
-                "mid-run needs its parameters whole). Use stage 2, or keep_fp32 for the modules it would move.");
-  }
   torch::optim::Optimizer& opt = OptimizerAccess::synced_torch_optimizer(optimizer);
   // NOTE [Optimizer kinds]: the table says which types ZeRO can slice, and why not.
   const amp::detail::OptimizerKind* kind = amp::detail::kind_of(opt);

@@ -865,7 +865,8 @@ void state_formats(const ProcessGroup& group, int stage, const std::string& dir)
 // The lean master formats under ZeRO (NOTE [ZeRO layout]): each rank steps its pieces of the bf16 weights through
 // slices of the lean table, so weights, aux and the stochastic rounding generator must equal the unsharded run's bit for
 // bit after every step (an overflow skipped on rank 1's batch, clipping), with fp32 and 8-bit moments, Adam and SGD;
-// then a consolidated archive resumes a sharded and an unsharded run alike, and load_weights writes fp32 values.
+// then a consolidated archive resumes a sharded and an unsharded run alike, and load_weights writes fp32 values. At
+// stage 3 the pieces hold the weights too: load_weights writes them without a guard, the archives carry them.
 void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) {
   const int n = group.world_size();
   const int64_t local_rows = kGlobal / n;
@@ -875,8 +876,9 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
                                  torch::nn::ReLU(), torch::nn::Linear(16, 5));
   };
   // Every weight's fp32 value (a lean one's from the bf16 weight and its aux; collective when sharded) and bf16
-  // weight, and the generator's counter.
-  auto lean_state = [](torch::nn::Sequential& net) {
+  // weight, and the generator's counter; `core`: the sharded net's (stage 3: whole under its guard, collective).
+  auto lean_state = [](torch::nn::Sequential& net, const std::shared_ptr<amp::parallel::detail::DistributedCore>& core = nullptr) {
+    amp::parallel::GatheredParametersGuard whole(core);
     std::vector<torch::Tensor> out;
     for (const auto& item : amp::detail::fp32_state(*net)) out.push_back(item.second.clone());
     uint64_t counter = 0;
@@ -891,15 +893,17 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
     amp::OptimizerStateFormat moments;
     int optimizer;
   };
-  const std::vector<Case> cases = {
-      {amp::MasterWeights::kSplit, amp::OptimizerStateFormat::kFp32, 0},
+  std::vector<Case> cases = {
       {amp::MasterWeights::kSplit, amp::OptimizerStateFormat::k8Bit, 0},
-      {amp::MasterWeights::kKahan, amp::OptimizerStateFormat::kFp32, 0},
       {amp::MasterWeights::kStochasticRounding, amp::OptimizerStateFormat::kBf16, 0},
       {amp::MasterWeights::kResidual8, amp::OptimizerStateFormat::k8Bit, 0},
       {amp::MasterWeights::kStochasticRounding, amp::OptimizerStateFormat::kFp32, 1},
       {amp::MasterWeights::kKahan, amp::OptimizerStateFormat::kFp32, 4},
   };
+  if (stage != 3) {  // (stage 3: the formats above cover every master format, moment format and kind of step)
+    cases.push_back({amp::MasterWeights::kSplit, amp::OptimizerStateFormat::kFp32, 0});
+    cases.push_back({amp::MasterWeights::kKahan, amp::OptimizerStateFormat::kFp32, 0});
+  }
   for (const Case& c : cases) {
     const std::string label = std::string("O2 bf16 ") + amp::to_string(c.masters) + " masters, " +
                               amp::to_string(c.moments) + " moments, optimizer " + std::to_string(c.optimizer) +
@@ -937,20 +941,24 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         for (int step = 0; step < 6; ++step) {
           train(ref_optimizer, ref_ddp, step);
           train(optimizer, ddp, step);
-          const auto a = lean_state(net), b = lean_state(ref_net);
+          const auto a = lean_state(net, ddp.core()), b = lean_state(ref_net);
           same = same && equal_bits(a.first, b.first) && a.second == b.second;
           worst = std::max(worst, relative_diff(a.first, b.first));
         }
         report(same, label + ": weights, aux and generator equal the unsharded run's bit for bit after every step",
                "worst relative " + str(worst));
         report(optimizer.skipped_steps() == 1 && ref_optimizer.skipped_steps() == 1, label + ": the overflow is skipped");
-        report(same_on_all_ranks(group, lean_state(net).first), label + ": every rank keeps the same weights and aux");
+        report(same_on_all_ranks(group, lean_state(net, ddp.core()).first), label + ": every rank keeps the same weights and aux");
         const auto sharded = amp::state_bytes(optimizer), unsharded = amp::state_bytes(ref_optimizer);
         report(sharded.optimizer_state < unsharded.optimizer_state, label + ": the optimizer state divides",
                std::to_string(sharded.optimizer_state) + " vs " + std::to_string(unsharded.optimizer_state) + " bytes");
         if (c.masters != amp::MasterWeights::kStochasticRounding) {  // each rank keeps its slices of the aux alone
           report(sharded.masters * (n - 1) < unsharded.masters, label + ": the aux divide",
                  std::to_string(sharded.masters) + " vs " + std::to_string(unsharded.masters) + " bytes");
+        }
+        if (stage == 3) {  // and its slices of the bf16 weights
+          report(sharded.params * (n - 1) < unsharded.params, label + ": the weights divide",
+                 std::to_string(sharded.params) + " vs " + std::to_string(unsharded.params) + " bytes");
         }
 
         // The consolidated archive resumes an unsharded and a sharded run where these two are, a rank's own archive a
@@ -987,8 +995,10 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
               train(own_optimizer, own_ddp, step);
               const auto b = lean_state(ref_net);
               int which = 0;
-              for (auto* other : {&net, &resumed_net, &sharded_net, &own_net}) {
-                const auto a = lean_state(*other);
+              const std::vector<std::pair<torch::nn::Sequential*, std::shared_ptr<amp::parallel::detail::DistributedCore>>> runs{
+                  {&net, ddp.core()}, {&resumed_net, nullptr}, {&sharded_net, sharded_ddp.core()}, {&own_net, own_ddp.core()}};
+              for (const auto& [other, core] : runs) {
+                const auto a = lean_state(*other, core);
                 const bool equal = equal_bits(a.first, b.first) && a.second == b.second;
                 if (!equal && differs.empty()) differs = "run " + std::to_string(which) + " at step " + std::to_string(step);
                 resumed_same = resumed_same && equal;
@@ -1010,18 +1020,19 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         amp::load_weights(*net, weights);
         train(ref_optimizer, ref_ddp, 9);
         train(optimizer, ddp, 9);
-        const auto a = lean_state(net), b = lean_state(ref_net);
+        const auto a = lean_state(net, ddp.core()), b = lean_state(ref_net);
         report(equal_bits(a.first, b.first) && a.second == b.second,
                label + ": after load_weights the sharded run steps as the unsharded one");
         // A weight edited in place: its low bits go, on every rank's slices as unsharded (NOTE [Lean masters]).
         {
+          amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: the edit reaches the slices when it ends
           torch::NoGradGuard no_grad;
           ref_net[2]->named_parameters()["weight"].mul_(0.5);
           net[2]->named_parameters()["weight"].mul_(0.5);
         }
         train(ref_optimizer, ref_ddp, 10);
         train(optimizer, ddp, 10);
-        const auto edited = lean_state(net), ref_edited = lean_state(ref_net);
+        const auto edited = lean_state(net, ddp.core()), ref_edited = lean_state(ref_net);
         report(equal_bits(edited.first, ref_edited.first) && edited.second == ref_edited.second,
                label + ": after a weight edited in place the sharded run steps as the unsharded one");
       }
@@ -1046,7 +1057,9 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
     net[1]->as<torch::nn::LinearImpl>()->weight.fill_(0.5);
     return net;
   };
-  auto state_of = [](torch::nn::Sequential& net) {
+  // `core`: the sharded net's (stage 3: whole under its guard, collective).
+  auto state_of = [](torch::nn::Sequential& net, const std::shared_ptr<amp::parallel::detail::DistributedCore>& core = nullptr) {
+    amp::parallel::GatheredParametersGuard whole(core);
     std::vector<torch::Tensor> out;
     for (const auto& item : amp::detail::fp32_state(*net)) out.push_back(item.second.clone());  // collective if sharded
     for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
@@ -1086,14 +1099,15 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
     double worst = 0, spread = 0;
     for (int step = 0; step < 9; ++step) {
       if (step == 3 || step == 6) {
+        amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: the writes reach the shards when it ends
         torch::NoGradGuard no_grad;  // in place, the same on every rank
         for (auto* m : {&ref_net, &net, &reordered_net}) (*m)[1]->as<torch::nn::LinearImpl>()->weight.fill_(step == 3 ? 3e38 : 0.5);
       }
       train(ref_optimizer, ref_ddp, step);
       train(optimizer, ddp, step);
       train(reordered_optimizer, reordered_ddp, step);
-      const auto b = state_of(ref_net);
-      worst = std::max(worst, equal_bits(state_of(net), b) ? 0.0 : std::max(relative_diff(state_of(net), b), 1e-300));
+      const auto a = state_of(net, ddp.core()), b = state_of(ref_net);
+      worst = std::max(worst, equal_bits(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
       spread = std::max(spread, relative_diff(state_of(reordered_net), b));
     }
     const double bound = n == 2 ? 0.0 : std::max(2 * spread, 1e-6);
@@ -1104,7 +1118,12 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
            std::to_string(optimizer.skipped_steps()));
     report(worst <= bound, label + ": the sharded run equals the unsharded one after every step (bit for bit on 2 ranks)",
            "worst relative " + str(worst) + ", the unsharded run reordered " + str(spread));
-    report(same_on_all_ranks(group, net->parameters()), label + ": every rank's replica is identical");
+    report(same_on_all_ranks(group, state_of(net, ddp.core())), label + ": every rank's replica is identical");
+    if (stage == 3) {
+      bool freed = true;
+      for (const auto& p : net->parameters()) freed = freed && p.storage().nbytes() == 0;
+      report(freed, label + ": between steps every parameter, the moved module's too, holds no memory");
+    }
 
     // The archives hold the decision: a fresh sharded optimizer repeats the move while it loads the consolidated
     // archive or this rank's own.
@@ -1112,7 +1131,10 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
     const std::string own = path + ".rank" + std::to_string(group.rank());
     amp::parallel::save_consolidated(optimizer, path);
     torch::save(optimizer, own);
-    if (group.rank() == 0) torch::save(net, path + ".model");
+    {
+      amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: collective
+      if (group.rank() == 0) torch::save(net, path + ".model");
+    }
     group.barrier();
     auto resumed_net = make_net(), own_net = make_net();
     auto [resumed_model, resumed] = amp::initialize(resumed_net, adamw(resumed_net), options);
@@ -1122,18 +1144,21 @@ void auto_fp32(const ProcessGroup& group, int stage, const std::string& dir) {
     amp::parallel::shard_optimizer(resumed_ddp, resumed, amp::parallel::ZeroOptions().stage(stage));
     amp::parallel::shard_optimizer(own_ddp, own_optimizer, amp::parallel::ZeroOptions().stage(stage));
     torch::load(resumed, path);
-    torch::load(resumed_net, path + ".model");
     torch::load(own_optimizer, own);
-    torch::load(own_net, path + ".model");
+    {
+      amp::parallel::GatheredParametersGuard whole_resumed(resumed_ddp), whole_own(own_ddp);  // stage 3: collective
+      torch::load(resumed_net, path + ".model");
+      torch::load(own_net, path + ".model");
+    }
     const bool moved_again = amp::fp32_modules(resumed) == moved && amp::fp32_modules(own_optimizer) == moved;
     double resumed_worst = 0;
     for (int step = 9; step < 12; ++step) {
       train(optimizer, ddp, step);
       train(resumed, resumed_ddp, step);
       train(own_optimizer, own_ddp, step);
-      const auto b = state_of(net);  // the sharded run that did not stop
-      for (auto* other : {&resumed_net, &own_net}) {
-        const auto a = state_of(*other);
+      const auto b = state_of(net, ddp.core());  // the sharded run that did not stop
+      for (const auto& [other, core] : {std::make_pair(&resumed_net, resumed_ddp.core()), std::make_pair(&own_net, own_ddp.core())}) {
+        const auto a = state_of(*other, core);
         resumed_worst = std::max(resumed_worst, equal_bits(a, b) ? 0.0 : std::max(relative_diff(a, b), 1e-300));
       }
     }
@@ -1162,13 +1187,7 @@ void sync_free(const ProcessGroup& group, int stage) {
                              amp::MasterWeights::kStochasticRounding},
                         Case{"8bit moments, split masters", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit},
                         Case{"dampening, the first step overflowing", amp::OptimizerStateFormat::kFp32,
-                             amp::MasterWeights::kCopy, true},
-                        // Stage 3 refuses the lean master formats: its state formats with fp32 masters instead.
-                        Case{"bf16 moments", amp::OptimizerStateFormat::kBf16, amp::MasterWeights::kCopy},
-                        Case{"8bit moments", amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy}}) {
-    const bool lean = c.master != amp::MasterWeights::kCopy;
-    const bool stand_in = !lean && c.format != amp::OptimizerStateFormat::kFp32;  // the lean cases' at stage 3
-    if (stage == 3 ? lean : stand_in) continue;
+                             amp::MasterWeights::kCopy, true}}) {
     const std::string label =
         std::string(c.sgd ? "O2 bf16 FusedSGD, " : "O2 bf16 FusedAdamW, ") + c.label + ", stage " + std::to_string(stage);
     const int64_t skips = c.sgd ? 4 : 3;
@@ -1333,6 +1352,8 @@ void scenario_zero_stage3(const ProcessGroup& group) {
   python_checkpoints(group, 3, dir);
   state_formats(group, 3, dir);
   muon(group, 3, dir);
+  if (group.world_size() == 2) lean_masters(group, 3, dir);  // (4 ranks: as 2, with what stage 2 checks on 4)
+  auto_fp32(group, 3, dir);
 }
 
 void scenario_zero_sync_free(const ProcessGroup& group) {
