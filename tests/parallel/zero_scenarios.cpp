@@ -1390,7 +1390,8 @@ void scenario_zero_bench(const ProcessGroup& group) {
   // Rows 4 and 5 keep Adam's moments in 8 bits (optimizer_state_format 8bit), unsharded and at stage 2; rows 6 and 7
   // also keep no fp32 masters (master_weights_format split: the bf16 weight and its low 16 bits); row 8 is row 3
   // reduce-scattering after backward instead of during it (ZeroOptions::overlap(false)); rows 9-12 are stage 3 (the
-  // parameters sharded too: each Linear a unit), with fp32 and 8-bit moments, after backward, and without prefetch.
+  // parameters sharded too: each Linear a unit), with fp32 and 8-bit moments, after backward, and without prefetch;
+  // row 13 is stage 3 with 8-bit moments and split masters (the leanest: 2 + 2 + 2 bytes a parameter, all sharded).
   struct Run {
     int stage;
     amp::OptimizerStateFormat format;
@@ -1409,7 +1410,8 @@ void scenario_zero_bench(const ProcessGroup& group) {
                                  {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy},
                                  {3, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kCopy},
                                  {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, false},
-                                 {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, true, 0}};
+                                 {3, amp::OptimizerStateFormat::kFp32, amp::MasterWeights::kCopy, true, 0},
+                                 {3, amp::OptimizerStateFormat::k8Bit, amp::MasterWeights::kSplit}};
   for (const auto& [stage, format, masters, overlap, prefetch] : runs) {
     auto net = make_net();
     num_params = 0;
@@ -1478,6 +1480,8 @@ void scenario_zero_bench(const ProcessGroup& group) {
          "split masters with 8-bit moments at stage 2 hold less than unsharded and than fp32 masters at stage 2");
   report(rows_out[8].bytes.total() < rows_out[2].bytes.total() && rows_out[9].bytes.total() < rows_out[4].bytes.total(),
          "stage 3 holds less than stage 2, with fp32 and with 8-bit moments");
+  report(rows_out[12].bytes.total() < rows_out[9].bytes.total() && rows_out[12].bytes.total() < rows_out[6].bytes.total(),
+         "split masters with 8-bit moments at stage 3 hold less than fp32 masters at stage 3 and than stage 2");
 }
 
 }  // namespace amp_worker

@@ -262,6 +262,28 @@ void misuse(const ProcessGroup& group) {
     report(m.find("stage must be 1") != std::string::npos && m.find("or 3 (and the parameters), got 4") != std::string::npos,
            "stage 4 is refused, naming the stages", m);
   }
+  {  // torch::load(net) after make_distributed (under the guard at stage 3) replaces what the wrapper hooked.
+    auto [net, optimizer, ddp] = fresh(options);
+    amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3));
+    std::ostringstream bytes;
+    {
+      amp::parallel::GatheredParametersGuard whole(ddp);
+      torch::serialize::OutputArchive out;
+      net->save(out);
+      out.save_to(bytes);
+    }
+    std::istringstream in_bytes(bytes.str());
+    torch::serialize::InputArchive in;
+    in.load_from(in_bytes);
+    {
+      amp::parallel::GatheredParametersGuard whole(ddp);
+      net->load(in);
+    }
+    const std::string m = message_of([&] { (void)ddp(global_batch(0, 4).x); });
+    report(m.find("was replaced or changed dtype or device after make_distributed") != std::string::npos &&
+               m.find("amp::load_weights") != std::string::npos,
+           "torch::load(net) after make_distributed is refused at the next forward, naming amp::load_weights", m);
+  }
   {  // Each rank routes its batch to another head: both ranks fail at the same gather, naming both units.
     TwoHeads net;
     auto [model, optimizer] = amp::initialize(
