@@ -47,10 +47,11 @@
 // kinds]) gets slices that end between tensors instead: rank r's slice ends at the tensor end nearest (r + 1) T / N,
 // so its pieces are whole tensors (some ranks may hold none), which the step sees in their shapes (ShardSums::whole_shape).
 // A bf16 parameter with a lean master (NOTE [Lean masters] in src/optim/lean_masters.h) has a piece that is a view of
-// its part of the weight and the aux of that part alone (the lean table keeps no whole aux once sharded): the step
-// stores each piece's fp32 value through a table of these slices, drawing stochastic rounding's bits by the whole
-// tensor's place, and only the weights are all-gathered. Whole aux travel only for the consolidated archive and
-// fp32 values (gather_aux); load_weights and archives hand each rank its slices (keep_aux).
+// its part of the weight (stage 3: a copy, the only one the rank keeps) and the aux of that part alone (the lean
+// table keeps no whole aux once sharded): the step stores each piece's fp32 value through a table of these slices,
+// drawing stochastic rounding's bits by the whole tensor's place, and only the weights are all-gathered. Whole aux
+// travel only for the consolidated archive and fp32 values (gather_aux); load_weights and archives hand each rank its
+// slices (keep_aux, and at stage 3 keep_weight).
 // At stage 3 a group's run is cut per unit instead (NOTE [Stage 3 units] in zero_units.cpp): the tensors of each unit
 // in the group, in group order, are a run of their own cut into N slices as above, and lanes are per unit, so that
 // gathering one unit moves its values only and each rank holds about 1/N of every unit.
@@ -747,14 +748,16 @@ void Zero::refresh(bool all) {
   record_versions();
 }
 
-// Stage 3: a parameter whose data something replaced while it was whole (torch::load(net) under a
-// GatheredParametersGuard sets each parameter to the loaded tensor's storage) is gathered into and freed from its new
-// storage from now on, which must hold exactly its elements, as at shard_optimizer.
+// Stage 3: a parameter whose data something replaced while it was whole (set_data under a GatheredParametersGuard, as
+// loaders that swap loaded tensors in do) is gathered into and freed from its new storage from now on, which must
+// hold exactly its elements, as at shard_optimizer.
 void Zero::follow_storages() {
+  bool moved = false;
   for (auto& entries : groups_) {
     for (auto& e : entries) {
       const c10::StorageImpl* now = e.model.storage().unsafeGetStorageImpl();
       if (now == e.storage) continue;
+      moved = true;
       const size_t bytes = static_cast<size_t>(e.model.numel()) * e.model.element_size();
       TORCH_CHECK(e.model.is_contiguous() && e.model.storage_offset() == 0 && e.model.storage().nbytes() == bytes &&
                       e.model.numel() == e.numel,
@@ -767,7 +770,7 @@ void Zero::follow_storages() {
       e.storage_bytes = bytes;
     }
   }
-  register_whole_scopes();
+  if (moved) register_whole_scopes();
 }
 
 void Zero::gather_into_model() {
