@@ -198,6 +198,54 @@ void backward_frees(const ProcessGroup& group) {
 
 // The bytes all-gathered per step: stage 3 gathers each unit before its forward and again before its backward,
 // stage 2 the updated parameters once (ZeRO's paper: stage 3 communicates 1.5x stage 2, all-gathers twice).
+// A Linear that notes the all-gathered bytes so far when its forward starts (before its own op gathers it).
+struct ProbedLinearImpl : torch::nn::Module {
+  explicit ProbedLinearImpl(int64_t in, int64_t out) : linear(register_module("linear", torch::nn::Linear(in, out))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (seen) noted.push_back(seen());
+    return linear(x);
+  }
+  torch::nn::Linear linear;
+  std::function<int64_t()> seen;
+  std::vector<int64_t> noted;
+};
+TORCH_MODULE(ProbedLinear);
+
+// Prefetch: when a unit's forward starts, the units after it (in the last forward's order) are on their way already:
+// with prefetch 0 only the units before it have been all-gathered, with 1 it too, with 2 the next one as well.
+void prefetch_ahead(const ProcessGroup& group) {
+  const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
+  const int64_t local_rows = kGlobal / group.world_size();
+  std::vector<int64_t> noted[3];  // per prefetch: the bytes all-gathered in the forward when each unit's forward starts
+  for (int prefetch : {0, 1, 2}) {
+    torch::manual_seed(4);
+    torch::nn::Sequential net(ProbedLinear(12, 32), ProbedLinear(32, 32), ProbedLinear(32, 5));
+    auto [model, optimizer] = amp::initialize(
+        net, amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)), options);
+    auto ddp = amp::parallel::make_distributed(model, group);
+    amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3).prefetch(prefetch));
+    int64_t start = 0;
+    for (size_t k = 0; k < 3; ++k) net[k]->as<ProbedLinearImpl>()->seen = [&] { return ddp.communication_stats().allgather_bytes - start; };
+    for (int step = 0; step < 2; ++step) {  // the second forward prefetches in the first one's order
+      const Batch local = rows(global_batch(step, kGlobal), group.rank() * local_rows, local_rows);
+      for (size_t k = 0; k < 3; ++k) net[k]->as<ProbedLinearImpl>()->noted.clear();
+      start = ddp.communication_stats().allgather_bytes;
+      optimizer.zero_grad();
+      amp::scale_loss(loss_of(ddp(local.x), local.y), optimizer).backward();
+      optimizer.step();
+    }
+    for (size_t k = 0; k < 3; ++k) noted[prefetch].push_back(net[k]->as<ProbedLinearImpl>()->noted.at(0));
+  }
+  // Each unit's bytes: what prefetch 0 saw grow between two units' starts (the last one's, what prefetch 1 adds).
+  const int64_t a = noted[0][1], b = noted[0][2] - a, c = noted[1][2] - a - b;
+  auto text = [](const std::vector<int64_t>& v) { return std::to_string(v[0]) + ", " + std::to_string(v[1]) + ", " + std::to_string(v[2]); };
+  report(a > 0 && b > 0 && c > 0 && noted[0] == std::vector<int64_t>{0, a, a + b} &&
+             noted[1] == std::vector<int64_t>{0, a + b, a + b + c} && noted[2] == std::vector<int64_t>{0, a + b + c, a + b + c},
+         "stage 3: when a unit's forward starts, the units before it are all-gathered (prefetch 0), and it too (1), and "
+         "the next one as well (2)", "all-gathered bytes at each unit's start: prefetch 0 [" + text(noted[0]) + "], 1 [" +
+                                         text(noted[1]) + "], 2 [" + text(noted[2]) + "]");
+}
+
 void communication(const ProcessGroup& group) {
   const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
   const int64_t local_rows = kGlobal / group.world_size();
@@ -387,6 +435,7 @@ void scenario_zero_stage3_units(const ProcessGroup& group) {
   };
   for (const auto& v : variants) side_by_side(group, v);
   guarded_writes(group);
+  prefetch_ahead(group);
   backward_frees(group);
   communication(group);
   misuse(group);
