@@ -54,6 +54,23 @@ std::vector<torch::Tensor> whole_params(Ddp& ddp, TiedNet& net) {
   return params_of(net);
 }
 
+// The archive torch::save(net) writes, read back: collective, the parameters whole under the guard (an archive refers
+// to the tensors until it is written).
+template <class Ddp>
+torch::serialize::InputArchive saved_whole(Ddp& ddp, torch::nn::Module& net) {
+  std::ostringstream bytes;
+  {
+    amp::parallel::GatheredParametersGuard whole(ddp);
+    torch::serialize::OutputArchive out;
+    net.save(out);
+    out.save_to(bytes);
+  }
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  return in;
+}
+
 amp::optim::FusedAdamW adamw_of(TiedNet& net) {
   return amp::optim::FusedAdamW(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
 }
@@ -313,16 +330,7 @@ void misuse(const ProcessGroup& group) {
   {  // torch::load(net) after make_distributed (under the guard at stage 3) replaces what the wrapper hooked.
     auto [net, optimizer, ddp] = fresh(options);
     amp::parallel::shard_optimizer(ddp, optimizer, amp::parallel::ZeroOptions().stage(3));
-    std::ostringstream bytes;
-    {
-      amp::parallel::GatheredParametersGuard whole(ddp);
-      torch::serialize::OutputArchive out;
-      net->save(out);
-      out.save_to(bytes);
-    }
-    std::istringstream in_bytes(bytes.str());
-    torch::serialize::InputArchive in;
-    in.load_from(in_bytes);
+    torch::serialize::InputArchive in = saved_whole(ddp, *net);
     {
       amp::parallel::GatheredParametersGuard whole(ddp);
       net->load(in);
@@ -346,16 +354,7 @@ void misuse(const ProcessGroup& group) {
                m.find("route batches to different branches only at stage 1 or 2") != std::string::npos,
            "stage 3: ranks whose forwards read different units fail on both, naming the units", m);
     // Weights loaded into a stage-3 O2 model go into the masters' slices (no guard needed); the next gather brings them.
-    std::ostringstream bytes;
-    {
-      amp::parallel::GatheredParametersGuard whole(ddp);  // (an archive refers to the tensors until it is written)
-      torch::serialize::OutputArchive out;
-      net->save(out);
-      out.save_to(bytes);
-    }
-    std::istringstream in_bytes(bytes.str());
-    torch::serialize::InputArchive in;
-    in.load_from(in_bytes);
+    torch::serialize::InputArchive in = saved_whole(ddp, *net);
     torch::Tensor saved;
     torch::serialize::InputArchive a_archive;
     in.read("a", a_archive);
