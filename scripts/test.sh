@@ -72,8 +72,8 @@ test_flavor() {  # test_flavor VERSION: ctest, then why each skipped test skippe
   local version=$1 exclude=() rc=0
   # The sanitizer build is not installed for consumers: its install check would only repeat the 2.13 one.
   [ "$version" = 2.13-sanitize ] && exclude=(-E '^install_and_consume$')
-  # The ZeRO suites' 4-rank runs (4 processes on 2 cores, the suites' longest part) check reordering bounds: the 2.13
-  # flavor runs them; the others run the 2-rank half, which takes every code path (tests/parallel_test.cpp).
+  # The ZeRO suites' 4-rank runs (4 processes on 2 cores, the suites' longest part; 4 ranks' slice ends and reordering
+  # bounds) run in the 2.13 flavor; the others run the 2-rank half (tests/parallel_test.cpp).
   local max_ranks=4
   [ "$version" = 2.13 ] || max_ranks=2
   # Leak checking stays on under the sanitizers; LibTorch's own one-time registrations are not reported.

@@ -188,8 +188,8 @@ std::vector<Process> ranks_of(int n, const std::string& scenario, int timeout_s 
 }
 
 // The world sizes a ZeRO suite runs at, {2, 4} less those above AMP_TEST_MAX_RANKS, each one left out said: the
-// sanitizer and LibTorch 1.13 flavors of scripts/test.sh set 2 (their code paths are the 2-rank run's; the 4-rank run,
-// 4 processes on CI's 2 cores, checks the reordering bounds, which the 2.13 flavor runs).
+// sanitizer and LibTorch 1.13 flavors of scripts/test.sh set 2 (the 4-rank runs, 4 processes on CI's 2 cores, check 4
+// ranks' slice ends and reordering bounds, and the 2.13 flavor runs them).
 std::vector<int> world_sizes() {
   const char* env = std::getenv("AMP_TEST_MAX_RANKS");
   const int most = env ? std::atoi(env) : 4;
