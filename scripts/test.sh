@@ -73,9 +73,9 @@ test_flavor() {  # test_flavor VERSION: ctest, then why each skipped test skippe
   # The sanitizer build is not installed for consumers: its install check would only repeat the 2.13 one.
   [ "$version" = 2.13-sanitize ] && exclude=(-E '^install_and_consume$')
   # The ZeRO suites' 4-rank runs (4 processes on 2 cores, the suites' longest part; 4 ranks' slice ends and reordering
-  # bounds) run in the 2.13 flavor; the others run the 2-rank half (tests/parallel_test.cpp).
+  # bounds) run in the 2.13 flavor; the sanitizer and 1.13 flavors run the 2-rank half (tests/parallel_test.cpp).
   local max_ranks=4
-  [ "$version" = 2.13 ] || max_ranks=2
+  case "$version" in 1.13|2.13-sanitize) max_ranks=2 ;; esac
   # Leak checking stays on under the sanitizers; LibTorch's own one-time registrations are not reported.
   (cd "build/torch-$version" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 OMP_NUM_THREADS=1 \
      AMP_TEST_MAX_RANKS=$max_ranks ctest --output-on-failure -j 2 --timeout 600 -LE long "${exclude[@]}") || rc=$?
