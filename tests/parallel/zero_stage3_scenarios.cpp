@@ -213,8 +213,6 @@ void backward_frees(const ProcessGroup& group) {
          " with a gradient, of mid's, head's and the root's parameters");
 }
 
-// The bytes all-gathered per step: stage 3 gathers each unit before its forward and again before its backward,
-// stage 2 the updated parameters once (ZeRO's paper: stage 3 communicates 1.5x stage 2, all-gathers twice).
 // A Linear that notes the all-gathered bytes so far when its forward starts (before its own op gathers it).
 struct ProbedLinearImpl : torch::nn::Module {
   explicit ProbedLinearImpl(int64_t in, int64_t out) : linear(register_module("linear", torch::nn::Linear(in, out))) {}
@@ -263,6 +261,8 @@ void prefetch_ahead(const ProcessGroup& group) {
                                          text(noted[1]) + "], 2 [" + text(noted[2]) + "]");
 }
 
+// The bytes all-gathered per step: stage 3 gathers each unit before its forward and again before its backward,
+// stage 2 the updated parameters once (ZeRO's paper: stage 3 communicates 1.5x stage 2, all-gathers twice).
 void communication(const ProcessGroup& group) {
   const amp::Options options = amp::Options("O2").low_precision_dtype(torch::kBFloat16).verbosity(0);
   const int64_t local_rows = kGlobal / group.world_size();
