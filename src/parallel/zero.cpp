@@ -297,7 +297,9 @@ class Zero final : public amp::detail::Sharding,
     std::vector<std::vector<std::vector<at::Tensor>>> outputs;
   };
   void start_gather(int unit);
+  void wait_gather(int unit, const UnitInFlight& flight);
   void finish_gather(int unit);
+  void gather_every_unit();
   void release(int unit);
   void release_all();
   void end_forward();
@@ -876,15 +878,20 @@ void Zero::start_gather(int unit) {
   unit_in_flight_[u] = std::move(flight);
 }
 
+void Zero::wait_gather(int unit, const UnitInFlight& flight) {
+  const std::string what = std::string(kShard) + " (stage 3: all-gathering unit '" + units_[static_cast<size_t>(unit)].name + "')";
+  for (const auto& lane_work : flight.works) {
+    if (lane_work.second) wait(lane_work.second, state_, what);
+  }
+}
+
 void Zero::finish_gather(int unit) {
   const size_t u = static_cast<size_t>(unit);
   if (unit_whole_[u]) return;
   start_gather(unit);
   UnitInFlight flight = std::move(*unit_in_flight_[u]);
   unit_in_flight_[u].reset();
-  for (const auto& [l, work] : flight.works) {
-    if (work) wait(work, state_, std::string(kShard) + " (stage 3: all-gathering unit '" + units_[u].name + "')");
-  }
+  wait_gather(unit, flight);
   c10::NoGradGuard no_grad;
   for (const auto& entries : groups_) {
     for (const auto& e : entries) {
@@ -905,6 +912,11 @@ void Zero::finish_gather(int unit) {
   unit_whole_[u] = 1;
 }
 
+void Zero::gather_every_unit() {
+  for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int>(u));  // all in flight, then each waited for
+  for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int>(u));
+}
+
 void Zero::gather(int unit, bool backward) {
   const size_t u = static_cast<size_t>(unit);
   if (unit_whole_[u]) return;
@@ -921,9 +933,7 @@ void Zero::gather(int unit, bool backward) {
 void Zero::release(int unit) {
   const size_t u = static_cast<size_t>(unit);
   if (auto& flight = unit_in_flight_[u]) {  // every rank started it: wait, and drop what it brought
-    for (const auto& [l, work] : flight->works) {
-      if (work) wait(work, state_, std::string(kShard) + " (stage 3: all-gathering unit '" + units_[u].name + "')");
-    }
+    wait_gather(unit, *flight);
     flight.reset();
   }
   if (!unit_whole_[u]) return;
@@ -977,8 +987,7 @@ void Zero::register_whole_scopes() {
 std::shared_ptr<void> Zero::gather_all() {
   ++whole_guards_;
   try {
-    for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int>(u));
-    for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int>(u));
+    gather_every_unit();
   } catch (...) {
     --whole_guards_;
     throw;
@@ -1552,10 +1561,7 @@ void Zero::with_full_state(OptimizerBase& optimizer, const std::function<void()>
 
 void Zero::with_whole(OptimizerBase& optimizer, const std::function<void()>& fn) {
   torch::optim::Optimizer& opt = OptimizerAccess::torch_optimizer(optimizer);
-  if (stage_ == 3) {  // fn reads and replaces whole parameters; the layout that lays them out again frees them
-    for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int>(u));
-    for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int>(u));
-  }
+  if (stage_ == 3) gather_every_unit();  // fn reads and replaces whole parameters; the new layout frees them
   gather_consolidated(optimizer, /*everywhere=*/true);
   auto& state = opt.state();
   // State keyed by a whole tensor (a checkpoint torch::load-ed, not sliced yet) is newer than its pieces'.

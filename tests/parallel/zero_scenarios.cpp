@@ -1024,6 +1024,17 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
         const auto a = lean_state(net, ddp.core()), b = lean_state(ref_net);
         report(equal_bits(a.first, b.first) && a.second == b.second,
                label + ": after load_weights the sharded run steps as the unsharded one");
+        // The same under GatheredParametersGuard (stage 3: the whole weights take the values, the slices too).
+        amp::load_weights(*ref_net, weights);
+        {
+          amp::parallel::GatheredParametersGuard whole(ddp);
+          amp::load_weights(*net, weights);
+        }
+        train(ref_optimizer, ref_ddp, 9);
+        train(optimizer, ddp, 9);
+        const auto guarded = lean_state(net, ddp.core()), ref_guarded = lean_state(ref_net);
+        report(equal_bits(guarded.first, ref_guarded.first) && guarded.second == ref_guarded.second,
+               label + ": after load_weights under GatheredParametersGuard the sharded run steps as the unsharded one");
         // A weight edited in place: its low bits go, on every rank's slices as unsharded (NOTE [Lean masters]).
         {
           amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: the edit reaches the slices when it ends
