@@ -467,6 +467,82 @@ TEST(StateFormatCodecTest, BucketTableGivesTheSearchsCodesAtEveryBoundary) {
   });
 }
 
+// NOTE [Codes by lines] in src/optim/cpu_state_codec.cpp: both of torchao's maps have lines (so the AVX-512 loops
+// encode without gathers), each line's certain codes are torchao's search in ATen ops (every float within 64 of each
+// place the code changes, and random ones), values near a change are left to the table (and few others are), the
+// vector loops give the search's codes for quotients by random scales, and a map that is not made of evenly spaced
+// runs has no lines rather than wrong ones.
+TEST(StateFormatCodecTest, LinesGiveTheSearchsCodesOrLeaveThemToTheTable) {
+  namespace cpu = amp::detail::cpu;
+  std::mt19937 draw(11);
+  for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+    SCOPED_TRACE(moment == Moment::kSigned ? "signed map" : "unsigned map");
+    const auto& map = amp::detail::quantization_map(moment);
+    cpu::CodeLines lines;
+    ASSERT_TRUE(cpu::code_lines(map.data(), &lines));
+    std::vector<float> ys;
+    for (int c = 0; c + 1 < 256; ++c) {  // each rounding midpoint, and the 64 floats on each side of it
+      float below = map[c] + (map[c + 1] - map[c]) * 0.5f, above = below;
+      ys.push_back(below);
+      for (int k = 0; k < 64; ++k) {
+        below = std::nextafter(below, -2.0f), above = std::nextafter(above, 2.0f);
+        ys.push_back(below), ys.push_back(above);
+      }
+    }
+    std::uniform_real_distribution<float> uniform(moment == Moment::kSigned ? -1.0f : 0.0f, 1.0f);
+    for (int k = 0; k < 200000; ++k) {
+      ys.push_back(uniform(draw));
+      ys.push_back(std::ldexp(uniform(draw), -static_cast<int>(draw() % 30)));
+    }
+    const auto y = torch::tensor(ys);
+    const auto expected = amp::detail::quantize_with_map(y, moment);
+    const auto* want = expected.data_ptr<uint8_t>();
+    int64_t uncertain_random = 0, wrong = 0;
+    for (size_t i = 0; i < ys.size(); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &ys[i], sizeof bits);
+      bool uncertain = false;
+      const int32_t code = cpu::code_on_lines(lines, bits, &uncertain);
+      if (!uncertain && code != want[i]) ++wrong;
+      if (uncertain && i >= 255 * 129) ++uncertain_random;
+    }
+    EXPECT_EQ(wrong, 0);
+    EXPECT_LT(uncertain_random, 400000 / 500) << "more than 0.2% of random values are left to the table";
+    // Every value whose window of quotients holds a change is uncertain: the midpoint itself, on both sides.
+    for (int c = 0; c + 1 < 256; ++c) {
+      const float mid = map[c] + (map[c + 1] - map[c]) * 0.5f;
+      if (amp::detail::cpu::code_by_search(mid, map.data()) == amp::detail::cpu::code_by_search(std::nextafter(mid, -2.0f), map.data())) {
+        continue;  // not where the code changes
+      }
+      uint32_t bits;
+      std::memcpy(&bits, &mid, sizeof bits);
+      bool uncertain = false;
+      cpu::code_on_lines(lines, bits, &uncertain);
+      EXPECT_TRUE(uncertain) << "the midpoint " << mid << " between codes " << c << " and " << c + 1;
+    }
+  }
+  // The AVX-512 loops on lines: blocks of values over 30 octaves with random scales, against torchao's ops.
+  on_every_codec([&] {
+    for (const Moment moment : {Moment::kSigned, Moment::kUnsigned}) {
+      auto v = torch::randn({4096, 256}) * torch::logspace(-20, 10, 4096).view({-1, 1}) *
+               torch::exp(torch::randn({4096, 1}) * 3);
+      if (moment == Moment::kUnsigned) v = v.square();
+      const int64_t n = v.numel();
+      auto packed = torch::zeros({n + n / 64}, torch::kUInt8);
+      amp::detail::encode_moment(v.reshape({-1}), packed, moment);
+      const auto scale = v.abs().amax(-1).clamp_min(1e-12);
+      const auto expected = amp::detail::quantize_with_map(v / scale.view({-1, 1}), moment).reshape({-1});
+      EXPECT_EQ(codes_of(packed, n).ne(expected).sum().item<int64_t>(), 0) << (moment == Moment::kSigned ? "signed" : "unsigned");
+    }
+  });
+  // Random sorted values are no runs: no lines, and the codec keeps the table.
+  std::vector<float> random_map(256);
+  for (float& value : random_map) value = std::uniform_real_distribution<float>(-1.0f, 1.0f)(draw);
+  std::sort(random_map.begin(), random_map.end());
+  cpu::CodeLines lines;
+  EXPECT_FALSE(cpu::code_lines(random_map.data(), &lines));
+}
+
 // NOTE [Dividing by the scale]: the vector loops' quotients by multiply-adds against ATen's division, where a wrong
 // quotient changes a code: each block's scale is an awkward one (all-ones mantissas, the powers of two at and beyond
 // the reciprocal route's limits, random ones) and its values are the scale times each rounding midpoint of the map,

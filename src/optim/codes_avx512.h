@@ -111,15 +111,70 @@ AMP_AVX512 inline void codes16(__m512 y, const CodeBucket* table, uint8_t* out) 
                    _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1))));
 }
 
-/// Encodes a block of kCodeBlock values whose absmax_bits are `absmax` (codes and scale), or returns false leaving both
-/// as they were where the scale is inf or NaN (the codec's search handles those).
+/// A map's lines (NOTE [Codes by lines] in cpu_state_codec.cpp) in registers: 6 of them.
+struct LineRegisters {
+  __m512i piece_word[2];  // by octave: entries 0-15, 16-31
+  __m512 slope, offset;
+  __m512i last_code, mirror;
+  bool is_signed;
+  AMP_AVX512 explicit LineRegisters(const CodeLines& lines)
+      : piece_word{_mm512_load_si512(lines.piece_word), _mm512_load_si512(lines.piece_word + 16)},
+        slope(_mm512_load_ps(lines.slope)), offset(_mm512_load_ps(lines.offset)),
+        last_code(_mm512_load_si512(lines.last_code)), mirror(_mm512_set1_epi32(lines.mirror)),
+        is_signed(lines.mirror >= 0) {}
+};
+
+/// The codes of 16 values x of a block whose scale is s (r = 1 / s, by_reciprocal = divides_by_reciprocal(s)) on the
+/// lines; code_on_lines' arithmetic, the uncertain values' codes from the bucket table.
+template <bool kSigned>
+AMP_AVX512 inline void codes16_by_lines(const float* x, __m512 s, __m512 r, bool by_reciprocal, float scale,
+                                        const LineRegisters& lines, const CodeBucket* table, uint8_t* out) {
+  const __m512 xv = _mm512_loadu_ps(x);
+  const __m512i b = _mm512_castps_si512(by_reciprocal ? _mm512_mul_ps(xv, r) : _mm512_div_ps(xv, s));
+  const __m512i a = kSigned ? _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)) : _mm512_max_epi32(b, _mm512_setzero_si512());
+  const __m512i clamped = _mm512_max_epu32(a, _mm512_set1_epi32(96 << 23));
+  const __m512i t = _mm512_add_epi32(  // permutes read the octave's low 5 bits
+      clamped, _mm512_permutex2var_epi32(lines.piece_word[0], _mm512_srli_epi32(clamped, 23), lines.piece_word[1]));
+  const __m512i p = _mm512_srli_epi32(t, 24);
+  const __m512 q = _mm512_fmadd_ps(_mm512_permutexvar_ps(p, lines.slope), _mm512_castsi512_ps(a),
+                                   _mm512_permutexvar_ps(p, lines.offset));
+  const __m512i qi = _mm512_cvttps_epi32(q);
+  const __mmask16 off_line = _mm512_testn_epi32_mask(qi, _mm512_set1_epi32((1 << kLineFraction) - 2 * kLineBand));
+  const __mmask16 near_switch = _mm512_testn_epi32_mask(t, _mm512_set1_epi32((1 << 24) - 2 * kSwitchBand));
+  __m512i code = _mm512_min_epi32(_mm512_srli_epi32(qi, kLineFraction), _mm512_permutexvar_epi32(p, lines.last_code));
+  if constexpr (kSigned) {
+    code = _mm512_max_epi32(_mm512_mask_sub_epi32(code, _mm512_movepi32_mask(b), lines.mirror, code), _mm512_setzero_si512());
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(code));
+  if (__builtin_expect(!_kortestz_mask16_u8(off_line, near_switch), 0)) {
+    for (unsigned lanes = _kor_mask16(off_line, near_switch); lanes != 0; lanes &= lanes - 1) {
+      const int l = __builtin_ctz(lanes);
+      out[l] = code_by_buckets(x[l], scale, table);
+    }
+  }
+}
+
+/// Encodes a block of kCodeBlock values whose absmax_bits are `absmax` (codes and scale) on the map's lines where it has
+/// them, else through its bucket table; or returns false leaving both as they were where the scale is inf or NaN (the
+/// codec's search handles those).
 AMP_AVX512 inline bool encode_block(const float* values, __m512i absmax, uint8_t* codes, float* scale,
-                                    const CodeBucket* table) {
+                                    const CodeBucket* table, const CodeLines* lines) {
   const float s = block_scale(absmax);
   if (!std::isfinite(s)) return false;
   *scale = s;
   const __m512 sv = _mm512_set1_ps(s), r = _mm512_set1_ps(1.0f / s);
   const bool by_reciprocal = divides_by_reciprocal(s);
+  if (lines != nullptr) {
+    const LineRegisters on(*lines);
+    for (int64_t j = 0; j < kCodeBlock; j += 16) {
+      if (on.is_signed) {
+        codes16_by_lines<true>(values + j, sv, r, by_reciprocal, s, on, table, codes + j);
+      } else {
+        codes16_by_lines<false>(values + j, sv, r, by_reciprocal, s, on, table, codes + j);
+      }
+    }
+    return true;
+  }
   for (int64_t j = 0; j < kCodeBlock; j += 16) {
     codes16(divide16(_mm512_loadu_ps(values + j), sv, r, by_reciprocal), table, codes + j);
   }

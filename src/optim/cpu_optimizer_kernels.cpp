@@ -248,12 +248,13 @@ struct PendingBlock {
 
 AMP_AVX512 inline void encode_scratch(const StateView& view, int64_t at, const float* values, __m512i absmax) {
   if (!avx512::encode_block(values, absmax, static_cast<uint8_t*>(view.data) + at, view.scales + at / kCodeBlock,
-                            view.buckets)) {
+                            view.buckets, view.lines)) {
     encode(view, at, kCodeBlock, values);  // inf or NaN: the codec's search
   }
 }
 
-template <bool L2, bool STORE_GRAD>
+// LINES: both moments' maps have lines (NOTE [Codes by lines] in cpu_state_codec.cpp), m's signed and v's not.
+template <bool L2, bool STORE_GRAD, bool LINES>
 AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
                                 int64_t end, const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
   alignas(64) float scratch[2][2][kCodeBlock];  // [block parity][moment]
@@ -263,12 +264,17 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
   const __m512 coeff1 = _mm512_set1_ps(w.coeff1), coeff2 = _mm512_set1_ps(w.coeff2);
   const __m512 bc2_sqrt = _mm512_set1_ps(f.bc2_sqrt), eps = _mm512_set1_ps(f.eps);
   const __m512 neg_step = _mm512_set1_ps(f.neg_step_size);
+  const __mmask16 base1 = w.small1 ? 0xffff : 0, base2 = w.small2 ? 0xffff : 0;  // lanes whose lerp base is the moment
   const auto* m_codes = static_cast<const uint8_t*>(m.data);
   const auto* v_codes = static_cast<const uint8_t*>(v.data);
+  // Unused without LINES; the lines of a map that has none would be empty.
+  static const CodeLines kNoLines{};
+  const avx512::LineRegisters m_lines(LINES ? *m.lines : kNoLines), v_lines(LINES ? *v.lines : kNoLines);
   PendingBlock pending;
   __m512i pending_m_max = _mm512_setzero_si512(), pending_v_max = _mm512_setzero_si512();
   // The pending block's encoding, 16 values at a time inside the next block's loop (its scale is known by then).
   __m512 pm_s = _mm512_setzero_ps(), pm_r = pm_s, pv_s = pm_s, pv_r = pm_s;
+  float pm = 0, pv = 0;  // the pending block's scales
   bool pm_fast = false, pv_fast = false, pm_recip = false, pv_recip = false;
   for (int64_t c = begin; c < end; c += kCodeBlock) {
     float* m_out = scratch[(c / kCodeBlock) & 1][0];
@@ -288,21 +294,22 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
       if constexpr (STORE_GRAD) _mm512_storeu_ps(g + i, gi);
       if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, param));
       const __m512 square = _mm512_mul_ps(gi, gi);
-      const __m512 mi = _mm512_fmadd_ps(coeff1, _mm512_sub_ps(gi, mo), w.small1 ? mo : gi);
-      const __m512 vi = _mm512_fmadd_ps(coeff2, _mm512_sub_ps(square, vo), w.small2 ? vo : square);
+      const __m512 mi = _mm512_fmadd_ps(coeff1, _mm512_sub_ps(gi, mo), _mm512_mask_blend_ps(base1, gi, mo));
+      const __m512 vi = _mm512_fmadd_ps(coeff2, _mm512_sub_ps(square, vo), _mm512_mask_blend_ps(base2, square, vo));
       _mm512_store_ps(m_out + j, mi);
       _mm512_store_ps(v_out + j, vi);
       m_max = avx512::absmax_bits(m_max, mi);
       v_max = avx512::absmax_bits(v_max, vi);
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
       _mm512_storeu_ps(p + i, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
-      if (pm_fast) {
-        avx512::codes16(avx512::divide16(_mm512_load_ps(pending.m + j), pm_s, pm_r, pm_recip), m.buckets,
-                        static_cast<uint8_t*>(m.data) + pending.at + j);
-      }
-      if (pv_fast) {
-        avx512::codes16(avx512::divide16(_mm512_load_ps(pending.v + j), pv_s, pv_r, pv_recip), v.buckets,
-                        static_cast<uint8_t*>(v.data) + pending.at + j);
+      auto* m_to = static_cast<uint8_t*>(m.data) + pending.at + j;
+      auto* v_to = static_cast<uint8_t*>(v.data) + pending.at + j;
+      if constexpr (LINES) {
+        if (pm_fast) avx512::codes16_by_lines<true>(pending.m + j, pm_s, pm_r, pm_recip, pm, m_lines, m.buckets, m_to);
+        if (pv_fast) avx512::codes16_by_lines<false>(pending.v + j, pv_s, pv_r, pv_recip, pv, v_lines, v.buckets, v_to);
+      } else {
+        if (pm_fast) avx512::codes16(avx512::divide16(_mm512_load_ps(pending.m + j), pm_s, pm_r, pm_recip), m.buckets, m_to);
+        if (pv_fast) avx512::codes16(avx512::divide16(_mm512_load_ps(pending.v + j), pv_s, pv_r, pv_recip), v.buckets, v_to);
       }
     }
     if (pending.at >= 0) {  // a moment with inf or NaN: the codec's own loop, after
@@ -318,6 +325,7 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
     pending_m_max = m_max, pending_v_max = v_max;
     const float sm = avx512::block_scale(m_max), sv = avx512::block_scale(v_max);
     pm_fast = std::isfinite(sm), pv_fast = std::isfinite(sv);
+    pm = sm, pv = sv;
     if (pm_fast) {
       m.scales[c / kCodeBlock] = sm;
       pm_s = _mm512_set1_ps(sm), pm_r = _mm512_set1_ps(1.0f / sm), pm_recip = divides_by_reciprocal(sm);
@@ -347,8 +355,12 @@ void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const
   if (!s.amsgrad && exp_avg.kind == StateKind::kCodes && exp_avg_sq.kind == StateKind::kCodes &&
       codec_loops_at(CodecLoops::kAvx512)) {
     const bool store = s.inv_scale != 1.0f;
-    const auto loop = l2 ? (store ? adam_lerp_codes<true, true> : adam_lerp_codes<true, false>)
-                         : (store ? adam_lerp_codes<false, true> : adam_lerp_codes<false, false>);
+    const bool lines = exp_avg.lines != nullptr && exp_avg.lines->mirror >= 0 && exp_avg_sq.lines != nullptr &&
+                       exp_avg_sq.lines->mirror < 0;
+    const auto loop = lines ? (l2 ? (store ? adam_lerp_codes<true, true, true> : adam_lerp_codes<true, false, true>)
+                                  : (store ? adam_lerp_codes<false, true, true> : adam_lerp_codes<false, false, true>))
+                            : (l2 ? (store ? adam_lerp_codes<true, true, false> : adam_lerp_codes<true, false, false>)
+                                  : (store ? adam_lerp_codes<false, true, false> : adam_lerp_codes<false, false, false>));
     return loop(param, grad, exp_avg, exp_avg_sq, begin, end, f, w, copy);
   }
 #endif

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "optim/codes_avx512.h"
 #include "optim/stochastic_rounding.h"
@@ -57,21 +58,6 @@ inline uint8_t round_code(float y, int c, const float* map) {
   return static_cast<uint8_t>(y - down >= (map[up] - down) * 0.5f ? up : c);
 }
 
-// The bucket of y's bits (inf and NaN land in exponent 0's buckets: encode keeps them from here).
-inline int32_t bucket_of(uint32_t b) {
-  const int32_t sign = static_cast<int32_t>(b >> 31);
-  const int32_t exponent = std::min(static_cast<int32_t>((b >> 23) & 0xffu) - 127, 0);
-  const int32_t mantissa = static_cast<int32_t>((b >> (23 - kMantissaBits)) & ((1u << kMantissaBits) - 1));
-  const int32_t at = (exponent - kMinExponent + 1) * (1 << kMantissaBits) + mantissa;
-  return sign * static_cast<int32_t>(kPerSign) + (exponent < kMinExponent ? 0 : at);
-}
-
-// y's key in its bucket: the low 16 bits, reversed where y < 0 (a larger magnitude is a smaller y).
-inline uint32_t key_of(uint32_t b) { return (b ^ (0u - (b >> 31))) & 0xffffu; }
-
-inline uint8_t code_in(uint32_t word, uint32_t b) {
-  return static_cast<uint8_t>((word & 0xffu) + (key_of(b) >= (word >> 8) ? 1u : 0u));
-}
 
 }  // namespace
 
@@ -132,6 +118,240 @@ bool code_buckets(const float* map, CodeBucket* table) {
     }
   }
   return ok;
+}
+
+// NOTE [Codes by lines]
+// The bucket table costs a gather per 16 values, and a gather of 16 words takes about 21 cycles on an AMD EPYC (Zen 5):
+// with two moments that was half the 8-bit Adam step. torchao's maps are made of decades, each a run of evenly spaced
+// values, so between two decades' boundaries the code is an affine function of y rounded down: the code of |y| is
+// floor(slope * |y| + offset) (in fixed point, kLineFraction bits), capped at the piece's last code (between a run's
+// last boundary and the next run's first, the code stays). code_lines finds the pieces from the codes' boundaries
+// themselves, each piece starting at a boundary; the vector loop finds |y|'s piece from two 32-entry tables indexed by
+// its octave (the piece at the octave's start, and where in it the next one starts: at most one per octave), and looks
+// the line up in registers. Negative y of a signed map mirror the positive ones (torchao's signed map is symmetric
+// about its zero at code 127, 1.0 at 255 standing alone).
+// Exactness: the loop computes y as x * (1 / s), within 2^-22 of x / s, not the quotient itself (NOTE [Dividing by the
+// scale]: four multiply-adds a vector less). A value whose line is within kLineBand / 2^kLineFraction of a whole
+// number (0.1% of values) is *uncertain* and takes the bucket table with the true quotient. code_lines checks every
+// float y in [0, 1] of both signs: where the window of quotients within 2^-21 of y holds one code, the line gives it
+// or calls y uncertain; where the window straddles a boundary, y is uncertain. Away from boundaries this is checked
+// per stretch where the piece is fixed (the line is monotonic there, so its ends bound it), near each boundary float
+// by float. A map for which this fails has no lines and its codes come from the table.
+
+namespace {
+
+constexpr uint32_t kOneBits = 0x3f800000u;  // 1.0f
+constexpr int32_t kLineScale = 1 << kLineFraction;
+
+// The offsets hold kLineBand more than the line, so a certain value's fixed point is at least 2 * kLineBand past a
+// whole number, and its code is the integer part either way.
+bool line_uncertain(int32_t qi) { return (qi & (kLineScale - 2 * kLineBand)) == 0; }
+
+// cvttps2dq: truncation, out of range (NaN included) giving INT32_MIN.
+int32_t truncate_like_cvtt(float q) {
+  return q >= -2147483648.0f && q < 2147483648.0f ? static_cast<int32_t>(q) : std::numeric_limits<int32_t>::min();
+}
+
+// The code of a magnitude on piece p before the mirror, and the fixed-point line it came from.
+int32_t piece_code(const CodeLines& lines, int p, uint32_t a, int32_t* qi) {
+  *qi = truncate_like_cvtt(std::fma(lines.slope[p], float_from(a), lines.offset[p]));
+  return std::min(static_cast<int32_t>(static_cast<uint32_t>(*qi) >> kLineFraction), lines.last_code[p]);
+}
+
+constexpr uint32_t kSmallestSlot = 96u << 23;  // 2^-31: smaller magnitudes take its octave's piece
+
+// a's piece, and whether a is within kSwitchBand floats of where the piece changes.
+int piece_of(const CodeLines& lines, uint32_t a, bool* near_switch) {
+  const uint32_t clamped = std::max(a, kSmallestSlot);
+  const uint32_t t = clamped + lines.piece_word[(clamped >> 23) & 31u];
+  *near_switch = (t & ((1u << 24) - 2 * kSwitchBand)) == 0;
+  return static_cast<int>(t >> 24);
+}
+
+// The magnitudes where the code of sign * a changes, a in (0, 1]: the code is monotonic in a, so each is bisected.
+std::vector<uint32_t> code_boundaries(const float* map, uint32_t sign) {
+  auto code = [&](uint32_t a) { return code_by_search(float_from(sign | a), map); };
+  std::vector<uint32_t> out;
+  uint32_t from = 0;
+  while (code(from) != code(kOneBits)) {
+    uint32_t lo = from, hi = kOneBits;  // code(lo) == code(from) != code(hi)
+    while (hi - lo > 1) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      (code(mid) == code(from) ? lo : hi) = mid;
+    }
+    out.push_back(hi);
+    from = hi;
+  }
+  return out;
+}
+
+struct Piece {
+  uint32_t start;  // magnitude bits
+  double slope, offset;
+  int32_t last_code;
+};
+
+// The pieces of the positive half: each starts at a boundary (the first at 0) and takes the line through the evenly
+// spaced boundaries after it, up to the last that keeps the spacing; a lone boundary gets a line shallow enough to stay
+// within half a code across its piece.
+std::vector<Piece> positive_pieces(const float* map, const std::vector<uint32_t>& at) {
+  const auto t = [&](size_t j) { return static_cast<double>(float_from(at[j - 1])); };  // boundary j, 1-based
+  const auto code_after = [&](size_t j) { return static_cast<int32_t>(code_by_search(float_from(at[j - 1]), map)); };
+  const size_t m = at.size();
+  const double scale = kLineScale;
+  std::vector<Piece> pieces;
+  size_t s = 0;  // the piece starts at boundary s (0: at zero)
+  while (true) {
+    const double begin = s == 0 ? 0.0 : t(s);
+    const uint32_t start = s == 0 ? 0u : at[s - 1];
+    if (s == m) {  // beyond the last boundary: one code
+      const int32_t c = static_cast<int32_t>(code_by_search(1.0f, map));
+      pieces.push_back({start, 0.0, (c + 0.5) * scale + kLineBand, c});
+      return pieces;
+    }
+    size_t e = s + 1;
+    if (s + 2 <= m) {
+      const double gap = t(s + 2) - t(s + 1);
+      size_t run_end = s + 2;
+      while (run_end + 1 <= m && std::abs(t(run_end + 1) - t(run_end) - gap) <= 1e-3 * gap) ++run_end;
+      if (t(s + 1) - begin < gap) e = run_end;  // else [begin, t(s + 1)) is too long for the run's line
+    }
+    Piece piece{start, 0.0, 0.0, code_after(e)};
+    if (e == s + 1) {
+      const double end = s + 2 <= m ? t(s + 2) : 1.0;
+      piece.slope = scale / (2 * (end - begin));
+    } else {
+      piece.slope = scale * static_cast<double>(e - s - 1) / (t(e) - t(s + 1));
+    }
+    piece.offset = scale * code_after(s + 1) - piece.slope * t(s + 1) + kLineBand;
+    pieces.push_back(piece);
+    if (e == m) {
+      return pieces;
+    }
+    s = e + 1;
+  }
+}
+
+// The check of NOTE [Codes by lines] for the values of one sign.
+bool lines_hold(const CodeLines& lines, const float* map, uint32_t sign, const std::vector<uint32_t>& boundaries,
+                const std::vector<uint32_t>& piece_starts) {
+  const uint32_t top = kOneBits + 2;  // x * (1 / s) may pass 1 by an ulp
+  auto truth = [&](uint32_t a) { return static_cast<int32_t>(code_by_search(float_from(sign | std::min(a, kOneBits)), map)); };
+  // The magnitudes of the quotients x / s for which a is the loop's x * (1 / s), as bits.
+  auto window = [&](uint32_t a, bool upper) {
+    const double v = float_from(a), w = upper ? v * (1 + 0x1p-21) + 0x1p-140 : std::max(v * (1 - 0x1p-21) - 0x1p-140, 0.0);
+    uint32_t b;
+    const float f = static_cast<float>(w);
+    std::memcpy(&b, &f, sizeof b);
+    return std::min(upper ? b + 1 : (b == 0 ? 0 : b - 1), kOneBits);
+  };
+  auto holds_at = [&](uint32_t a) {
+    bool uncertain = false;
+    const int32_t code = code_on_lines(lines, sign | a, &uncertain);
+    if (uncertain) return true;
+    return truth(window(a, false)) == code && truth(window(a, true)) == code;
+  };
+  // Float by float near each boundary; between them, stretch by stretch.
+  constexpr uint32_t kNear = 64;
+  std::vector<std::pair<uint32_t, uint32_t>> near;
+  for (const uint32_t b : boundaries) {
+    const uint32_t lo = b > kNear ? b - kNear : 0, hi = std::min(b + kNear, top);
+    for (uint32_t a = lo; a <= hi; ++a) {
+      if (!holds_at(a)) return false;
+    }
+    near.emplace_back(lo, hi);
+  }
+  std::vector<uint32_t> cuts;  // where the piece may change
+  for (uint32_t e = 97; e <= 127; ++e) cuts.push_back(e << 23);
+  for (size_t p = 1; p < piece_starts.size(); ++p) cuts.push_back(piece_starts[p] - kSwitchBand);  // piece_of's change
+  std::sort(cuts.begin(), cuts.end());
+  uint32_t from = 0;
+  auto stretch = [&](uint32_t lo, uint32_t hi) {  // [lo, hi] holds no boundary and one piece
+    bool near_switch = false;
+    const int p = piece_of(lines, lo, &near_switch);
+    if (piece_of(lines, hi, &near_switch) != p || lines.slope[p] < 0) return false;
+    const int32_t code = truth(lo);
+    int32_t q_lo = 0, q_hi = 0;
+    piece_code(lines, p, lo, &q_lo);
+    piece_code(lines, p, hi, &q_hi);
+    if (q_lo < 0 || q_hi < q_lo) return false;
+    // Every certain fixed-point value between the ends must give the code.
+    for (int32_t j = q_lo >> kLineFraction; j <= (q_hi >> kLineFraction); ++j) {
+      const int32_t first = std::max(q_lo, j * kLineScale + 2 * kLineBand), last = std::min(q_hi, j * kLineScale + kLineScale - 1);
+      if (first > last) continue;
+      int32_t c = std::min(j, lines.last_code[p]);
+      if (sign != 0) c = std::max(lines.mirror - c, 0);
+      if (c != code) return false;
+    }
+    return true;
+  };
+  near.emplace_back(top + 1, top + 1);
+  for (const auto& [lo, hi] : near) {
+    if (lo > from) {  // [from, lo - 1] between boundaries, cut where the piece may change
+      uint32_t a = from;
+      for (const uint32_t cut : cuts) {
+        if (cut <= a || cut > lo - 1) continue;
+        if (!stretch(a, cut - 1)) return false;
+        a = cut;
+      }
+      if (!stretch(a, std::min(lo - 1, top))) return false;
+    }
+    from = std::max(from, hi + 1);
+  }
+  return true;
+}
+
+}  // namespace
+
+int32_t code_on_lines(const CodeLines& lines, uint32_t y_bits, bool* uncertain) {
+  const bool negative = (y_bits >> 31) != 0;
+  const uint32_t a = lines.mirror >= 0 ? y_bits & 0x7fffffffu : (negative ? 0u : y_bits);
+  int32_t qi = 0;
+  bool near_switch = false;
+  int32_t code = piece_code(lines, piece_of(lines, a, &near_switch), a, &qi);
+  *uncertain = line_uncertain(qi) || near_switch;
+  if (negative && lines.mirror >= 0) code = std::max(lines.mirror - code, 0);
+  return code;
+}
+
+bool code_lines(const float* map, CodeLines* lines) {
+  const std::vector<uint32_t> positive = code_boundaries(map, 0);
+  for (size_t j = 0; j < positive.size(); ++j) {  // the code rises by one at each boundary
+    if (code_by_search(float_from(positive[j]), map) != code_by_search(0.0f, map) + j + 1) return false;
+  }
+  const std::vector<Piece> pieces = positive_pieces(map, positive);
+  if (pieces.size() > kMaxLinePieces) return false;
+  CodeLines out;
+  for (size_t p = 0; p < kMaxLinePieces; ++p) {
+    const Piece& piece = pieces[std::min(p, pieces.size() - 1)];
+    out.slope[p] = static_cast<float>(piece.slope);
+    out.offset[p] = static_cast<float>(piece.offset);
+    out.last_code[p] = piece.last_code;
+  }
+  std::vector<uint32_t> starts;
+  for (const Piece& piece : pieces) starts.push_back(piece.start);
+  for (uint32_t slot = 0; slot < 32; ++slot) {
+    const uint32_t lo = (96u + slot) << 23, hi = lo + (1u << 23);  // the octave's magnitudes (slot 0: from 0)
+    int first = 0, inside = 0;
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      if (pieces[p].start <= lo) first = static_cast<int>(p);
+      if (pieces[p].start > lo && pieces[p].start < hi) ++inside;
+    }
+    if (inside > 1) return false;
+    // None in the octave: as if the next piece started kSwitchBand past its end, so none of it is near a change.
+    const uint32_t next = inside == 1 ? pieces[first + 1].start : hi + kSwitchBand;
+    out.piece_word[slot] = (static_cast<uint32_t>(first) + 1) * (1u << 24) - next + kSwitchBand;
+  }
+  const bool is_signed = map[0] < 0.0f;
+  out.mirror = is_signed ? 2 * static_cast<int32_t>(code_by_search(0.0f, map)) : -1;
+  if (!lines_hold(out, map, 0, positive, starts)) return false;
+  if (is_signed) {
+    if (!lines_hold(out, map, 0x80000000u, code_boundaries(map, 0x80000000u), starts)) return false;
+  } else if (code_by_search(-1.0f, map) != code_by_search(0.0f, map) || code_by_search(-0.0f, map) != code_by_search(0.0f, map)) {
+    return false;  // negative y would not all take code(0)
+  }
+  *lines = out;
+  return true;
 }
 
 namespace {
@@ -229,10 +449,11 @@ __attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, flo
 }
 
 // A block with AVX-512 (codes_avx512.h): the same scale, quotients and codes as the loops above.
-AMP_AVX512 bool encode_block_avx512(const float* in, uint8_t* codes, float* scale, const CodeBucket* buckets) {
+AMP_AVX512 bool encode_block_avx512(const float* in, uint8_t* codes, float* scale, const CodeBucket* buckets,
+                                   const CodeLines* lines) {
   __m512i bits = _mm512_setzero_si512();
   for (int64_t i = 0; i < kCodeBlock; i += 16) bits = avx512::absmax_bits(bits, _mm512_loadu_ps(in + i));
-  return avx512::encode_block(in, bits, codes, scale, buckets);
+  return avx512::encode_block(in, bits, codes, scale, buckets, lines);
 }
 
 AMP_AVX512 void decode_block_avx512(const uint8_t* codes, float scale, const float* map, float* out) {
@@ -243,9 +464,10 @@ AMP_AVX512 void decode_block_avx512(const uint8_t* codes, float scale, const flo
 
 std::atomic<CodecLoops> widest_allowed{default_codec_loops()};
 
-void encode_block(const float* in, uint8_t* codes, float* scale, const float* map, const CodeBucket* buckets) {
+void encode_block(const float* in, uint8_t* codes, float* scale, const float* map, const CodeBucket* buckets,
+                  const CodeLines* lines) {
 #ifdef AMP_HAVE_AVX512_CODES
-  if (codec_loops_at(CodecLoops::kAvx512) && encode_block_avx512(in, codes, scale, buckets)) return;
+  if (codec_loops_at(CodecLoops::kAvx512) && encode_block_avx512(in, codes, scale, buckets, lines)) return;
 #endif
   float scaled[kCodeBlock];
 #ifdef AMP_HAVE_AVX2_CODES
@@ -380,7 +602,7 @@ void encode(const StateView& view, int64_t begin, int64_t n, const float* in) {
     case StateKind::kCodes: {
       auto* codes = static_cast<uint8_t*>(view.data);
       for (int64_t b = 0; b < n; b += kCodeBlock) {
-        encode_block(in + b, codes + begin + b, view.scales + (begin + b) / kCodeBlock, view.map, view.buckets);
+        encode_block(in + b, codes + begin + b, view.scales + (begin + b) / kCodeBlock, view.map, view.buckets, view.lines);
       }
       return;
     }

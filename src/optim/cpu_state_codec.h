@@ -3,7 +3,9 @@
 // state_format.h): fp32, bfloat16 (written with stochastic rounding) or torchao's 8-bit blocks. A fused step decodes
 // a chunk into fp32, updates it and encodes it back while it is in cache.
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace amp::detail::cpu {
 
@@ -13,6 +15,8 @@ enum class StateKind { kFloat, kBFloat16, kHalf, kCodes };
 /// value, bits 8-24 the key from which a value's code is one more (0x10000: none).
 using CodeBucket = uint32_t;
 
+struct CodeLines;
+
 /// One stored moment as the loops see it; element indices are the tensor's own (0 = its first value).
 struct StateView {
   StateKind kind = StateKind::kFloat;
@@ -21,6 +25,7 @@ struct StateView {
   const float* map = nullptr;  // kCodes: the 256 values a code stands for
   const CodeBucket* buckets = nullptr;  // kCodes: code_buckets(map)
   const uint8_t* map_bytes = nullptr;   // kCodes: map_byte_planes(map), for decoding by permutes (may be null)
+  const CodeLines* lines = nullptr;  // kCodes: code_lines(map), for encoding without gathers (may be null)
   bool stochastic = false;     // kBFloat16: written with stochastic rounding, element i taking number `first + i`
   uint64_t seed = 0, first = 0;
 };
@@ -35,6 +40,56 @@ constexpr int64_t kCodeBuckets = 2 * kCodeBucketsPerSign;
 /// Fills `table` (kCodeBuckets entries) for `map` (256 floats); false if a bucket spans more than two codes or a
 /// bucket of values below 2^-24 more than one.
 bool code_buckets(const float* map, CodeBucket* table);
+
+/// The bucket of y's bits (inf and NaN land in exponent 0's buckets: encode keeps them from here).
+inline int32_t bucket_of(uint32_t b) {
+  const int32_t sign = static_cast<int32_t>(b >> 31);
+  const int32_t exponent = std::min(static_cast<int32_t>((b >> 23) & 0xffu) - 127, 0);
+  const int32_t mantissa = static_cast<int32_t>((b >> (23 - kCodeMantissaBits)) & ((1u << kCodeMantissaBits) - 1));
+  const int32_t at = (exponent - kCodeMinExponent + 1) * (1 << kCodeMantissaBits) + mantissa;
+  return sign * static_cast<int32_t>(kCodeBucketsPerSign) + (exponent < kCodeMinExponent ? 0 : at);
+}
+
+/// y's key in its bucket: the low 16 bits, reversed where y < 0 (a larger magnitude is a smaller y).
+inline uint32_t key_of(uint32_t b) { return (b ^ (0u - (b >> 31))) & 0xffffu; }
+
+inline uint8_t code_in(CodeBucket word, uint32_t b) {
+  return static_cast<uint8_t>((word & 0xffu) + (key_of(b) >= (word >> 8) ? 1u : 0u));
+}
+
+/// The code of one value y = x / s from the bucket table (x / s divided here, as torchao divides).
+inline uint8_t code_by_buckets(float x, float s, const CodeBucket* table) {
+  const float y = x / s;
+  uint32_t b;
+  std::memcpy(&b, &y, sizeof b);
+  return code_in(table[bucket_of(b)], b);
+}
+
+/// A map's codes as lines (NOTE [Codes by lines] in the .cpp), for y = x / s computed as x * (1 / s): by the octave
+/// of |y| (its exponent field, at least 96, mod 32) a word from which |y|'s bits give its piece; per piece a line
+/// through the codes' boundaries in fixed point (kLineFraction bits), whose integer part capped at the piece's last
+/// code is the code. A value is *uncertain*, and left to the bucket table, where its line is within kLineBand of a
+/// whole number or it is within kSwitchBand floats of where the piece changes.
+constexpr int kLineFraction = 12;
+constexpr int32_t kLineBand = 2;
+constexpr int32_t kSwitchBand = 16;
+constexpr int kMaxLinePieces = 16;  // one register of lines
+struct CodeLines {
+  /// (the piece at the octave's start + 1) * 2^24 - where the next piece starts (none: kSwitchBand past the
+  /// octave's end) + kSwitchBand, so that (max(|y|, 2^-31) + piece_word) >> 24 is |y|'s piece and its low 24 bits are below
+  /// 2 * kSwitchBand within kSwitchBand of the change.
+  alignas(64) uint32_t piece_word[32];
+  alignas(64) float slope[kMaxLinePieces];
+  alignas(64) float offset[kMaxLinePieces];  // the line's, plus kLineBand
+  alignas(64) int32_t last_code[kMaxLinePieces];
+  /// Signed maps: y < 0 takes max(mirror - code(|y|), 0). -1: an unsigned map, where y < 0 takes code(0).
+  int32_t mirror = -1;
+};
+/// Fills `lines` for `map`; false where the map's codes are not such lines (then encoding looks every code up in the
+/// bucket table). Every float y and every quotient within 2^-21 of it is checked, not sampled.
+bool code_lines(const float* map, CodeLines* lines);
+/// The lines' code for the bits of y, as the vector loops compute it; *uncertain where it is left to the table.
+int32_t code_on_lines(const CodeLines& lines, uint32_t y_bits, bool* uncertain);
 
 /// The map's floats as 4 planes of 256 bytes (plane k: byte k of each float), kMapByteSize bytes: decoding looks
 /// codes up in them with AVX-512 VBMI's byte permutes (NOTE [Decoding by permutes] in codes_avx512.h).

@@ -72,15 +72,18 @@ const std::array<float, 256>& quantization_map(Moment moment) {
 
 namespace {
 
-// A map's bucket table (NOTE [Finding a code] in cpu_state_codec.cpp) and byte planes (NOTE [Decoding by permutes]
-// in codes_avx512.h).
+// A map's bucket table (NOTE [Finding a code] in cpu_state_codec.cpp), lines (NOTE [Codes by lines], there) and
+// byte planes (NOTE [Decoding by permutes] in codes_avx512.h).
 struct StateCodeTables {
   std::vector<cpu::CodeBucket> buckets;
   std::vector<uint8_t> map_bytes;
+  cpu::CodeLines lines;
+  bool has_lines = false;
   explicit StateCodeTables(Moment moment) : buckets(cpu::kCodeBuckets), map_bytes(cpu::kMapByteSize) {
     cpu::map_byte_planes(quantization_map(moment).data(), map_bytes.data());
     TORCH_INTERNAL_ASSERT(cpu::code_buckets(quantization_map(moment).data(), buckets.data()),
                           "amp: a bucket of the 8-bit map spans 3 codes");
+    has_lines = cpu::code_lines(quantization_map(moment).data(), &lines);
   }
 };
 
@@ -205,6 +208,7 @@ class CodesMoment final : public MomentStorage {
     v.map = quantization_map(moment).data();
     v.buckets = state_code_tables(moment).buckets.data();
     v.map_bytes = state_code_tables(moment).map_bytes.data();
+    v.lines = state_code_tables(moment).has_lines ? &state_code_tables(moment).lines : nullptr;
     return v;
   }
   at::Tensor slice(const at::Tensor& stored, int64_t begin, int64_t length) const override {
