@@ -47,15 +47,17 @@ AMP_AVX512_VBMI __attribute__((noinline)) inline void decode_block_by_permutes(c
       8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
   const __m512i order = _mm512_load_si512(kOrder);
   const __m512 s = _mm512_set1_ps(scale);
+  // The planes in 16 registers, loaded once: the compiler can't keep them across the stores to `out`, which it
+  // must assume may alias them (loading them per 64 codes cost the 8-bit step 15% on Zen 5).
+  __m512i table[16];
+  for (int k = 0; k < 16; ++k) table[k] = _mm512_loadu_si512(planes + 64 * k);
   for (int64_t i = 0; i < kCodeBlock; i += 64) {
     const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
     const __mmask64 high = _mm512_movepi8_mask(c);
     __m512i byte[4];
-    for (int k = 0; k < 4; ++k) {
-      const uint8_t* plane = planes + 256 * k;
-      const __m512i low_half = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane), c, _mm512_loadu_si512(plane + 64));
-      const __m512i high_half =
-          _mm512_permutex2var_epi8(_mm512_loadu_si512(plane + 128), c, _mm512_loadu_si512(plane + 192));
+    for (int k = 0; k < 4; ++k) {  // plane k: table[4k .. 4k + 3]
+      const __m512i low_half = _mm512_permutex2var_epi8(table[4 * k], c, table[4 * k + 1]);
+      const __m512i high_half = _mm512_permutex2var_epi8(table[4 * k + 2], c, table[4 * k + 3]);
       byte[k] = _mm512_mask_blend_epi8(high, low_half, high_half);
     }
     const __m512i lo01 = _mm512_unpacklo_epi8(byte[0], byte[1]), hi01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
