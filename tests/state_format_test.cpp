@@ -325,58 +325,6 @@ TEST(StateFormatReferenceTest, TwentyStepsTrackTorchaosAdamW8bit) {
 // ---- the codec -------------------------------------------------------------------------------------
 
 // torchao's test_bf16_stochastic_round: 100,000 stochastic roundings of each of 32 values average to the value.
-TEST(StateFormatCodecTest, Bf16StochasticRoundingIsUnbiased) {
-  torch::manual_seed(0);
-  const auto x = torch::rand({32}) * 100;
-  const auto copies = x.view({-1, 1}).repeat({1, 100000});
-  auto stored = torch::empty(copies.sizes(), torch::kBFloat16);
-  amp::detail::encode_moment(copies, stored, Moment::kSigned, amp::detail::DrawStream{42, 0, {}});
-  const auto mean = stored.to(torch::kFloat).mean(1);
-  EXPECT_TRUE(torch::allclose(mean, x, /*rtol=*/3e-5, /*atol=*/3e-5)) << (mean - x).abs().max().item<float>();
-  // Each copy is one of the value's two bf16 neighbours; the same draws give the same bits, others differ.
-  auto again = torch::empty(copies.sizes(), torch::kBFloat16);
-  amp::detail::encode_moment(copies, again, Moment::kSigned, amp::detail::DrawStream{42, 0, {}});
-  EXPECT_TRUE(amp_test::bitwise_equal(stored, again));
-  amp::detail::encode_moment(copies, again, Moment::kSigned, amp::detail::DrawStream{42, 1, {}});
-  EXPECT_FALSE(amp_test::bitwise_equal(stored, again));
-  const auto gap = (stored.to(torch::kFloat) - copies).abs();
-  EXPECT_TRUE((gap <= copies.abs() * std::ldexp(1.0, -7)).all().item<bool>());
-}
-
-// NOTE [Stored moments on the device]: the ATen ops a device rounds with (the draw count a tensor there) give the CPU
-// loops' bits: every class of float (signs, subnormals, the largest finite values, which round up to inf, inf and NaN
-// of any payload), draw counts starting mid-group and crossing 2^63, seeds with the top bit set (a count wrapping past 2^64, 6e9
-// steps of 10^9 values away, is numbered per group by the CPU loops).
-TEST(StateFormatCodecTest, Bf16RoundingInAtenOpsIsTheCpuLoops) {
-  torch::manual_seed(3);
-  auto values = torch::cat({torch::randn({4099}) * torch::logspace(-40, 38, 4099),
-                            torch::tensor({0.0f, -0.0f, 1e-45f, -1e-45f, 3.3895314e38f, -3.3895314e38f,
-                                           std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
-                                           std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()})});
-  auto bits = values.view(torch::kInt);
-  for (const int32_t nan : {0x7fc00000, 0x7f800001, static_cast<int32_t>(0xffc12345u), 0x7fffffff}) {
-    values = torch::cat({values, torch::tensor({nan}, torch::kInt).view(torch::kFloat)});
-  }
-  const uint64_t top = uint64_t{1} << 63;
-  for (const uint64_t seed : {uint64_t{0}, uint64_t{42}, top | 12345u}) {
-    for (const uint64_t first : {uint64_t{0}, uint64_t{3}, uint64_t{4097}, top - 5}) {
-      SCOPED_TRACE("seed " + std::to_string(seed) + ", first draw " + std::to_string(first));
-      auto expected = torch::empty(values.sizes(), torch::kBFloat16);
-      amp::detail::encode_moment(values, expected, Moment::kSigned, amp::detail::DrawStream{seed, first, {}});
-      const auto on_device = torch::full({}, static_cast<int64_t>(first), torch::kLong);
-      const auto rounded = amp::detail::round_bf16_stochastically(values, seed, on_device);
-      ASSERT_EQ(rounded.scalar_type(), torch::kBFloat16);
-      EXPECT_TRUE(torch::equal(rounded.view(torch::kShort), expected.view(torch::kShort)));
-      // encode_moment takes the device's count over the host's when it has one.
-      auto stored = torch::empty(values.sizes(), torch::kBFloat16);
-      amp::detail::encode_moment(values, stored, Moment::kSigned, amp::detail::DrawStream{seed, first + 1, on_device});
-      EXPECT_TRUE(torch::equal(stored.view(torch::kShort), expected.view(torch::kShort)));
-    }
-  }
-}
-
-// The CPU loop's codes are torchao's ATen ops' (quantize_with_map), block scales included; decoding is
-// map[code] * scale; slicing and joining by blocks (ZeRO's pieces) is lossless.
 // Runs `body` on each of the codec's loops this CPU has: AVX-512 with VBMI (decoding by permutes), AVX-512 (by
 // gathers), AVX2 and portable.
 template <class Body>
@@ -397,6 +345,61 @@ void on_every_codec(Body body) {
   }
 }
 
+TEST(StateFormatCodecTest, Bf16StochasticRoundingIsUnbiased) {
+  torch::manual_seed(0);
+  const auto x = torch::rand({32}) * 100;
+  const auto copies = x.view({-1, 1}).repeat({1, 100000});
+  auto stored = torch::empty(copies.sizes(), torch::kBFloat16);
+  amp::detail::encode_moment(copies, stored, Moment::kSigned, amp::detail::DrawStream{42, 0, {}});
+  const auto mean = stored.to(torch::kFloat).mean(1);
+  EXPECT_TRUE(torch::allclose(mean, x, /*rtol=*/3e-5, /*atol=*/3e-5)) << (mean - x).abs().max().item<float>();
+  // Each copy is one of the value's two bf16 neighbours; the same draws give the same bits, others differ.
+  auto again = torch::empty(copies.sizes(), torch::kBFloat16);
+  amp::detail::encode_moment(copies, again, Moment::kSigned, amp::detail::DrawStream{42, 0, {}});
+  EXPECT_TRUE(amp_test::bitwise_equal(stored, again));
+  amp::detail::encode_moment(copies, again, Moment::kSigned, amp::detail::DrawStream{42, 1, {}});
+  EXPECT_FALSE(amp_test::bitwise_equal(stored, again));
+  const auto gap = (stored.to(torch::kFloat) - copies).abs();
+  EXPECT_TRUE((gap <= copies.abs() * std::ldexp(1.0, -7)).all().item<bool>());
+}
+
+// NOTE [Stored moments on the device]: the ATen ops a device rounds with (the draw count a tensor there) give the CPU
+// loops' bits, on each loop this CPU has (AVX-512 rounds 32 values a step): every class of float (signs, subnormals,
+// the largest finite values, which round up to inf, inf and NaN of any payload), draw counts starting mid-group and
+// crossing 2^63, seeds with the top bit set (a count wrapping past 2^64, 6e9 steps of 10^9 values away, is numbered
+// per group by the CPU loops).
+TEST(StateFormatCodecTest, Bf16RoundingInAtenOpsIsTheCpuLoops) {
+  on_every_codec([] {
+    torch::manual_seed(3);
+    auto values = torch::cat({torch::randn({4099}) * torch::logspace(-40, 38, 4099),
+                              torch::tensor({0.0f, -0.0f, 1e-45f, -1e-45f, 3.3895314e38f, -3.3895314e38f,
+                                             std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()})});
+    auto bits = values.view(torch::kInt);
+    for (const int32_t nan : {0x7fc00000, 0x7f800001, static_cast<int32_t>(0xffc12345u), 0x7fffffff}) {
+      values = torch::cat({values, torch::tensor({nan}, torch::kInt).view(torch::kFloat)});
+    }
+    const uint64_t top = uint64_t{1} << 63;
+    for (const uint64_t seed : {uint64_t{0}, uint64_t{42}, top | 12345u}) {
+      for (const uint64_t first : {uint64_t{0}, uint64_t{3}, uint64_t{4097}, top - 5}) {
+        SCOPED_TRACE("seed " + std::to_string(seed) + ", first draw " + std::to_string(first));
+        auto expected = torch::empty(values.sizes(), torch::kBFloat16);
+        amp::detail::encode_moment(values, expected, Moment::kSigned, amp::detail::DrawStream{seed, first, {}});
+        const auto on_device = torch::full({}, static_cast<int64_t>(first), torch::kLong);
+        const auto rounded = amp::detail::round_bf16_stochastically(values, seed, on_device);
+        ASSERT_EQ(rounded.scalar_type(), torch::kBFloat16);
+        EXPECT_TRUE(torch::equal(rounded.view(torch::kShort), expected.view(torch::kShort)));
+        // encode_moment takes the device's count over the host's when it has one.
+        auto stored = torch::empty(values.sizes(), torch::kBFloat16);
+        amp::detail::encode_moment(values, stored, Moment::kSigned, amp::detail::DrawStream{seed, first + 1, on_device});
+        EXPECT_TRUE(torch::equal(stored.view(torch::kShort), expected.view(torch::kShort)));
+      }
+    }
+  });
+}
+
+// The CPU loop's codes are torchao's ATen ops' (quantize_with_map), block scales included; decoding is
+// map[code] * scale; slicing and joining by blocks (ZeRO's pieces) is lossless.
 TEST(StateFormatCodecTest, CpuCodesAreTheAtenOpsAndSlicesJoinBack) {
   on_every_codec([] {
     torch::manual_seed(1);
