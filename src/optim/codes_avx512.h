@@ -1,9 +1,11 @@
 #pragma once
 // The 8-bit codec's AVX-512 steps, 16 values at a time: decoding codes (by gathers, or by VBMI's byte permutes a block
-// at a time), a block's scale, and finding codes through the bucket table. Included by the codec's block loops (cpu_state_codec.cpp) and by the 8-bit Adam step that
+// at a time), a block's scale, and finding codes on the map's lines (NOTE [Codes by lines] in cpu_state_codec.cpp) or
+// through the bucket table. Included by the codec's block loops (cpu_state_codec.cpp) and by the 8-bit Adam step that
 // decodes, updates and encodes in one pass (cpu_optimizer_kernels.cpp); each caller has AMP_AVX512 on its function
 // and runs where codec_loops_at(CodecLoops::kAvx512).
-// The arithmetic is the portable loops' (the same roundings, the same comparisons), so the codes are the same bits.
+// The codes are the portable loops' bits: the table's arithmetic is theirs (the same roundings, the same
+// comparisons), and the lines leave to the table every value they are not sure of.
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMP_HAVE_AVX512_CODES 1

@@ -302,14 +302,21 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
       v_max = avx512::absmax_bits(v_max, vi);
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
       _mm512_storeu_ps(p + i, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
-      auto* m_to = static_cast<uint8_t*>(m.data) + pending.at + j;
-      auto* v_to = static_cast<uint8_t*>(v.data) + pending.at + j;
-      if constexpr (LINES) {
-        if (pm_fast) avx512::codes16_by_lines<true>(pending.m + j, pm_s, pm_r, pm_recip, pm, m_lines, m.buckets, m_to);
-        if (pv_fast) avx512::codes16_by_lines<false>(pending.v + j, pv_s, pv_r, pv_recip, pv, v_lines, v.buckets, v_to);
-      } else {
-        if (pm_fast) avx512::codes16(avx512::divide16(_mm512_load_ps(pending.m + j), pm_s, pm_r, pm_recip), m.buckets, m_to);
-        if (pv_fast) avx512::codes16(avx512::divide16(_mm512_load_ps(pending.v + j), pv_s, pv_r, pv_recip), v.buckets, v_to);
+      if (pm_fast) {
+        uint8_t* to = static_cast<uint8_t*>(m.data) + pending.at + j;
+        if constexpr (LINES) {
+          avx512::codes16_by_lines<true>(pending.m + j, pm_s, pm_r, pm_recip, pm, m_lines, m.buckets, to);
+        } else {
+          avx512::codes16(avx512::divide16(_mm512_load_ps(pending.m + j), pm_s, pm_r, pm_recip), m.buckets, to);
+        }
+      }
+      if (pv_fast) {
+        uint8_t* to = static_cast<uint8_t*>(v.data) + pending.at + j;
+        if constexpr (LINES) {
+          avx512::codes16_by_lines<false>(pending.v + j, pv_s, pv_r, pv_recip, pv, v_lines, v.buckets, to);
+        } else {
+          avx512::codes16(avx512::divide16(_mm512_load_ps(pending.v + j), pv_s, pv_r, pv_recip), v.buckets, to);
+        }
       }
     }
     if (pending.at >= 0) {  // a moment with inf or NaN: the codec's own loop, after

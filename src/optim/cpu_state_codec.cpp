@@ -123,20 +123,21 @@ bool code_buckets(const float* map, CodeBucket* table) {
 // NOTE [Codes by lines]
 // The bucket table costs a gather per 16 values, and a gather of 16 words takes about 21 cycles on an AMD EPYC (Zen 5):
 // with two moments that was half the 8-bit Adam step. torchao's maps are made of decades, each a run of evenly spaced
-// values, so between two decades' boundaries the code is an affine function of y rounded down: the code of |y| is
-// floor(slope * |y| + offset) (in fixed point, kLineFraction bits), capped at the piece's last code (between a run's
-// last boundary and the next run's first, the code stays). code_lines finds the pieces from the codes' boundaries
-// themselves, each piece starting at a boundary; the vector loop finds |y|'s piece from two 32-entry tables indexed by
-// its octave (the piece at the octave's start, and where in it the next one starts: at most one per octave), and looks
-// the line up in registers. Negative y of a signed map mirror the positive ones (torchao's signed map is symmetric
-// about its zero at code 127, 1.0 at 255 standing alone).
-// Exactness: the loop computes y as x * (1 / s), within 2^-22 of x / s, not the quotient itself (NOTE [Dividing by the
-// scale]: four multiply-adds a vector less). A value whose line is within kLineBand / 2^kLineFraction of a whole
-// number (0.1% of values) is *uncertain* and takes the bucket table with the true quotient. code_lines checks every
-// float y in [0, 1] of both signs: where the window of quotients within 2^-21 of y holds one code, the line gives it
-// or calls y uncertain; where the window straddles a boundary, y is uncertain. Away from boundaries this is checked
-// per stretch where the piece is fixed (the line is monotonic there, so its ends bound it), near each boundary float
-// by float. A map for which this fails has no lines and its codes come from the table.
+// values, so from where one run's codes start to where the next run's start the code of |y| is
+// floor(slope * |y| + offset) (fixed point, kLineFraction bits) capped at the run's last code (between a run's last
+// change and the next run's first, the code stays). code_lines finds these pieces from the places where the code
+// changes (8 per map, each starting at such a place); the vector loop gets |y|'s piece from one 32-entry table indexed
+// by its octave (at most one piece starts per octave: CodeLines::piece_word) and the line from registers. Negative y
+// of a signed map mirror the positive ones (torchao's signed map is symmetric about its zero at code 127; 1.0, code
+// 255, has no negative twin, hence the max with 0).
+// Exactness: the loop takes y as x * (1 / s), within 2^-22 of x / s, not the quotient (four multiply-adds a vector
+// less than NOTE [Dividing by the scale]). A value is *uncertain*, and takes the bucket table with the true quotient,
+// where its line is within kLineBand / 2^kLineFraction of a whole number or |y| is within kSwitchBand floats of where
+// a piece starts (there the code changes by the piece changing, not by the line crossing a whole number): about 0.1%
+// of values. code_lines checks every float y in [0, 1 + 2^-22] of both signs against code_by_search: where the window
+// of quotients within 2^-21 of y holds one code, the lines give it or call y uncertain; where the window holds a change,
+// y is uncertain. Near each change this is checked float by float; between changes, per stretch with one piece, where
+// the line is monotonic, so its ends bound it. A map that fails has no lines, and its codes come from the table.
 
 namespace {
 
