@@ -536,6 +536,14 @@ TEST(StateFormatCodecTest, LinesGiveTheSearchsCodesOrLeaveThemToTheTable) {
       const auto scale = v.abs().amax(-1).clamp_min(1e-12);
       const auto expected = amp::detail::quantize_with_map(v / scale.view({-1, 1}), moment).reshape({-1});
       EXPECT_EQ(codes_of(packed, n).ne(expected).sum().item<int64_t>(), 0) << (moment == Moment::kSigned ? "signed" : "unsigned");
+      // The same through the table, as for a map without lines.
+      auto by_table = torch::zeros_like(packed);
+      auto view = amp::detail::cpu_view(by_table, moment);
+      ASSERT_TRUE(view.has_value());
+      view->lines = nullptr;
+      const auto flat = v.reshape({-1}).contiguous();
+      cpu::encode(*view, 0, n, flat.data_ptr<float>());
+      EXPECT_TRUE(torch::equal(by_table, packed));
     }
   });
   // Random sorted values are no runs: no lines, and the codec keeps the table.
@@ -588,10 +596,11 @@ TEST(StateFormatCodecTest, QuotientsByTheScaleAreTheDivisionsAtEveryBoundary) {
 }
 
 // The 8-bit Adam step on each loop this CPU has (NOTE [The 8-bit step in one pass] in cpu_optimizer_kernels.cpp: the
-// AVX-512 one decodes, updates and encodes in one pass) gives the portable loops' parameters, unscaled gradients,
-// codes, scales and O2 copy bit for bit: Adam and AdamW, a loss scale or none, a step over a slice starting past the
-// tensor's first chunk and ending inside one, a block whose moments become NaN (an inf gradient: the codec's search)
-// a block of zero moments (scale 1e-12) and one of tiny ones (scales below 2^-60: divided, not multiplied by 1 / s).
+// AVX-512 one decodes, updates and encodes in one pass), with codes on the maps' lines and from the table, gives the
+// portable loops' parameters, unscaled gradients, codes, scales and O2 copy bit for bit: Adam and AdamW, a loss scale
+// or none, a step over a slice starting past the tensor's first chunk and ending inside one, a block whose moments
+// become NaN (an inf gradient: the codec's search), a block of zero moments (scale 1e-12) and one of tiny ones (scales
+// below 2^-60: divided, not multiplied by 1 / s).
 TEST(StateFormatCodecTest, EightBitAdamStepOnEveryLoop) {
   namespace cpu = amp::detail::cpu;
   const int64_t n = 3 * cpu::kStoredChunk + 512;
@@ -618,14 +627,17 @@ TEST(StateFormatCodecTest, EightBitAdamStepOnEveryLoop) {
                      std::to_string(begin));
         std::vector<Result> results;
         on_every_codec([&] {
-          Result r{param0.clone(), grad0.clone() / inv, packed(m0, Moment::kSigned), packed(v0, Moment::kUnsigned),
-                   torch::zeros({n}, torch::kBFloat16)};
-          const auto m = amp::detail::cpu_view(r.m, Moment::kSigned), v = amp::detail::cpu_view(r.v, Moment::kUnsigned);
-          ASSERT_TRUE(m && v);
-          const cpu::AdamScalars scalars{1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, false, 3, inv};
-          cpu::adam_step_stored(r.param.data_ptr<float>(), r.grad.data_ptr<float>(), *m, *v, nullptr, begin, n, scalars,
-                                cpu::ModelCopy{cpu::Dtype::BFloat16, r.copy.data_ptr()});
-          results.push_back(r);
+          for (const bool lines : {true, false}) {  // codes on the maps' lines, and the table a map without them keeps
+            Result r{param0.clone(), grad0.clone() / inv, packed(m0, Moment::kSigned), packed(v0, Moment::kUnsigned),
+                     torch::zeros({n}, torch::kBFloat16)};
+            auto m = amp::detail::cpu_view(r.m, Moment::kSigned), v = amp::detail::cpu_view(r.v, Moment::kUnsigned);
+            ASSERT_TRUE(m && v && m->lines && v->lines);
+            if (!lines) m->lines = v->lines = nullptr;
+            const cpu::AdamScalars scalars{1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, false, 3, inv};
+            cpu::adam_step_stored(r.param.data_ptr<float>(), r.grad.data_ptr<float>(), *m, *v, nullptr, begin, n,
+                                  scalars, cpu::ModelCopy{cpu::Dtype::BFloat16, r.copy.data_ptr()});
+            results.push_back(r);
+          }
         });
         ASSERT_FALSE(results.empty());
         const Result& portable = results.back();
