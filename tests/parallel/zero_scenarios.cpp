@@ -1017,24 +1017,24 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
           torch::save(source, weights);
         }
         group.barrier();
+        // Both runs take the step on batch `step`; the sharded one's weights and aux must be the unsharded one's.
+        auto steps_as_unsharded = [&](int step, const std::string& after) {
+          train(ref_optimizer, ref_ddp, step);
+          train(optimizer, ddp, step);
+          const auto a = lean_state(net, ddp.core()), b = lean_state(ref_net);
+          report(equal_bits(a.first, b.first) && a.second == b.second,
+                 label + ": after " + after + " the sharded run steps as the unsharded one");
+        };
         amp::load_weights(*ref_net, weights);
         amp::load_weights(*net, weights);
-        train(ref_optimizer, ref_ddp, 9);
-        train(optimizer, ddp, 9);
-        const auto a = lean_state(net, ddp.core()), b = lean_state(ref_net);
-        report(equal_bits(a.first, b.first) && a.second == b.second,
-               label + ": after load_weights the sharded run steps as the unsharded one");
+        steps_as_unsharded(9, "load_weights");
         // The same under GatheredParametersGuard (stage 3: the whole weights take the values, the slices too).
         amp::load_weights(*ref_net, weights);
         {
           amp::parallel::GatheredParametersGuard whole(ddp);
           amp::load_weights(*net, weights);
         }
-        train(ref_optimizer, ref_ddp, 9);
-        train(optimizer, ddp, 9);
-        const auto guarded = lean_state(net, ddp.core()), ref_guarded = lean_state(ref_net);
-        report(equal_bits(guarded.first, ref_guarded.first) && guarded.second == ref_guarded.second,
-               label + ": after load_weights under GatheredParametersGuard the sharded run steps as the unsharded one");
+        steps_as_unsharded(9, "load_weights under GatheredParametersGuard");
         // A weight edited in place: its low bits go, on every rank's slices as unsharded (NOTE [Lean masters]).
         {
           amp::parallel::GatheredParametersGuard whole(ddp);  // stage 3: the edit reaches the slices when it ends
@@ -1042,11 +1042,7 @@ void lean_masters(const ProcessGroup& group, int stage, const std::string& dir) 
           ref_net[2]->named_parameters()["weight"].mul_(0.5);
           net[2]->named_parameters()["weight"].mul_(0.5);
         }
-        train(ref_optimizer, ref_ddp, 10);
-        train(optimizer, ddp, 10);
-        const auto edited = lean_state(net, ddp.core()), ref_edited = lean_state(ref_net);
-        report(equal_bits(edited.first, ref_edited.first) && edited.second == ref_edited.second,
-               label + ": after a weight edited in place the sharded run steps as the unsharded one");
+        steps_as_unsharded(10, "a weight edited in place");
       }
     });
   }
