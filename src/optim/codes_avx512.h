@@ -38,9 +38,9 @@ AMP_AVX512 inline __m512 decode16(const uint8_t* codes, __m512 scale, const floa
 // code's top bit, and unpacking the planes' bytes into words and the words into dwords puts each float back together.
 // Unpacks stay within 128-bit lanes, so the codes are first permuted so that the unpacks give 16 consecutive values
 // per register. The floats are map[code]'s bytes, so the decoded values are the gather's bit for bit (0.08 ns a value
-// on that EPYC). On an Intel Xeon (Sapphire Rapids) the gather was the faster (0.16 ns against 0.22), so this route is
-// the default on AMD's cores only (default_codec_loops). Not inline: callers without VBMI in their target call it
-// where codec_loops_at(CodecLoops::kAvx512Vbmi).
+// on that EPYC). On an Intel Xeon (Sapphire Rapids) the gather was the faster (0.16 ns against 0.22), so which route
+// runs is timed on the CPU (default_codec_loops). Not inline: callers without VBMI in their target call it where
+// codec_loops_at(CodecLoops::kAvx512Vbmi).
 AMP_AVX512_VBMI __attribute__((noinline)) inline void decode_block_by_permutes(const uint8_t* codes, float scale,
                                                                             const uint8_t* planes, float* out) {
   // Byte p of lane L of quarter q comes from code 16 q + 4 L + p: what unpacking 4 planes leaves in place.

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -463,7 +464,26 @@ AMP_AVX512 void decode_block_avx512(const uint8_t* codes, float scale, const flo
 }
 #endif
 
-std::atomic<CodecLoops> widest_allowed{default_codec_loops()};
+// The cap force_codec_loops set; -1 until one is set: default_codec_loops(), decided at the first use.
+std::atomic<int> widest_allowed{-1};
+
+}  // namespace
+
+bool codec_loops_on_cpu(CodecLoops level) {
+#if defined(AMP_HAVE_AVX2_CODES)
+  __builtin_cpu_init();  // idempotent; a caller may run from a static initializer that comes before libgcc's
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool vbmi = avx512 && __builtin_cpu_supports("avx512vbmi");
+  return level == CodecLoops::kPortable ||
+         (level == CodecLoops::kAvx2 ? avx2 : level == CodecLoops::kAvx512 ? avx512 : vbmi);
+#else
+  return level == CodecLoops::kPortable;
+#endif
+}
+
+namespace {
 
 void encode_block(const float* in, uint8_t* codes, float* scale, const float* map, const CodeBucket* buckets,
                   const CodeLines* lines) {
@@ -571,30 +591,84 @@ void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64
   for (i += 4 * groups; i < n; ++i) one(i);
 }
 
+#ifdef AMP_HAVE_AVX512_CODES
+// NOTE [Choosing the decode by timing it]
+// Which decode is faster is the core's (and its microcode's): a gather of 16 floats takes about 21 cycles on Zen 5,
+// where the planes' permutes decode 4x faster; on Sapphire Rapids the gather was the faster (0.16 ns a value against
+// 0.22); Intel's cores with the Gather Data Sampling mitigation in their microcode (Skylake to Tiger Lake) run
+// gathers several times slower than before it. No rule by vendor or model holds, so on a CPU with VBMI the first use
+// times both the way the 8-bit step runs them (each block's codes decoded and consumed: from the block's buffer, or
+// straight from the gathers' registers), alternating, and keeps the faster by each one's fastest pass. Both give the
+// same bits (StateFormatCodecTest runs both); only time depends on the choice. About 0.1 ms, once per process.
+constexpr int64_t kTimedBlocks = 64;  // 16 KiB of codes: the step's working set is a block, not the tensor
+
+AMP_AVX512 double decode_pass_seconds(bool by_permutes, const uint8_t* codes, const float* map, const uint8_t* planes,
+                                      float* sink) {
+  alignas(64) float decoded[kCodeBlock];
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 sum = _mm512_setzero_ps();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t b = 0; b < kTimedBlocks * kCodeBlock; b += kCodeBlock) {
+    if (by_permutes) {
+      avx512::decode_block_by_permutes(codes + b, 1.0f, planes, decoded);
+      for (int64_t j = 0; j < kCodeBlock; j += 16) sum = _mm512_add_ps(sum, _mm512_load_ps(decoded + j));
+    } else {
+      for (int64_t j = 0; j < kCodeBlock; j += 16) sum = _mm512_add_ps(sum, avx512::decode16(codes + b + j, one, map));
+    }
+  }
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  *sink += _mm512_reduce_add_ps(sum);  // the decodes' results are used
+  return seconds;
+}
+#endif
+
 }  // namespace
 
-void force_codec_loops(CodecLoops widest) { widest_allowed = widest; }
+DecodeTimes time_decodes() {
+#ifdef AMP_HAVE_AVX512_CODES
+  if (!codec_loops_on_cpu(CodecLoops::kAvx512Vbmi)) return {};
+  std::vector<float> map(256);
+  for (int c = 0; c < 256; ++c) map[c] = static_cast<float>(c - 128) / 128.0f;
+  std::vector<uint8_t> planes(kMapByteSize), codes(kTimedBlocks * kCodeBlock);
+  map_byte_planes(map.data(), planes.data());
+  uint64_t state = 0x9e3779b97f4a7c15ull;  // codes in no order, as a moment's are
+  for (auto& c : codes) c = static_cast<uint8_t>((state = state * 6364136223846793005ull + 1442695040888963407ull) >> 56);
+  float sink = 0;
+  DecodeTimes t{1e9, 1e9};
+  for (int pass = 0; pass < 9; ++pass) {  // the first pass warms the caches; a minimum ignores interruptions
+    for (const bool by_permutes : {false, true}) {
+      const double s = decode_pass_seconds(by_permutes, codes.data(), map.data(), planes.data(), &sink) /
+                       static_cast<double>(kTimedBlocks * kCodeBlock);
+      double& fastest = by_permutes ? t.by_permutes : t.by_gathers;
+      if (pass > 0) fastest = std::min(fastest, s);
+    }
+  }
+  if (!std::isfinite(sink)) return {};  // never: the map's values are finite; keeps the sums from being dropped
+  return t;
+#else
+  return {};
+#endif
+}
+
+void force_codec_loops(CodecLoops widest) { widest_allowed = static_cast<int>(widest); }
 
 CodecLoops default_codec_loops() {
-#if defined(AMP_HAVE_AVX2_CODES)
-  __builtin_cpu_init();  // this runs from a static initializer, which may come before libgcc's
-  if (__builtin_cpu_is("amd")) return CodecLoops::kAvx512Vbmi;
-#endif
+#ifdef AMP_HAVE_AVX512_CODES
+  // Timed once (NOTE [Choosing the decode by timing it]); a function's static is thread-safe to initialize.
+  static const CodecLoops chosen = [] {
+    const DecodeTimes t = time_decodes();
+    return t.by_permutes > 0 && t.by_permutes < t.by_gathers ? CodecLoops::kAvx512Vbmi : CodecLoops::kAvx512;
+  }();
+  return chosen;
+#else
   return CodecLoops::kAvx512;
+#endif
 }
 
 bool codec_loops_at(CodecLoops level) {
-#if defined(AMP_HAVE_AVX2_CODES)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  static const bool vbmi = avx512 && __builtin_cpu_supports("avx512vbmi");
-  const bool has = level == CodecLoops::kPortable ||
-                   (level == CodecLoops::kAvx2 ? avx2 : level == CodecLoops::kAvx512 ? avx512 : vbmi);
-  return has && static_cast<int>(level) >= static_cast<int>(widest_allowed.load());
-#else
-  return level == CodecLoops::kPortable;
-#endif
+  int widest = widest_allowed.load();
+  if (widest < 0) widest = static_cast<int>(default_codec_loops());
+  return codec_loops_on_cpu(level) && static_cast<int>(level) >= widest;
 }
 
 void decode(const StateView& view, int64_t begin, int64_t n, float* out) {

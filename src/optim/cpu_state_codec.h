@@ -107,12 +107,21 @@ inline bool divides_by_reciprocal(float s) { return s >= 0x1p-60f && s <= 0x1p10
 /// AVX-512, else AVX2, else portable), capped by force_codec_loops (tests and the bench, so every level is checked on
 /// one CPU).
 enum class CodecLoops { kAvx512Vbmi, kAvx512, kAvx2, kPortable };
-/// The cap amp starts with: kAvx512Vbmi where gathers are slow (AMD's cores: NOTE [Decoding by permutes] in
-/// codes_avx512.h), kAvx512 elsewhere. Every level gives the same bits; only the time differs.
+/// The cap amp starts with: kAvx512Vbmi where the CPU has VBMI and decoding by permutes is the faster on it, timed
+/// once at the first use (NOTE [Choosing the decode by timing it] in the .cpp), kAvx512 elsewhere. Every level gives
+/// the same bits; only the time differs.
 CodecLoops default_codec_loops();
 void force_codec_loops(CodecLoops widest);
+/// Seconds a value for the 8-bit step's two ways to decode codes, each its fastest of 8 passes over 64 blocks: what
+/// default_codec_loops decides by. Zeros where the CPU has no VBMI (only gathers).
+struct DecodeTimes {
+  double by_gathers = 0, by_permutes = 0;
+};
+DecodeTimes time_decodes();
 /// Whether the loops of `level` run here: the CPU has them and force_codec_loops allows them.
 bool codec_loops_at(CodecLoops level);
+/// Whether this CPU has the loops of `level`, whatever the cap.
+bool codec_loops_on_cpu(CodecLoops level);
 
 /// out[0, n) = the fp32 values of elements [begin, begin + n); kCodes: begin and n are multiples of the block.
 void decode(const StateView& view, int64_t begin, int64_t n, float* out);
