@@ -643,7 +643,7 @@ DecodeTimes time_decodes() {
       if (pass > 0) fastest = std::min(fastest, s);
     }
   }
-  if (!std::isfinite(sink)) return {};  // never: the map's values are finite; keeps the sums from being dropped
+  if (!std::isfinite(sink)) return {};  // the sums used, so the decodes are kept (finite map: never taken)
   return t;
 #else
   return {};
