@@ -49,16 +49,9 @@ else
   graph_args=(--device cuda --steps 20 --reps 3)
 fi
 
-torch_dir="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
-args=(-S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir"
-      -DCMAKE_PREFIX_PATH="$prefix" -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON -DAMP_CTEST_PER_TEST=ON)
-command -v ninja > /dev/null && args+=(-G Ninja)
-nvcc=$(command -v nvcc || true)
-[ -z "$nvcc" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc
-if [ -n "$nvcc" ]; then  # TorchConfig of a CUDA build wants the toolkit that matches it
-  cuda_root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
-  args+=(-DCMAKE_CUDA_COMPILER="$nvcc" -DCUDAToolkit_ROOT="$cuda_root" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root")
-fi
+source scripts/torch-cmake-args.sh
+torch_cmake_args "$build"
+args+=(-DCMAKE_PREFIX_PATH="$prefix" -DAMP_BUILD_TESTS=ON -DAMP_BUILD_EXAMPLES=ON -DAMP_CTEST_PER_TEST=ON)
 stage "configuring and building"
 cmake "${args[@]}" > "$out/configure.log" 2>&1 || { tail -n 60 "$out/configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -m 20 -B2 -A8 "error" "$out/build.log"; exit 1; }

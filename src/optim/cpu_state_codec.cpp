@@ -471,8 +471,8 @@ std::atomic<int> widest_allowed{-1};
 
 bool codec_loops_on_cpu(CodecLoops level) {
 #if defined(AMP_HAVE_AVX2_CODES)
-  __builtin_cpu_init();  // idempotent; a caller may run from a static initializer that comes before libgcc's
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // __builtin_cpu_init first: a caller may run from a static initializer that comes before libgcc's.
+  static const bool avx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
   static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   static const bool vbmi = avx512 && __builtin_cpu_supports("avx512vbmi");
