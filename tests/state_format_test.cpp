@@ -676,6 +676,70 @@ TEST(StateFormatCodecTest, EightBitAdamStepOnEveryLoop) {
   }
 }
 
+// The bf16 moments' Adam step on every codec loop (NOTE [The bf16 step in one pass]): the AVX-512 loops update and
+// round in one pass, the others decode, update and encode chunk by chunk; parameters, unscaled gradients, moments
+// and the O2 copy bit for bit the portable loops'. Each moment's draw count starting at every offset within a draw
+// (its words start mid-draw) and near 2^63, a slice starting past the tensor's first chunk, a length that leaves a
+// tail under 32 values, Adam and AdamW, a loss scale or none, and an inf gradient (NaN moments), zero and tiny
+// moments (denormal bf16).
+TEST(StateFormatCodecTest, Bf16AdamStepOnEveryLoop) {
+  namespace cpu = amp::detail::cpu;
+  const int64_t n = 3 * cpu::kStoredChunk + 77;
+  torch::manual_seed(6);
+  const auto param0 = torch::randn({n});
+  auto grad0 = torch::randn({n}) * torch::logspace(-6, 0, n);
+  grad0[cpu::kStoredChunk + 300] = std::numeric_limits<float>::infinity();
+  auto m0 = (torch::randn({n}) * 1e-3).to(torch::kBFloat16), v0 = (torch::rand({n}) * 1e-6).to(torch::kBFloat16);
+  m0.narrow(0, 2 * cpu::kStoredChunk, 256).zero_(), v0.narrow(0, 2 * cpu::kStoredChunk, 256).zero_();
+  grad0.narrow(0, 2 * cpu::kStoredChunk, 512).zero_();
+  m0.narrow(0, 2 * cpu::kStoredChunk + 256, 256).mul_(1e-38), v0.narrow(0, 2 * cpu::kStoredChunk + 256, 256).mul_(1e-38);
+  struct Result {
+    torch::Tensor param, grad, m, v, copy;
+  };
+  const uint64_t near_2_63 = (uint64_t{1} << 63) - 6;
+  for (const auto& [m_first, v_first] : {std::pair<uint64_t, uint64_t>{0, 0}, {1, 3}, {2, 1}, {3, 2}, {near_2_63, 7}}) {
+    for (const bool decoupled : {true, false}) {
+      for (const float inv : {1.0f, 1.0f / 1024}) {
+        for (const int64_t begin : {int64_t{0}, cpu::kStoredChunk}) {
+          SCOPED_TRACE(std::string(decoupled ? "AdamW" : "Adam") + ", inv " + std::to_string(inv) + ", from " +
+                       std::to_string(begin) + ", draws from " + std::to_string(m_first) + " and " + std::to_string(v_first));
+          std::vector<Result> results;
+          on_every_codec([&] {
+            Result r{param0.clone(), grad0.clone() / inv, m0.clone(), v0.clone(), torch::zeros({n}, torch::kBFloat16)};
+            auto view = [](const torch::Tensor& stored, uint64_t seed, uint64_t first) {
+              cpu::StateView v;
+              v.kind = cpu::StateKind::kBFloat16;
+              v.data = stored.data_ptr();
+              v.stochastic = true;
+              v.seed = seed;
+              v.first = first;
+              return v;
+            };
+            const cpu::AdamScalars scalars{1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, false, 3, inv};
+            cpu::adam_step_stored(r.param.data_ptr<float>(), r.grad.data_ptr<float>(), view(r.m, 17, m_first),
+                                  view(r.v, 17, v_first), nullptr, begin, n, scalars,
+                                  cpu::ModelCopy{cpu::Dtype::BFloat16, r.copy.data_ptr()});
+            results.push_back(r);
+          });
+          ASSERT_FALSE(results.empty());
+          const Result& portable = results.back();
+          EXPECT_FALSE(torch::isfinite(portable.v).all().item<bool>());  // the inf gradient's NaN
+          EXPECT_FALSE(torch::equal(portable.m, m0));
+          for (size_t i = 0; i + 1 < results.size(); ++i) {
+            EXPECT_TRUE(amp_test::bitwise_equal(results[i].param, portable.param)) << "loop " << i;
+            EXPECT_TRUE(amp_test::bitwise_equal(results[i].grad, portable.grad)) << "loop " << i;
+            EXPECT_TRUE(amp_test::bitwise_equal(results[i].m, portable.m)) << "loop " << i;
+            EXPECT_TRUE(amp_test::bitwise_equal(results[i].v, portable.v)) << "loop " << i;
+            EXPECT_TRUE(amp_test::bitwise_equal(results[i].copy, portable.copy)) << "loop " << i;
+          }
+          EXPECT_TRUE(amp_test::bitwise_equal(portable.param.narrow(0, 0, begin), param0.narrow(0, 0, begin)));
+          EXPECT_TRUE(amp_test::bitwise_equal(portable.m.narrow(0, 0, begin), m0.narrow(0, 0, begin)));
+        }
+      }
+    }
+  }
+}
+
 // ---- through amp::initialize: levels, master formats, routes ---------------------------------------------
 
 struct SfCase {

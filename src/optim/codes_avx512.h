@@ -7,7 +7,9 @@
 // The codes are the portable loops' bits: the table's arithmetic is theirs (the same roundings, the same
 // comparisons), and the lines leave to the table every value they are not sure of.
 
-#if defined(__GNUC__) && defined(__x86_64__)
+#include "optim/avx512_target.h"
+
+#ifdef AMP_HAVE_AVX512_LOOPS
 #define AMP_HAVE_AVX512_CODES 1
 
 #include <immintrin.h>
@@ -18,9 +20,6 @@
 #include <limits>
 
 #include "optim/cpu_state_codec.h"
-
-#define AMP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define AMP_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma")))
 
 namespace amp::detail::cpu::avx512 {
 

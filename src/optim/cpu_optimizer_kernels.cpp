@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "optim/bf16_rounding_avx512.h"
 #include "optim/codes_avx512.h"
 
 // NOTE [Fused step arithmetic]
@@ -347,6 +348,88 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
     encode_scratch(v, pending.at, pending.v, pending_v_max);
   }
 }
+
+// NOTE [The bf16 step in one pass]
+// bf16 moments with stochastic rounding cost their draws and roundings (0.155 ns a value each on Zen 5). In passes of
+// their own (decode a chunk, update it, encode it) the step took 1.9x fp32's time; in the same loop as Adam's
+// divisions they run in the divider's shadow (NOTE [The 8-bit step in one pass]) and the step takes less than fp32's
+// (it moves 20 bytes a value to fp32's 28). Each moment's draws are its own stream's, value g = first + i taking word
+// g & 3 of draw g >> 2 (stochastic_rounding.h): 8 draws give 32 values' words, and where first is not a multiple of
+// 4 the 32 words start r = g & 3 words into 16 draws. The arithmetic is adam_lerp_body's and the rounding
+// round_stochastically's, so parameters and moments are the chunked path's bit for bit
+// (StateFormatCodecTest.Bf16AdamStepOnEveryLoop).
+class MomentWords {
+ public:
+  AMP_AVX512 MomentWords(uint64_t seed, uint64_t first) : draws_(seed, first >> 2), skip_(static_cast<int>(first & 3)) {
+    if (skip_ != 0) {
+      alignas(64) int16_t index[32];
+      for (int j = 0; j < 32; ++j) index[j] = static_cast<int16_t>(skip_ + j);
+      index_ = _mm512_load_si512(index);
+      current_ = draws_.next();
+    }
+  }
+  /// The random words of the next 32 values.
+  AMP_AVX512 __m512i next() {
+    if (skip_ == 0) return draws_.next();
+    const __m512i following = draws_.next();
+    const __m512i words = _mm512_permutex2var_epi16(current_, index_, following);
+    current_ = following;
+    return words;
+  }
+
+ private:
+  avx512::SplitMix8 draws_;
+  int skip_;
+  __m512i index_ = _mm512_setzero_si512(), current_ = _mm512_setzero_si512();
+};
+
+/// 16 bfloat16 values as floats (exact).
+AMP_AVX512 inline __m512 widen_bf16(const uint16_t* bits) {
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+
+// [begin, end) a multiple of 32 values long.
+template <bool L2, bool STORE_GRAD>
+AMP_AVX512 void adam_lerp_bf16(float* p, float* g, const StateView& m, const StateView& v, int64_t begin, int64_t end,
+                               const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
+  const __m512 decay = _mm512_set1_ps(f.decay), inv = _mm512_set1_ps(f.inv), wd = _mm512_set1_ps(f.wd);
+  const __m512 coeff1 = _mm512_set1_ps(w.coeff1), coeff2 = _mm512_set1_ps(w.coeff2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(f.bc2_sqrt), eps = _mm512_set1_ps(f.eps);
+  const __m512 neg_step = _mm512_set1_ps(f.neg_step_size);
+  const __mmask16 base1 = w.small1 ? 0xffff : 0, base2 = w.small2 ? 0xffff : 0;
+  auto* m_bits = static_cast<uint16_t*>(m.data);
+  auto* v_bits = static_cast<uint16_t*>(v.data);
+  MomentWords m_words(m.seed, m.first + static_cast<uint64_t>(begin)), v_words(v.seed, v.first + static_cast<uint64_t>(begin));
+  constexpr int64_t kBlock = 256;  // the O2 copy is written a block at a time, while the block is in cache
+  for (int64_t c = begin; c < end; c += kBlock) {
+    const int64_t stop = std::min(end, c + kBlock);
+    for (int64_t i = c; i < stop; i += 32) {
+      const __m512i m_random = m_words.next(), v_random = v_words.next();
+      for (int half = 0; half < 2; ++half) {
+        const int64_t k = i + 16 * half;
+        const __m512 mo = widen_bf16(m_bits + k), vo = widen_bf16(v_bits + k);
+        const __m512 param = _mm512_mul_ps(_mm512_loadu_ps(p + k), decay);
+        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + k), inv);
+        if constexpr (STORE_GRAD) _mm512_storeu_ps(g + k, gi);
+        if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, param));
+        const __m512 square = _mm512_mul_ps(gi, gi);
+        const __m512 mi = _mm512_fmadd_ps(coeff1, _mm512_sub_ps(gi, mo), _mm512_mask_blend_ps(base1, gi, mo));
+        const __m512 vi = _mm512_fmadd_ps(coeff2, _mm512_sub_ps(square, vo), _mm512_mask_blend_ps(base2, square, vo));
+        const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
+        _mm512_storeu_ps(p + k, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
+        const __m256i m_half = half == 0 ? avx512::low_words(m_random) : avx512::high_words(m_random);
+        const __m256i v_half = half == 0 ? avx512::low_words(v_random) : avx512::high_words(v_random);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_bits + k), avx512::round16_stochastically(mi, m_half));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_bits + k), avx512::round16_stochastically(vi, v_half));
+      }
+    }
+    if (copy.data != nullptr) {
+      const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+      convert(p + c, copy.dtype, static_cast<char*>(copy.data) + c * bytes, stop - c);
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -369,6 +452,16 @@ void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const
                             : (l2 ? (store ? adam_lerp_codes<true, true, false> : adam_lerp_codes<true, false, false>)
                                   : (store ? adam_lerp_codes<false, true, false> : adam_lerp_codes<false, false, false>));
     return loop(param, grad, exp_avg, exp_avg_sq, begin, end, f, w, copy);
+  }
+  // bf16 moments with stochastic rounding: whole groups of 32 in one pass, the rest (under 32) chunked below.
+  if (!s.amsgrad && exp_avg.kind == StateKind::kBFloat16 && exp_avg.stochastic &&
+      exp_avg_sq.kind == StateKind::kBFloat16 && exp_avg_sq.stochastic && codec_loops_at(CodecLoops::kAvx512)) {
+    const bool store = s.inv_scale != 1.0f;
+    const auto loop = l2 ? (store ? adam_lerp_bf16<true, true> : adam_lerp_bf16<true, false>)
+                         : (store ? adam_lerp_bf16<false, true> : adam_lerp_bf16<false, false>);
+    const int64_t whole = begin + (end - begin) / 32 * 32;
+    loop(param, grad, exp_avg, exp_avg_sq, begin, whole, f, w, copy);
+    begin = whole;
   }
 #endif
   const auto range = l2 ? (s.amsgrad ? adam_lerp_l2_amsgrad : adam_lerp_l2) : (s.amsgrad ? adam_lerp_amsgrad : adam_lerp_plain);

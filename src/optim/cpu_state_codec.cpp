@@ -15,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "optim/bf16_rounding_avx512.h"
 #include "optim/codes_avx512.h"
 #include "optim/stochastic_rounding.h"
 #include "scaling/cpu_kernels.h"
@@ -534,38 +535,17 @@ void round_groups(const float* __restrict in, uint16_t* __restrict out, int64_t 
 }
 
 #ifdef AMP_HAVE_AVX512_CODES
-// round_groups with AVX-512, 8 groups (32 values) a step: the 8 draws' words side by side are the 32 values' 16-bit
-// randoms in order (little-endian: value 4k + j takes bits 16j of draw k), so no shuffle pairs them. The same draws
-// and the same rounding, so the same bits (GCC's vectorization of the loop above left it 5x the cost of rounding to
-// nearest on Zen 5).
+// round_groups with AVX-512, 8 groups (32 values) a step (bf16_rounding_avx512.h): the same draws and the same
+// rounding, so the same bits (GCC's vectorization of the loop above left it 5x the cost of rounding to nearest on Zen 5).
 AMP_AVX512 void round_groups_avx512(const float* in, uint16_t* out, int64_t groups, uint64_t seed, uint64_t first_draw) {
-  constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
-  // z = seed + (n + 1) * kGolden for draws n = first_draw .. first_draw + 7, stepping by 8 draws.
-  __m512i z0 = _mm512_add_epi64(
-      _mm512_set1_epi64(static_cast<int64_t>(seed)),
-      _mm512_mullo_epi64(_mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(first_draw + 1)),
-                                          _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7)),
-                         _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
-  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
-  const __m512i mul1 = _mm512_set1_epi64(static_cast<int64_t>(0xbf58476d1ce4e5b9ULL));
-  const __m512i mul2 = _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebULL));
-  const __m512i exponent = _mm512_set1_epi32(0x7f800000), mantissa = _mm512_set1_epi32(0x007fffff);
-  const __m512i quiet_nan = _mm512_set1_epi32(0x7fc0);
+  avx512::SplitMix8 draws(seed, first_draw);
   int64_t k = 0;
   for (; k + 8 <= groups; k += 8) {
-    __m512i z = _mm512_mullo_epi64(_mm512_xor_si512(z0, _mm512_srli_epi64(z0, 30)), mul1);
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), mul2);
-    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-    z0 = _mm512_add_epi64(z0, step);
-    for (int half = 0; half < 2; ++half) {
-      const __m512i random = _mm512_cvtepu16_epi32(half == 0 ? _mm512_castsi512_si256(z) : _mm512_extracti64x4_epi64(z, 1));
-      const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(in + 4 * k + 16 * half));
-      const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, exponent), exponent);
-      const __mmask16 nan = _mm512_mask_test_epi32_mask(special, b, mantissa);
-      const __m512i rounded = _mm512_srli_epi32(_mm512_mask_add_epi32(b, static_cast<__mmask16>(~special), b, random), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * k + 16 * half),
-                          _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet_nan)));
-    }
+    const __m512i words = draws.next();
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * k),
+                        avx512::round16_stochastically(_mm512_loadu_ps(in + 4 * k), avx512::low_words(words)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4 * k + 16),
+                        avx512::round16_stochastically(_mm512_loadu_ps(in + 4 * k + 16), avx512::high_words(words)));
   }
   if (k < groups) round_groups(in + 4 * k, out + 4 * k, groups - k, seed, first_draw + static_cast<uint64_t>(k));
 }
