@@ -241,6 +241,33 @@ void stored_chunks(const StateView& m, const StateView& v, const StateView* thir
 // instead of in passes of its own. Every operation is the portable loops' (adam_lerp_body, the codec's), so the
 // parameters, codes and scales are theirs bit for bit (StateFormatCodecTest.EightBitAdamStepOnEveryLoop). Where the
 // codec decodes by permutes, a block's codes are decoded whole before its loop (NOTE [Decoding by permutes]).
+// adam_lerp_body's scalars in registers, and its arithmetic on 16 values: the one-pass loops below share it.
+struct LerpRegisters {
+  __m512 decay, inv, wd, coeff1, coeff2, bc2_sqrt, eps, neg_step;
+  __mmask16 base1, base2;  // lanes whose lerp base is the moment
+  AMP_AVX512 LerpRegisters(const AdamFloats& f, const LerpWeights& w)
+      : decay(_mm512_set1_ps(f.decay)), inv(_mm512_set1_ps(f.inv)), wd(_mm512_set1_ps(f.wd)),
+        coeff1(_mm512_set1_ps(w.coeff1)), coeff2(_mm512_set1_ps(w.coeff2)), bc2_sqrt(_mm512_set1_ps(f.bc2_sqrt)),
+        eps(_mm512_set1_ps(f.eps)), neg_step(_mm512_set1_ps(f.neg_step_size)), base1(w.small1 ? 0xffff : 0),
+        base2(w.small2 ? 0xffff : 0) {}
+};
+
+/// Updates p[0, 16) (and stores the unscaled g[0, 16) where STORE_GRAD) from the moments mo, vo; the new moments in
+/// *mi, *vi.
+template <bool L2, bool STORE_GRAD>
+AMP_AVX512 inline void adam_lerp16(float* p, float* g, __m512 mo, __m512 vo, const LerpRegisters& r, __m512* mi,
+                                   __m512* vi) {
+  const __m512 param = _mm512_mul_ps(_mm512_loadu_ps(p), r.decay);
+  __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), r.inv);
+  if constexpr (STORE_GRAD) _mm512_storeu_ps(g, gi);
+  if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(r.wd, param));
+  const __m512 square = _mm512_mul_ps(gi, gi);
+  *mi = _mm512_fmadd_ps(r.coeff1, _mm512_sub_ps(gi, mo), _mm512_mask_blend_ps(r.base1, gi, mo));
+  *vi = _mm512_fmadd_ps(r.coeff2, _mm512_sub_ps(square, vo), _mm512_mask_blend_ps(r.base2, square, vo));
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*vi), r.bc2_sqrt), r.eps);
+  _mm512_storeu_ps(p, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(r.neg_step, *mi), denom)));
+}
+
 struct PendingBlock {
   float* m = nullptr;  // the block's updated moments (scratch), encoded at element `at`
   float* v = nullptr;
@@ -261,11 +288,7 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
   alignas(64) float scratch[2][2][kCodeBlock];  // [block parity][moment]
   alignas(64) float decoded[2][kCodeBlock];     // the block's moments before the step, where decoded by permutes
   const bool by_permutes = m.map_bytes != nullptr && v.map_bytes != nullptr && codec_loops_at(CodecLoops::kAvx512Vbmi);
-  const __m512 decay = _mm512_set1_ps(f.decay), inv = _mm512_set1_ps(f.inv), wd = _mm512_set1_ps(f.wd);
-  const __m512 coeff1 = _mm512_set1_ps(w.coeff1), coeff2 = _mm512_set1_ps(w.coeff2);
-  const __m512 bc2_sqrt = _mm512_set1_ps(f.bc2_sqrt), eps = _mm512_set1_ps(f.eps);
-  const __m512 neg_step = _mm512_set1_ps(f.neg_step_size);
-  const __mmask16 base1 = w.small1 ? 0xffff : 0, base2 = w.small2 ? 0xffff : 0;  // lanes whose lerp base is the moment
+  const LerpRegisters lerp(f, w);
   const auto* m_codes = static_cast<const uint8_t*>(m.data);
   const auto* v_codes = static_cast<const uint8_t*>(v.data);
   // Unused without LINES; the lines of a map that has none would be empty.
@@ -290,19 +313,12 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
       const int64_t i = c + j;
       const __m512 mo = by_permutes ? _mm512_load_ps(decoded[0] + j) : avx512::decode16(m_codes + i, m_scale, m.map);
       const __m512 vo = by_permutes ? _mm512_load_ps(decoded[1] + j) : avx512::decode16(v_codes + i, v_scale, v.map);
-      const __m512 param = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
-      __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), inv);
-      if constexpr (STORE_GRAD) _mm512_storeu_ps(g + i, gi);
-      if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, param));
-      const __m512 square = _mm512_mul_ps(gi, gi);
-      const __m512 mi = _mm512_fmadd_ps(coeff1, _mm512_sub_ps(gi, mo), _mm512_mask_blend_ps(base1, gi, mo));
-      const __m512 vi = _mm512_fmadd_ps(coeff2, _mm512_sub_ps(square, vo), _mm512_mask_blend_ps(base2, square, vo));
+      __m512 mi, vi;
+      adam_lerp16<L2, STORE_GRAD>(p + i, g + i, mo, vo, lerp, &mi, &vi);
       _mm512_store_ps(m_out + j, mi);
       _mm512_store_ps(v_out + j, vi);
       m_max = avx512::absmax_bits(m_max, mi);
       v_max = avx512::absmax_bits(v_max, vi);
-      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
-      _mm512_storeu_ps(p + i, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
       if (pm_fast) {
         uint8_t* to = static_cast<uint8_t*>(m.data) + pending.at + j;
         if constexpr (LINES) {
@@ -393,11 +409,7 @@ AMP_AVX512 inline __m512 widen_bf16(const uint16_t* bits) {
 template <bool L2, bool STORE_GRAD>
 AMP_AVX512 void adam_lerp_bf16(float* p, float* g, const StateView& m, const StateView& v, int64_t begin, int64_t end,
                                const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
-  const __m512 decay = _mm512_set1_ps(f.decay), inv = _mm512_set1_ps(f.inv), wd = _mm512_set1_ps(f.wd);
-  const __m512 coeff1 = _mm512_set1_ps(w.coeff1), coeff2 = _mm512_set1_ps(w.coeff2);
-  const __m512 bc2_sqrt = _mm512_set1_ps(f.bc2_sqrt), eps = _mm512_set1_ps(f.eps);
-  const __m512 neg_step = _mm512_set1_ps(f.neg_step_size);
-  const __mmask16 base1 = w.small1 ? 0xffff : 0, base2 = w.small2 ? 0xffff : 0;
+  const LerpRegisters lerp(f, w);
   auto* m_bits = static_cast<uint16_t*>(m.data);
   auto* v_bits = static_cast<uint16_t*>(v.data);
   MomentWords m_words(m.seed, m.first + static_cast<uint64_t>(begin)), v_words(v.seed, v.first + static_cast<uint64_t>(begin));
@@ -408,16 +420,8 @@ AMP_AVX512 void adam_lerp_bf16(float* p, float* g, const StateView& m, const Sta
       const __m512i m_random = m_words.next(), v_random = v_words.next();
       for (int half = 0; half < 2; ++half) {
         const int64_t k = i + 16 * half;
-        const __m512 mo = widen_bf16(m_bits + k), vo = widen_bf16(v_bits + k);
-        const __m512 param = _mm512_mul_ps(_mm512_loadu_ps(p + k), decay);
-        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + k), inv);
-        if constexpr (STORE_GRAD) _mm512_storeu_ps(g + k, gi);
-        if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, param));
-        const __m512 square = _mm512_mul_ps(gi, gi);
-        const __m512 mi = _mm512_fmadd_ps(coeff1, _mm512_sub_ps(gi, mo), _mm512_mask_blend_ps(base1, gi, mo));
-        const __m512 vi = _mm512_fmadd_ps(coeff2, _mm512_sub_ps(square, vo), _mm512_mask_blend_ps(base2, square, vo));
-        const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
-        _mm512_storeu_ps(p + k, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
+        __m512 mi, vi;
+        adam_lerp16<L2, STORE_GRAD>(p + k, g + k, widen_bf16(m_bits + k), widen_bf16(v_bits + k), lerp, &mi, &vi);
         const __m256i m_half = half == 0 ? avx512::low_words(m_random) : avx512::high_words(m_random);
         const __m256i v_half = half == 0 ? avx512::low_words(v_random) : avx512::high_words(v_random);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_bits + k), avx512::round16_stochastically(mi, m_half));
