@@ -680,8 +680,8 @@ TEST(StateFormatCodecTest, EightBitAdamStepOnEveryLoop) {
 // round in one pass, the others decode, update and encode chunk by chunk; parameters, unscaled gradients, moments
 // and the O2 copy bit for bit the portable loops'. Each moment's draw count starting at every offset within a draw
 // (its words start mid-draw) and near 2^63, a slice starting past the tensor's first chunk, a length that leaves a
-// tail under 32 values, Adam and AdamW, a loss scale or none, and an inf gradient (NaN moments), zero and tiny
-// moments (denormal bf16).
+// tail under 32 values, Adam and AdamW, a loss scale or none, an inf and a NaN gradient and a NaN moment (inf and NaN
+// moments: NaN is stored as c10's quiet NaN), zero and tiny moments (denormal bf16).
 TEST(StateFormatCodecTest, Bf16AdamStepOnEveryLoop) {
   namespace cpu = amp::detail::cpu;
   const int64_t n = 3 * cpu::kStoredChunk + 77;
@@ -689,7 +689,9 @@ TEST(StateFormatCodecTest, Bf16AdamStepOnEveryLoop) {
   const auto param0 = torch::randn({n});
   auto grad0 = torch::randn({n}) * torch::logspace(-6, 0, n);
   grad0[cpu::kStoredChunk + 300] = std::numeric_limits<float>::infinity();
+  grad0[cpu::kStoredChunk + 333] = std::numeric_limits<float>::quiet_NaN();
   auto m0 = (torch::randn({n}) * 1e-3).to(torch::kBFloat16), v0 = (torch::rand({n}) * 1e-6).to(torch::kBFloat16);
+  m0[cpu::kStoredChunk + 1000] = -std::numeric_limits<float>::quiet_NaN();
   m0.narrow(0, 2 * cpu::kStoredChunk, 256).zero_(), v0.narrow(0, 2 * cpu::kStoredChunk, 256).zero_();
   grad0.narrow(0, 2 * cpu::kStoredChunk, 512).zero_();
   m0.narrow(0, 2 * cpu::kStoredChunk + 256, 256).mul_(1e-38), v0.narrow(0, 2 * cpu::kStoredChunk + 256, 256).mul_(1e-38);
@@ -723,7 +725,8 @@ TEST(StateFormatCodecTest, Bf16AdamStepOnEveryLoop) {
           });
           ASSERT_FALSE(results.empty());
           const Result& portable = results.back();
-          EXPECT_FALSE(torch::isfinite(portable.v).all().item<bool>());  // the inf gradient's NaN
+          EXPECT_TRUE(torch::isinf(portable.v).any().item<bool>());  // the inf gradient's
+          EXPECT_TRUE(torch::isnan(portable.m).any().item<bool>());  // the NaN gradient's and moment's
           EXPECT_FALSE(torch::equal(portable.m, m0));
           for (size_t i = 0; i + 1 < results.size(); ++i) {
             EXPECT_TRUE(amp_test::bitwise_equal(results[i].param, portable.param)) << "loop " << i;

@@ -7,9 +7,9 @@
 // The codes are the portable loops' bits: the table's arithmetic is theirs (the same roundings, the same
 // comparisons), and the lines leave to the table every value they are not sure of.
 
-#include "optim/avx512_target.h"
+#include "optim/simd_targets.h"
 
-#ifdef AMP_HAVE_AVX512_LOOPS
+#ifdef AMP_HAVE_SIMD_LOOPS
 #define AMP_HAVE_AVX512_CODES 1
 
 #include <immintrin.h>

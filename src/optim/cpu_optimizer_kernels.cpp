@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "optim/bf16_rounding_avx512.h"
+#include "optim/bf16_rounding_simd.h"
 #include "optim/codes_avx512.h"
 
 // NOTE [Fused step arithmetic]
@@ -233,14 +233,6 @@ void stored_chunks(const StateView& m, const StateView& v, const StateView* thir
 }
 
 #ifdef AMP_HAVE_AVX512_CODES
-// NOTE [The 8-bit step in one pass]
-// Adam's division and square root bound its arithmetic (fp32 moments: about 2 cycles a value on a Xeon for them
-// alone), and the out-of-order core runs other work beside them only when it is in the same loop. So with both
-// moments 8-bit, one loop per block of 256 decodes the block's codes, updates it (adam_lerp_body's arithmetic) and
-// encodes the block before it, whose scale needed all of it first: the codec's work runs in the divider's shadow
-// instead of in passes of its own. Every operation is the portable loops' (adam_lerp_body, the codec's), so the
-// parameters, codes and scales are theirs bit for bit (StateFormatCodecTest.EightBitAdamStepOnEveryLoop). Where the
-// codec decodes by permutes, a block's codes are decoded whole before its loop (NOTE [Decoding by permutes]).
 // adam_lerp_body's scalars in registers, and its arithmetic on 16 values: the one-pass loops below share it.
 struct LerpRegisters {
   __m512 decay, inv, wd, coeff1, coeff2, bc2_sqrt, eps, neg_step;
@@ -268,6 +260,14 @@ AMP_AVX512 inline void adam_lerp16(float* p, float* g, __m512 mo, __m512 vo, con
   _mm512_storeu_ps(p, _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(r.neg_step, *mi), denom)));
 }
 
+// NOTE [The 8-bit step in one pass]
+// Adam's division and square root bound its arithmetic (fp32 moments: about 2 cycles a value on a Xeon for them
+// alone), and the out-of-order core runs other work beside them only when it is in the same loop. So with both
+// moments 8-bit, one loop per block of 256 decodes the block's codes, updates it (adam_lerp_body's arithmetic) and
+// encodes the block before it, whose scale needed all of it first: the codec's work runs in the divider's shadow
+// instead of in passes of its own. Every operation is the portable loops' (adam_lerp_body, the codec's), so the
+// parameters, codes and scales are theirs bit for bit (StateFormatCodecTest.EightBitAdamStepOnEveryLoop). Where the
+// codec decodes by permutes, a block's codes are decoded whole before its loop (NOTE [Decoding by permutes]).
 struct PendingBlock {
   float* m = nullptr;  // the block's updated moments (scratch), encoded at element `at`
   float* v = nullptr;
@@ -370,34 +370,10 @@ AMP_AVX512 void adam_lerp_codes(float* p, float* g, const StateView& m, const St
 // their own (decode a chunk, update it, encode it) the step took 1.9x fp32's time; in the same loop as Adam's
 // divisions they run in the divider's shadow (NOTE [The 8-bit step in one pass]) and the step takes less than fp32's
 // (it moves 20 bytes a value to fp32's 28). Each moment's draws are its own stream's, value g = first + i taking word
-// g & 3 of draw g >> 2 (stochastic_rounding.h): 8 draws give 32 values' words, and where first is not a multiple of
-// 4 the 32 words start r = g & 3 words into 16 draws. The arithmetic is adam_lerp_body's and the rounding
-// round_stochastically's, so parameters and moments are the chunked path's bit for bit
-// (StateFormatCodecTest.Bf16AdamStepOnEveryLoop).
-class MomentWords {
- public:
-  AMP_AVX512 MomentWords(uint64_t seed, uint64_t first) : draws_(seed, first >> 2), skip_(static_cast<int>(first & 3)) {
-    if (skip_ != 0) {
-      alignas(64) int16_t index[32];
-      for (int j = 0; j < 32; ++j) index[j] = static_cast<int16_t>(skip_ + j);
-      index_ = _mm512_load_si512(index);
-      current_ = draws_.next();
-    }
-  }
-  /// The random words of the next 32 values.
-  AMP_AVX512 __m512i next() {
-    if (skip_ == 0) return draws_.next();
-    const __m512i following = draws_.next();
-    const __m512i words = _mm512_permutex2var_epi16(current_, index_, following);
-    current_ = following;
-    return words;
-  }
-
- private:
-  avx512::SplitMix8 draws_;
-  int skip_;
-  __m512i index_ = _mm512_setzero_si512(), current_ = _mm512_setzero_si512();
-};
+// g & 3 of draw g >> 2 (stochastic_rounding.h; MomentWords in bf16_rounding_simd.h: where first is not a multiple of
+// 4, a vector's words start 1-3 words into its draws). The arithmetic is adam_lerp_body's and the rounding
+// round_stochastically's, so parameters and moments are the chunked path's bit for bit, with AVX-512 (32 values a
+// step) and AVX2 (16) alike (StateFormatCodecTest.Bf16AdamStepOnEveryLoop).
 
 /// 16 bfloat16 values as floats (exact).
 AMP_AVX512 inline __m512 widen_bf16(const uint16_t* bits) {
@@ -412,7 +388,8 @@ AMP_AVX512 void adam_lerp_bf16(float* p, float* g, const StateView& m, const Sta
   const LerpRegisters lerp(f, w);
   auto* m_bits = static_cast<uint16_t*>(m.data);
   auto* v_bits = static_cast<uint16_t*>(v.data);
-  MomentWords m_words(m.seed, m.first + static_cast<uint64_t>(begin)), v_words(v.seed, v.first + static_cast<uint64_t>(begin));
+  avx512::MomentWords m_words(m.seed, m.first + static_cast<uint64_t>(begin));
+  avx512::MomentWords v_words(v.seed, v.first + static_cast<uint64_t>(begin));
   constexpr int64_t kBlock = 256;  // the O2 copy is written a block at a time, while the block is in cache
   for (int64_t c = begin; c < end; c += kBlock) {
     const int64_t stop = std::min(end, c + kBlock);
@@ -426,6 +403,71 @@ AMP_AVX512 void adam_lerp_bf16(float* p, float* g, const StateView& m, const Sta
         const __m256i v_half = half == 0 ? avx512::low_words(v_random) : avx512::high_words(v_random);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_bits + k), avx512::round16_stochastically(mi, m_half));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_bits + k), avx512::round16_stochastically(vi, v_half));
+      }
+    }
+    if (copy.data != nullptr) {
+      const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+      convert(p + c, copy.dtype, static_cast<char*>(copy.data) + c * bytes, stop - c);
+    }
+  }
+}
+#endif
+
+#ifdef AMP_HAVE_SIMD_LOOPS
+// The bf16 step in one pass with AVX2 (NOTE [The bf16 step in one pass]): 8 values a vector, 16 a draw vector, the
+// same arithmetic (adam_lerp16's with 8 lanes) and the same rounding.
+struct LerpRegisters8 {
+  __m256 decay, inv, wd, coeff1, coeff2, bc2_sqrt, eps, neg_step;
+  __m256 base1, base2;  // all ones where the lerp base is the moment
+  AMP_AVX2 LerpRegisters8(const AdamFloats& f, const LerpWeights& w)
+      : decay(_mm256_set1_ps(f.decay)), inv(_mm256_set1_ps(f.inv)), wd(_mm256_set1_ps(f.wd)),
+        coeff1(_mm256_set1_ps(w.coeff1)), coeff2(_mm256_set1_ps(w.coeff2)), bc2_sqrt(_mm256_set1_ps(f.bc2_sqrt)),
+        eps(_mm256_set1_ps(f.eps)), neg_step(_mm256_set1_ps(f.neg_step_size)),
+        base1(_mm256_castsi256_ps(_mm256_set1_epi32(w.small1 ? -1 : 0))),
+        base2(_mm256_castsi256_ps(_mm256_set1_epi32(w.small2 ? -1 : 0))) {}
+};
+
+template <bool L2, bool STORE_GRAD>
+AMP_AVX2 inline void adam_lerp8(float* p, float* g, __m256 mo, __m256 vo, const LerpRegisters8& r, __m256* mi,
+                                __m256* vi) {
+  const __m256 param = _mm256_mul_ps(_mm256_loadu_ps(p), r.decay);
+  __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g), r.inv);
+  if constexpr (STORE_GRAD) _mm256_storeu_ps(g, gi);
+  if constexpr (L2) gi = _mm256_add_ps(gi, _mm256_mul_ps(r.wd, param));
+  const __m256 square = _mm256_mul_ps(gi, gi);
+  *mi = _mm256_fmadd_ps(r.coeff1, _mm256_sub_ps(gi, mo), _mm256_blendv_ps(gi, mo, r.base1));
+  *vi = _mm256_fmadd_ps(r.coeff2, _mm256_sub_ps(square, vo), _mm256_blendv_ps(square, vo, r.base2));
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(*vi), r.bc2_sqrt), r.eps);
+  _mm256_storeu_ps(p, _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(r.neg_step, *mi), denom)));
+}
+
+AMP_AVX2 inline __m256 widen_bf16x8(const uint16_t* bits) {
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+// [begin, end) a multiple of 16 values long.
+template <bool L2, bool STORE_GRAD>
+AMP_AVX2 void adam_lerp_bf16_avx2(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
+                                  int64_t end, const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
+  const LerpRegisters8 lerp(f, w);
+  auto* m_bits = static_cast<uint16_t*>(m.data);
+  auto* v_bits = static_cast<uint16_t*>(v.data);
+  avx2::MomentWords m_words(m.seed, m.first + static_cast<uint64_t>(begin));
+  avx2::MomentWords v_words(v.seed, v.first + static_cast<uint64_t>(begin));
+  constexpr int64_t kBlock = 256;  // the O2 copy is written a block at a time, while the block is in cache
+  for (int64_t c = begin; c < end; c += kBlock) {
+    const int64_t stop = std::min(end, c + kBlock);
+    for (int64_t i = c; i < stop; i += 16) {
+      const __m256i m_random = m_words.next(), v_random = v_words.next();
+      for (int half = 0; half < 2; ++half) {
+        const int64_t k = i + 8 * half;
+        __m256 mi, vi;
+        adam_lerp8<L2, STORE_GRAD>(p + k, g + k, widen_bf16x8(m_bits + k), widen_bf16x8(v_bits + k), lerp, &mi, &vi);
+        const __m128i m_half = half == 0 ? _mm256_castsi256_si128(m_random) : _mm256_extracti128_si256(m_random, 1);
+        const __m128i v_half = half == 0 ? _mm256_castsi256_si128(v_random) : _mm256_extracti128_si256(v_random, 1);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(m_bits + k), avx2::round8_stochastically(mi, m_half));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(v_bits + k), avx2::round8_stochastically(vi, v_half));
       }
     }
     if (copy.data != nullptr) {
@@ -457,13 +499,20 @@ void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const
                                   : (store ? adam_lerp_codes<false, true, false> : adam_lerp_codes<false, false, false>));
     return loop(param, grad, exp_avg, exp_avg_sq, begin, end, f, w, copy);
   }
-  // bf16 moments with stochastic rounding: whole groups of 32 in one pass, the rest (under 32) chunked below.
+#endif
+#ifdef AMP_HAVE_SIMD_LOOPS
+  // bf16 moments with stochastic rounding: whole vectors in one pass (NOTE [The bf16 step in one pass]), the rest
+  // (fewer values than a vector) chunked below.
   if (!s.amsgrad && exp_avg.kind == StateKind::kBFloat16 && exp_avg.stochastic &&
-      exp_avg_sq.kind == StateKind::kBFloat16 && exp_avg_sq.stochastic && codec_loops_at(CodecLoops::kAvx512)) {
+      exp_avg_sq.kind == StateKind::kBFloat16 && exp_avg_sq.stochastic && codec_loops_at(CodecLoops::kAvx2)) {
     const bool store = s.inv_scale != 1.0f;
-    const auto loop = l2 ? (store ? adam_lerp_bf16<true, true> : adam_lerp_bf16<true, false>)
-                         : (store ? adam_lerp_bf16<false, true> : adam_lerp_bf16<false, false>);
-    const int64_t whole = begin + (end - begin) / 32 * 32;
+    const bool avx512 = codec_loops_at(CodecLoops::kAvx512);
+    const auto loop = avx512 ? (l2 ? (store ? adam_lerp_bf16<true, true> : adam_lerp_bf16<true, false>)
+                                   : (store ? adam_lerp_bf16<false, true> : adam_lerp_bf16<false, false>))
+                             : (l2 ? (store ? adam_lerp_bf16_avx2<true, true> : adam_lerp_bf16_avx2<true, false>)
+                                   : (store ? adam_lerp_bf16_avx2<false, true> : adam_lerp_bf16_avx2<false, false>));
+    const int64_t vector = avx512 ? 32 : 16;
+    const int64_t whole = begin + (end - begin) / vector * vector;
     loop(param, grad, exp_avg, exp_avg_sq, begin, whole, f, w, copy);
     begin = whole;
   }

@@ -34,7 +34,8 @@ void adam_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, flo
 /// adam_step for moments kept in a state format (NOTE [Optimizer state formats] in state_format.h): elements
 /// [begin, end) of `param` and `grad` (whole-tensor pointers) chunk by chunk, each chunk's moments decoded to fp32,
 /// updated as torchao updates them (lerp, fused as ATen's vectorized lerp is; L2 decay added unfused) and encoded
-/// back. begin is a multiple of 2048 (a chunk). The parameter's arithmetic is adam_step's.
+/// back (with AVX-512, 8-bit and bf16 moments in one pass, the same bits: NOTE [The 8-bit step in one pass], NOTE [The
+/// bf16 step in one pass]). begin is a multiple of 2048 (a chunk). The parameter's arithmetic is adam_step's.
 void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const StateView& exp_avg_sq,
                       const StateView* max_exp_avg_sq, int64_t begin, int64_t end, const AdamScalars& s, ModelCopy copy);
 constexpr int64_t kStoredChunk = 2048;

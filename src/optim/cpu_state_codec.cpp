@@ -15,7 +15,7 @@
 #include <limits>
 #include <vector>
 
-#include "optim/bf16_rounding_avx512.h"
+#include "optim/bf16_rounding_simd.h"
 #include "optim/codes_avx512.h"
 #include "optim/stochastic_rounding.h"
 #include "scaling/cpu_kernels.h"
@@ -535,7 +535,7 @@ void round_groups(const float* __restrict in, uint16_t* __restrict out, int64_t 
 }
 
 #ifdef AMP_HAVE_AVX512_CODES
-// round_groups with AVX-512, 8 groups (32 values) a step (bf16_rounding_avx512.h): the same draws and the same
+// round_groups with AVX-512, 8 groups (32 values) a step (bf16_rounding_simd.h): the same draws and the same
 // rounding, so the same bits (GCC's vectorization of the loop above left it 5x the cost of rounding to nearest on Zen 5).
 AMP_AVX512 void round_groups_avx512(const float* in, uint16_t* out, int64_t groups, uint64_t seed, uint64_t first_draw) {
   avx512::SplitMix8 draws(seed, first_draw);
@@ -551,6 +551,22 @@ AMP_AVX512 void round_groups_avx512(const float* in, uint16_t* out, int64_t grou
 }
 #endif
 
+#ifdef AMP_HAVE_AVX2_CODES
+// round_groups with AVX2, 4 groups (16 values) a step: the same draws and rounding (bf16_rounding_simd.h).
+AMP_AVX2 void round_groups_avx2(const float* in, uint16_t* out, int64_t groups, uint64_t seed, uint64_t first_draw) {
+  avx2::SplitMix4 draws(seed, first_draw);
+  int64_t k = 0;
+  for (; k + 4 <= groups; k += 4) {
+    const __m256i words = draws.next();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * k),
+                     avx2::round8_stochastically(_mm256_loadu_ps(in + 4 * k), _mm256_castsi256_si128(words)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * k + 8),
+                     avx2::round8_stochastically(_mm256_loadu_ps(in + 4 * k + 8), _mm256_extracti128_si256(words, 1)));
+  }
+  if (k < groups) round_groups(in + 4 * k, out + 4 * k, groups - k, seed, first_draw + static_cast<uint64_t>(k));
+}
+#endif
+
 void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64_t seed, uint64_t first) {
   auto one = [&](int64_t i) {
     const uint64_t g = first + static_cast<uint64_t>(i);
@@ -559,14 +575,17 @@ void round_bf16_stochastically(const float* in, uint16_t* out, int64_t n, uint64
   int64_t i = 0;
   for (; i < n && ((first + static_cast<uint64_t>(i)) & 3) != 0; ++i) one(i);
   const int64_t groups = (n - i) / 4;
+  const uint64_t first_draw = (first + static_cast<uint64_t>(i)) >> 2;
 #ifdef AMP_HAVE_AVX512_CODES
   if (codec_loops_at(CodecLoops::kAvx512)) {
-    round_groups_avx512(in + i, out + i, groups, seed, (first + static_cast<uint64_t>(i)) >> 2);
+    round_groups_avx512(in + i, out + i, groups, seed, first_draw);
+  } else if (codec_loops_at(CodecLoops::kAvx2)) {
+    round_groups_avx2(in + i, out + i, groups, seed, first_draw);
   } else {
-    round_groups(in + i, out + i, groups, seed, (first + static_cast<uint64_t>(i)) >> 2);
+    round_groups(in + i, out + i, groups, seed, first_draw);
   }
 #else
-  round_groups(in + i, out + i, groups, seed, (first + static_cast<uint64_t>(i)) >> 2);
+  round_groups(in + i, out + i, groups, seed, first_draw);
 #endif
   for (i += 4 * groups; i < n; ++i) one(i);
 }
