@@ -535,7 +535,8 @@ void state_bytes_for(const std::string& name) {
 }
 
 // The fused AdamW step over 8 tensors of 2^20 fp32 values with fp32, bf16 and 8-bit moments (alternating repetitions);
-// the 8-bit step once on each of the codec's AVX-512 loops this CPU has (same bits, NOTE [Decoding by permutes]).
+// the 8-bit step once on each of the codec's AVX-512 loops this CPU has (same bits, NOTE [Decoding by permutes]), and
+// where it has AVX-512, bf16 and 8-bit on the AVX2 loops too.
 void state_step_times() {
   using amp::detail::cpu::CodecLoops;
   torch::manual_seed(0);
@@ -553,6 +554,10 @@ void state_step_times() {
                         (loops == amp::detail::cpu::default_codec_loops() ? ", the default here)" : ")")});
   }
   if (rows.size() == 2) rows.push_back({amp::OptimizerStateFormat::k8Bit, amp::detail::cpu::default_codec_loops(), "8bit"});
+  if (amp::detail::cpu::codec_loops_on_cpu(CodecLoops::kAvx512)) {  // what a CPU with AVX2 alone runs
+    rows.push_back({amp::OptimizerStateFormat::kBf16, CodecLoops::kAvx2, "bf16 (AVX2 loops)"});
+    rows.push_back({amp::OptimizerStateFormat::k8Bit, CodecLoops::kAvx2, "8bit (AVX2 loops)"});
+  }
   std::vector<std::function<void()>> steps;
   for (const auto& row : rows) {
     std::vector<torch::Tensor> params;
