@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "optim/bf16_rounding_simd.h"
+#include "optim/codes_avx2.h"
 #include "optim/codes_avx512.h"
 #include "optim/stochastic_rounding.h"
 #include "scaling/cpu_kernels.h"
@@ -387,34 +388,14 @@ AMP_VECTOR_CLONES void codes_by_buckets(const float* __restrict y, uint8_t* __re
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMP_HAVE_AVX2_CODES 1
 // codes_by_buckets with AVX2's gathers (GCC does not vectorize the loop above): 8 values at a time, the same
-// comparison, so the same codes.
-__attribute__((target("avx2"))) void codes_by_buckets_avx2(const float* y, uint8_t* codes, const CodeBucket* table) {
-  const __m256i zero = _mm256_setzero_si256();
-  const int* words = reinterpret_cast<const int*>(table);
-  for (int64_t i = 0; i < kCodeBlock; i += 8) {
-    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(y + i));
-    const __m256i negative = _mm256_srai_epi32(b, 31);
-    const __m256i exponent = _mm256_min_epi32(
-        _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(0xff)), _mm256_set1_epi32(127)), zero);
-    const __m256i mantissa =
-        _mm256_and_si256(_mm256_srli_epi32(b, 23 - kMantissaBits), _mm256_set1_epi32((1 << kMantissaBits) - 1));
-    __m256i at = _mm256_add_epi32(
-        _mm256_slli_epi32(_mm256_add_epi32(exponent, _mm256_set1_epi32(1 - kMinExponent)), kMantissaBits), mantissa);
-    at = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kMinExponent), exponent), at);  // tiny: bucket 0
-    at = _mm256_add_epi32(at, _mm256_and_si256(negative, _mm256_set1_epi32(static_cast<int32_t>(kPerSign))));
-    const __m256i word = _mm256_i32gather_epi32(words, at, 4);
-    const __m256i key = _mm256_and_si256(_mm256_xor_si256(b, negative), _mm256_set1_epi32(0xffff));
-    // code - mask adds one where the mask is all ones (key >= the word's first key of the next code).
-    const __m256i up = _mm256_cmpgt_epi32(_mm256_add_epi32(key, _mm256_set1_epi32(1)), _mm256_srli_epi32(word, 8));
-    const __m256i c = _mm256_sub_epi32(_mm256_and_si256(word, _mm256_set1_epi32(0xff)), up);
-    const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(halves, halves));
-  }
+// comparison, so the same codes (codes_avx2.h).
+AMP_AVX2 void codes_by_buckets_avx2(const float* y, uint8_t* codes, const CodeBucket* table) {
+  for (int64_t i = 0; i < kCodeBlock; i += 8) avx2::codes8(_mm256_loadu_ps(y + i), table, codes + i);
 }
 
 // scale_block with AVX2 (GCC keeps the NaN-aware maximum scalar): max_ps never picks a NaN, which the unordered
 // comparison reports instead; the quotients are the correctly rounded ones (NOTE [Dividing by the scale]).
-__attribute__((target("avx2,fma"))) float scale_block_avx2(const float* in, float* scaled) {
+AMP_AVX2 float scale_block_avx2(const float* in, float* scaled) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   for (int64_t i = 0; i < kCodeBlock; i += 8) {
@@ -427,28 +408,17 @@ __attribute__((target("avx2,fma"))) float scale_block_avx2(const float* in, floa
   float m = 0.0f;
   for (float lane : lanes) m = lane > m ? lane : m;
   const float s = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, 1e-12f);
-  const __m256 sv = _mm256_set1_ps(s);
-  if (!divides_by_reciprocal(s)) {
-    for (int64_t i = 0; i < kCodeBlock; i += 8) _mm256_storeu_ps(scaled + i, _mm256_div_ps(_mm256_loadu_ps(in + i), sv));
-    return s;
-  }
-  const __m256 r = _mm256_set1_ps(1.0f / s);
+  const __m256 sv = _mm256_set1_ps(s), r = _mm256_set1_ps(1.0f / s);
+  const bool by_reciprocal = divides_by_reciprocal(s);
   for (int64_t i = 0; i < kCodeBlock; i += 8) {
-    const __m256 x = _mm256_loadu_ps(in + i);
-    __m256 q = _mm256_mul_ps(x, r);
-    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, sv, x), r, q);
-    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, sv, x), r, q);
-    _mm256_storeu_ps(scaled + i, q);
+    _mm256_storeu_ps(scaled + i, avx2::divide8(_mm256_loadu_ps(in + i), sv, r, by_reciprocal));
   }
   return s;
 }
 
-__attribute__((target("avx2"))) void decode_block_avx2(const uint8_t* codes, float scale, const float* map, float* out) {
+AMP_AVX2 void decode_block_avx2(const uint8_t* codes, float scale, const float* map, float* out) {
   const __m256 s = _mm256_set1_ps(scale);
-  for (int64_t i = 0; i < kCodeBlock; i += 8) {
-    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, index, 4), s));
-  }
+  for (int64_t i = 0; i < kCodeBlock; i += 8) _mm256_storeu_ps(out + i, avx2::decode8(codes + i, s, map));
 }
 
 // A block with AVX-512 (codes_avx512.h): the same scale, quotients and codes as the loops above.
