@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "optim/bf16_rounding_simd.h"
+#include "optim/codes_avx2.h"
 #include "optim/codes_avx512.h"
 
 // NOTE [Fused step arithmetic]
@@ -446,6 +447,92 @@ AMP_AVX2 inline __m256 widen_bf16x8(const uint16_t* bits) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 }
 
+// The 8-bit step in one pass with AVX2 (NOTE [The 8-bit step in one pass]): 8 values a vector, decoding by gathers
+// and finding codes on the maps' lines (or through the bucket table); the block before is encoded inside this
+// block's loop, as with AVX-512. The portable loops' bits (EightBitAdamStepOnEveryLoop).
+AMP_AVX2 inline void encode_scratch8(const StateView& view, int64_t at, const float* values, __m256i absmax) {
+  if (!avx2::encode_block(values, absmax, static_cast<uint8_t*>(view.data) + at, view.scales + at / kCodeBlock,
+                          view.buckets, view.lines)) {
+    encode(view, at, kCodeBlock, values);  // inf or NaN: the codec's search
+  }
+}
+
+// LINES: both moments' maps have lines, m's signed and v's not.
+template <bool L2, bool STORE_GRAD, bool LINES>
+AMP_AVX2 void adam_lerp_codes_avx2(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
+                                   int64_t end, const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
+  alignas(32) float scratch[2][2][kCodeBlock];  // [block parity][moment]
+  const LerpRegisters8 lerp(f, w);
+  const auto* m_codes = static_cast<const uint8_t*>(m.data);
+  const auto* v_codes = static_cast<const uint8_t*>(v.data);
+  static const CodeLines kNoLines{};  // unused without LINES
+  const avx2::LineRegisters m_lines(LINES ? *m.lines : kNoLines), v_lines(LINES ? *v.lines : kNoLines);
+  PendingBlock pending;
+  __m256i pending_m_max = _mm256_setzero_si256(), pending_v_max = _mm256_setzero_si256();
+  // The pending block's encoding, 8 values at a time inside the next block's loop (its scale is known by then).
+  __m256 pm_s = _mm256_setzero_ps(), pm_r = pm_s, pv_s = pm_s, pv_r = pm_s;
+  float pm = 0, pv = 0;  // the pending block's scales
+  bool pm_fast = false, pv_fast = false, pm_recip = false, pv_recip = false;
+  for (int64_t c = begin; c < end; c += kCodeBlock) {
+    float* m_out = scratch[(c / kCodeBlock) & 1][0];
+    float* v_out = scratch[(c / kCodeBlock) & 1][1];
+    const __m256 m_scale = _mm256_set1_ps(m.scales[c / kCodeBlock]), v_scale = _mm256_set1_ps(v.scales[c / kCodeBlock]);
+    __m256i m_max = _mm256_setzero_si256(), v_max = _mm256_setzero_si256();
+    for (int64_t j = 0; j < kCodeBlock; j += 8) {
+      const int64_t i = c + j;
+      __m256 mi, vi;
+      adam_lerp8<L2, STORE_GRAD>(p + i, g + i, avx2::decode8(m_codes + i, m_scale, m.map),
+                                 avx2::decode8(v_codes + i, v_scale, v.map), lerp, &mi, &vi);
+      _mm256_store_ps(m_out + j, mi);
+      _mm256_store_ps(v_out + j, vi);
+      m_max = avx2::absmax_bits(m_max, mi);
+      v_max = avx2::absmax_bits(v_max, vi);
+      if (pm_fast) {
+        uint8_t* to = static_cast<uint8_t*>(m.data) + pending.at + j;
+        if constexpr (LINES) {
+          avx2::codes8_by_lines<true>(pending.m + j, pm_s, pm_r, pm_recip, pm, m_lines, m.buckets, to);
+        } else {
+          avx2::codes8(avx2::divide8(_mm256_load_ps(pending.m + j), pm_s, pm_r, pm_recip), m.buckets, to);
+        }
+      }
+      if (pv_fast) {
+        uint8_t* to = static_cast<uint8_t*>(v.data) + pending.at + j;
+        if constexpr (LINES) {
+          avx2::codes8_by_lines<false>(pending.v + j, pv_s, pv_r, pv_recip, pv, v_lines, v.buckets, to);
+        } else {
+          avx2::codes8(avx2::divide8(_mm256_load_ps(pending.v + j), pv_s, pv_r, pv_recip), v.buckets, to);
+        }
+      }
+    }
+    if (pending.at >= 0) {  // a moment with inf or NaN: the codec's own loop, after
+      if (!pm_fast) encode_scratch8(m, pending.at, pending.m, pending_m_max);
+      if (!pv_fast) encode_scratch8(v, pending.at, pending.v, pending_v_max);
+    }
+    if (copy.data != nullptr) {
+      const int64_t bytes = copy.dtype == Dtype::Float ? 4 : 2;
+      convert(p + c, copy.dtype, static_cast<char*>(copy.data) + c * bytes, kCodeBlock);
+    }
+    // This block becomes the pending one; its scales are written now, as nothing reads them again.
+    pending = PendingBlock{m_out, v_out, c};
+    pending_m_max = m_max, pending_v_max = v_max;
+    const float sm = avx2::block_scale(m_max), sv = avx2::block_scale(v_max);
+    pm_fast = std::isfinite(sm), pv_fast = std::isfinite(sv);
+    pm = sm, pv = sv;
+    if (pm_fast) {
+      m.scales[c / kCodeBlock] = sm;
+      pm_s = _mm256_set1_ps(sm), pm_r = _mm256_set1_ps(1.0f / sm), pm_recip = divides_by_reciprocal(sm);
+    }
+    if (pv_fast) {
+      v.scales[c / kCodeBlock] = sv;
+      pv_s = _mm256_set1_ps(sv), pv_r = _mm256_set1_ps(1.0f / sv), pv_recip = divides_by_reciprocal(sv);
+    }
+  }
+  if (pending.at >= 0) {
+    encode_scratch8(m, pending.at, pending.m, pending_m_max);
+    encode_scratch8(v, pending.at, pending.v, pending_v_max);
+  }
+}
+
 // [begin, end) a multiple of 16 values long.
 template <bool L2, bool STORE_GRAD>
 AMP_AVX2 void adam_lerp_bf16_avx2(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
@@ -501,6 +588,18 @@ void adam_step_stored(float* param, float* grad, const StateView& exp_avg, const
   }
 #endif
 #ifdef AMP_HAVE_SIMD_LOOPS
+  if (!s.amsgrad && exp_avg.kind == StateKind::kCodes && exp_avg_sq.kind == StateKind::kCodes &&
+      codec_loops_at(CodecLoops::kAvx2)) {
+    const bool store = s.inv_scale != 1.0f;
+    const bool lines = exp_avg.lines != nullptr && exp_avg.lines->mirror >= 0 && exp_avg_sq.lines != nullptr &&
+                       exp_avg_sq.lines->mirror < 0;
+    const auto loop =
+        lines ? (l2 ? (store ? adam_lerp_codes_avx2<true, true, true> : adam_lerp_codes_avx2<true, false, true>)
+                    : (store ? adam_lerp_codes_avx2<false, true, true> : adam_lerp_codes_avx2<false, false, true>))
+              : (l2 ? (store ? adam_lerp_codes_avx2<true, true, false> : adam_lerp_codes_avx2<true, false, false>)
+                    : (store ? adam_lerp_codes_avx2<false, true, false> : adam_lerp_codes_avx2<false, false, false>));
+    return loop(param, grad, exp_avg, exp_avg_sq, begin, end, f, w, copy);
+  }
   // bf16 moments with stochastic rounding: whole vectors in one pass (NOTE [The bf16 step in one pass]), the rest
   // (fewer values than a vector) chunked below.
   if (!s.amsgrad && exp_avg.kind == StateKind::kBFloat16 && exp_avg.stochastic &&

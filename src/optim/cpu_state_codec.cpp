@@ -387,10 +387,13 @@ AMP_VECTOR_CLONES void codes_by_buckets(const float* __restrict y, uint8_t* __re
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMP_HAVE_AVX2_CODES 1
-// codes_by_buckets with AVX2's gathers (GCC does not vectorize the loop above): 8 values at a time, the same
-// comparison, so the same codes (codes_avx2.h).
-AMP_AVX2 void codes_by_buckets_avx2(const float* y, uint8_t* codes, const CodeBucket* table) {
-  for (int64_t i = 0; i < kCodeBlock; i += 8) avx2::codes8(_mm256_loadu_ps(y + i), table, codes + i);
+// A block with AVX2 (codes_avx2.h): the same scale, quotients and codes as the loops above (GCC vectorizes neither
+// the table's lookups nor the NaN-aware maximum); false where the block holds inf or NaN.
+AMP_AVX2 bool encode_block_avx2(const float* in, uint8_t* codes, float* scale, const CodeBucket* buckets,
+                                const CodeLines* lines) {
+  __m256i bits = _mm256_setzero_si256();
+  for (int64_t i = 0; i < kCodeBlock; i += 8) bits = avx2::absmax_bits(bits, _mm256_loadu_ps(in + i));
+  return avx2::encode_block(in, bits, codes, scale, buckets, lines);
 }
 
 // scale_block with AVX2 (GCC keeps the NaN-aware maximum scalar): max_ps never picks a NaN, which the unordered
@@ -461,17 +464,17 @@ void encode_block(const float* in, uint8_t* codes, float* scale, const float* ma
 #ifdef AMP_HAVE_AVX512_CODES
   if (codec_loops_at(CodecLoops::kAvx512) && encode_block_avx512(in, codes, scale, buckets, lines)) return;
 #endif
-  float scaled[kCodeBlock];
 #ifdef AMP_HAVE_AVX2_CODES
   const bool avx2 = codec_loops_at(CodecLoops::kAvx2);
+  if (avx2 && encode_block_avx2(in, codes, scale, buckets, lines)) return;
+#endif
+  float scaled[kCodeBlock];
+#ifdef AMP_HAVE_AVX2_CODES
   *scale = avx2 ? scale_block_avx2(in, scaled) : scale_block(in, scaled);
 #else
   *scale = scale_block(in, scaled);
 #endif
   if (std::isfinite(*scale)) {
-#ifdef AMP_HAVE_AVX2_CODES
-    if (avx2) return codes_by_buckets_avx2(scaled, codes, buckets);
-#endif
     codes_by_buckets(scaled, codes, buckets);
   } else {  // inf or NaN in the block: the search, as torchao's
     for (int64_t i = 0; i < kCodeBlock; ++i) codes[i] = code_by_search(scaled[i], map);
