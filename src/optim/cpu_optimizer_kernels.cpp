@@ -415,8 +415,7 @@ AMP_AVX512 void adam_lerp_bf16(float* p, float* g, const StateView& m, const Sta
 #endif
 
 #ifdef AMP_HAVE_SIMD_LOOPS
-// The bf16 step in one pass with AVX2 (NOTE [The bf16 step in one pass]): 8 values a vector, 16 a draw vector, the
-// same arithmetic (adam_lerp16's with 8 lanes) and the same rounding.
+// adam_lerp16's registers and arithmetic with AVX2's 8 lanes: the AVX2 one-pass loops below share them.
 struct LerpRegisters8 {
   __m256 decay, inv, wd, coeff1, coeff2, bc2_sqrt, eps, neg_step;
   __m256 base1, base2;  // all ones where the lerp base is the moment
@@ -533,7 +532,8 @@ AMP_AVX2 void adam_lerp_codes_avx2(float* p, float* g, const StateView& m, const
   }
 }
 
-// [begin, end) a multiple of 16 values long.
+// The bf16 step in one pass with AVX2 (NOTE [The bf16 step in one pass]): 8 values a vector, 16 a draw vector, the
+// same arithmetic and rounding. [begin, end) a multiple of 16 values long.
 template <bool L2, bool STORE_GRAD>
 AMP_AVX2 void adam_lerp_bf16_avx2(float* p, float* g, const StateView& m, const StateView& v, int64_t begin,
                                   int64_t end, const AdamFloats& f, const LerpWeights& w, ModelCopy copy) {
