@@ -396,29 +396,6 @@ AMP_AVX2 bool encode_block_avx2(const float* in, uint8_t* codes, float* scale, c
   return avx2::encode_block(in, bits, codes, scale, buckets, lines);
 }
 
-// scale_block with AVX2 (GCC keeps the NaN-aware maximum scalar): max_ps never picks a NaN, which the unordered
-// comparison reports instead; the quotients are the correctly rounded ones (NOTE [Dividing by the scale]).
-AMP_AVX2 float scale_block_avx2(const float* in, float* scaled) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-  for (int64_t i = 0; i < kCodeBlock; i += 8) {
-    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(in + i), abs_mask);
-    amax = _mm256_max_ps(a, amax);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, amax);
-  float m = 0.0f;
-  for (float lane : lanes) m = lane > m ? lane : m;
-  const float s = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, 1e-12f);
-  const __m256 sv = _mm256_set1_ps(s), r = _mm256_set1_ps(1.0f / s);
-  const bool by_reciprocal = divides_by_reciprocal(s);
-  for (int64_t i = 0; i < kCodeBlock; i += 8) {
-    _mm256_storeu_ps(scaled + i, avx2::divide8(_mm256_loadu_ps(in + i), sv, r, by_reciprocal));
-  }
-  return s;
-}
-
 AMP_AVX2 void decode_block_avx2(const uint8_t* codes, float scale, const float* map, float* out) {
   const __m256 s = _mm256_set1_ps(scale);
   for (int64_t i = 0; i < kCodeBlock; i += 8) _mm256_storeu_ps(out + i, avx2::decode8(codes + i, s, map));
@@ -465,15 +442,11 @@ void encode_block(const float* in, uint8_t* codes, float* scale, const float* ma
   if (codec_loops_at(CodecLoops::kAvx512) && encode_block_avx512(in, codes, scale, buckets, lines)) return;
 #endif
 #ifdef AMP_HAVE_AVX2_CODES
-  const bool avx2 = codec_loops_at(CodecLoops::kAvx2);
-  if (avx2 && encode_block_avx2(in, codes, scale, buckets, lines)) return;
+  if (codec_loops_at(CodecLoops::kAvx2) && encode_block_avx2(in, codes, scale, buckets, lines)) return;
 #endif
+  // The portable loops, and with vectors a block holding inf or NaN (the vector encodes return false there).
   float scaled[kCodeBlock];
-#ifdef AMP_HAVE_AVX2_CODES
-  *scale = avx2 ? scale_block_avx2(in, scaled) : scale_block(in, scaled);
-#else
   *scale = scale_block(in, scaled);
-#endif
   if (std::isfinite(*scale)) {
     codes_by_buckets(scaled, codes, buckets);
   } else {  // inf or NaN in the block: the search, as torchao's
