@@ -674,6 +674,45 @@ TEST(AutoFp32Test, TheDiagnosisFindsAModuleWhoseBackwardOverflows) {
   EXPECT_EQ(optimizer.skipped_steps(), 3);  // 2 counted, 1 diagnosed; steps 3 and 4 are taken
 }
 
+// The same overflow in a module whose submodules are registered in the reverse of the order they run: the gradients
+// of `amplify` and `stem` both turn non-finite, and `stem`, registered last, is where the report's fallback (the last
+// non-finite gradient in model order) would point. The diagnosis's gradient hooks see where the inf starts.
+struct ReverseRegisteredImpl : torch::nn::Module {
+  ReverseRegisteredImpl()
+      : head(register_module("head", torch::nn::Linear(8, 1))), amplify(register_module("amplify", Amplify())),
+        stem(register_module("stem", torch::nn::Linear(4, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(amplify(stem(x))); }
+  torch::nn::Linear head;
+  Amplify amplify;
+  torch::nn::Linear stem;
+};
+TORCH_MODULE(ReverseRegistered);
+
+TEST(AutoFp32Test, TheDiagnosisBlamesWhereTheBackwardsInfStartsNotTheLastModuleRegistered) {
+  SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
+  torch::manual_seed(4);
+  ReverseRegistered net;
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(1e-15)),
+                                            auto_fp32_options("O2"));
+  for (int step = 0; step < 5; ++step) {
+    torch::manual_seed(50 + step);
+    optimizer.zero_grad();
+    const torch::Tensor loss = model(torch::randn({16, 4})).sum() * 1e3;
+    ASSERT_TRUE(std::isfinite(loss.item<double>())) << "the premise: a finite forward";
+    amp::scale_loss(loss, optimizer).backward();
+    if (step == 2) {  // the diagnosed step: the report's last non-finite gradient is stem's, not amplify's
+      ASSERT_TRUE(optimizer.last_overflow().has_value());
+      const auto& names = optimizer.last_overflow()->parameters;
+      ASSERT_FALSE(names.empty());
+      EXPECT_EQ(names.back().rfind("stem.", 0), 0u) << names.back();
+      EXPECT_NE(std::find(names.begin(), names.end(), "amplify.b"), names.end());
+    }
+    optimizer.step();
+  }
+  EXPECT_EQ(amp::fp32_modules(optimizer), std::vector<std::string>{"amplify (auto_fp32)"});
+  EXPECT_EQ(optimizer.skipped_steps(), 3);
+}
+
 TEST(AutoFp32Test, TheDecisionIsSavedAndResumesBitwiseWhicheverIsLoadedFirst) {
   SKIP_WITHOUT_CPU_KERNELS(torch::kHalf);
   const auto dir = std::filesystem::temp_directory_path();

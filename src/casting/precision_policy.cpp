@@ -298,6 +298,26 @@ struct PrecisionPolicy::Diagnosis {
   std::vector<OpRecord> ops;                                      // in forward order
 };
 
+namespace {
+
+// Clears op `index`'s `flag` when the gradient reaching `t` holds an inf or NaN (a hook on the autograd engine's
+// thread; the diagnosis may be gone by then).
+template <class Diagnosis, class Record>
+void watch_gradient(const at::Tensor& t, const std::shared_ptr<Diagnosis>& diagnosis, size_t index, bool Record::*flag) {
+  std::weak_ptr<Diagnosis> weak = diagnosis;
+  t.register_hook([weak, index, flag](const at::TensorBase& grad) {
+    const auto d = weak.lock();
+    const at::Tensor g(grad);
+    if (!d || !g.defined()) return;
+    count_host_sync();
+    if (at::isfinite(g).all().item<bool>()) return;
+    std::lock_guard<std::mutex> lock(d->mutex);
+    d->ops[index].*flag = false;
+  });
+}
+
+}  // namespace
+
 void PrecisionPolicy::arm_diagnosis() {
   auto d = std::make_shared<Diagnosis>();
   if (const auto root = root_.lock()) {
@@ -333,18 +353,9 @@ std::optional<size_t> PrecisionPolicy::before_op(const c10::IValue* args, size_t
   const size_t index = d.ops.size();
   d.ops.push_back({*owner});
   if (!inputs_finite) d.ops.back().grad_out_finite = false;  // not this op's doing: never blamed in backward
-  std::weak_ptr<Diagnosis> weak = diagnosis_;
   for (const at::Tensor& a : activations) {
     if (!a.requires_grad() || a.is_leaf()) continue;  // a leaf's hook would outlive this iteration
-    a.register_hook([weak, index](const at::TensorBase& grad) {
-      const auto diagnosis = weak.lock();
-      const at::Tensor g(grad);
-      if (!diagnosis || !g.defined()) return;
-      count_host_sync();
-      if (at::isfinite(g).all().item<bool>()) return;
-      std::lock_guard<std::mutex> lock(diagnosis->mutex);
-      diagnosis->ops[index].grad_in_finite = false;
-    });
+    watch_gradient(a, diagnosis_, index, &OpRecord::grad_in_finite);
   }
   return inputs_finite ? std::optional<size_t>(index) : std::nullopt;
 }
@@ -360,16 +371,7 @@ void PrecisionPolicy::after_op(size_t index, const torch::jit::Stack& stack, siz
     std::lock_guard<std::mutex> lock(d.mutex);
     if (!finite && !d.forward_culprit) d.forward_culprit = d.ops[index].module;
     if (!out.requires_grad()) continue;
-    std::weak_ptr<Diagnosis> weak = diagnosis_;
-    out.register_hook([weak, index](const at::TensorBase& grad) {
-      const auto diagnosis = weak.lock();
-      const at::Tensor g(grad);
-      if (!diagnosis || !g.defined()) return;
-      count_host_sync();
-      if (at::isfinite(g).all().item<bool>()) return;
-      std::lock_guard<std::mutex> lock(diagnosis->mutex);
-      diagnosis->ops[index].grad_out_finite = false;
-    });
+    watch_gradient(out, diagnosis_, index, &OpRecord::grad_out_finite);
   }
 }
 
