@@ -224,6 +224,33 @@ TEST_P(RealScriptsTest, ModelCheckpointLoadedAfterInitializeContinuesFromIt) {
   std::remove(path.c_str());
 }
 
+// Weights swapped in with set_data after initialize, as loaders do where a checkpoint's tensor is on another device
+// (LibTorch's InputArchive calls set_data there, set_ otherwise): set_data replaces the storage and leaves the
+// version counter as it was, so the masters must notice the new storage, not only a new version.
+TEST_P(RealScriptsTest, WeightsSwappedInWithSetDataAfterInitializeReachTheMasters) {
+  torch::manual_seed(4);
+  auto x = torch::randn({32, 8}, device()), y = torch::randint(0, 4, {32}, torch::TensorOptions(device()).dtype(torch::kLong));
+  BackboneHead net = make_net();
+  auto [model, optimizer] = amp::initialize(net, torch::optim::SGD(net->parameters(), 0.0), options());
+  BackboneHead other = make_net();
+  amp::initialize(other, options());
+  std::vector<torch::Tensor> swapped;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < net->parameters().size(); ++i) {
+      torch::Tensor p = net->parameters()[i];
+      const int64_t version = p._version();
+      swapped.push_back(other->parameters()[i].detach().clone());
+      p.set_data(swapped.back().clone());
+      ASSERT_EQ(p._version(), version) << "the premise: set_data keeps the version";
+    }
+  }
+  amp_test::train_step(model, optimizer, x, y);  // lr 0: the weights stay what was swapped in
+  for (size_t i = 0; i < net->parameters().size(); ++i) {
+    EXPECT_TRUE(amp_test::bitwise_equal(net->parameters()[i], swapped[i])) << "parameter " << i;
+  }
+}
+
 // A resume in the two orders real scripts use: torch::load(model) then torch::load(optimizer), or the optimizer
 // first. Loaded after the optimizer, the model's low-precision weights are its restored masters rounded, so the
 // masters keep their low bits and the next steps equal the uninterrupted run's, bit for bit (Adam, as the report
