@@ -12,8 +12,10 @@ namespace amp {
 /// to the dtype the parameter or buffer has now: an fp32 checkpoint into a model that amp::initialize
 /// cast to float16/bfloat16 (O2, O3), or the reverse. Where a parameter has an fp32 master weight (O2),
 /// the master receives the checkpoint's fp32 value exactly and the model its rounded copy, so the next
-/// step starts from the loaded weights. Strict: a missing or unexpected key, or a shape mismatch, throws
-/// naming it, before anything is written.
+/// step starts from the loaded weights. A checkpoint in the model's own dtype (torch::save of the cast
+/// model) holds the masters' roundings at most: a master that rounds to its loaded value keeps its low
+/// bits, so a resume that loads the optimizer, then the model, continues bit for bit (as with torch::load).
+/// Strict: a missing or unexpected key, or a shape mismatch, throws naming it, before anything is written.
 ///
 /// (`torch::load(module, path)` on a cast model puts the fp32 bytes under the low-precision tensors
 /// without converting them; amp detects that at the next forward or step and throws.)

@@ -20,15 +20,28 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
   if (holds_float32_bytes(t)) t.set_(at::empty(t.sizes(), t.options()));
   if (auto master = find_master(t)) {
     auto& [table, index] = *master;
-    if (const auto shards = table->shards()) {  // ZeRO: this rank's slice of the fp32 value, the model its rounding
-      shards->write_master(index, value.to(at::kFloat));
+    // A value in the model's own low precision is at best the master's rounding: kept where it is (NOTE [Masters
+    // follow the model]); an fp32 value, or another dtype's, replaces the master exactly.
+    const at::Tensor written = value.scalar_type() == t.scalar_type() ? value : value.to(at::kFloat);
+    if (const auto shards = table->shards()) {  // ZeRO: this rank's slice of the master, the model its rounding
+      shards->write_master(index, written);
       return;
     }
-    table->master()[index].copy_(value);  // the fp32 value itself, not its rounded copy
-    t.copy_(table->master()[index]);
+    const at::Tensor& m = table->master()[index];
+    if (written.scalar_type() == at::kFloat) m.copy_(written);  // the fp32 value itself, not its rounded copy
+    else keep_where_rounded_equal(m, written.to(m.device()));
+    t.copy_(m);
     table->mark_synced(index);
   } else if (auto lean = find_lean(t)) {
     auto& [table, index] = *lean;
+    if (value.scalar_type() == t.scalar_type() && !is_released(t)) {
+      // The weight in its own dtype is a write to the model, as torch::load's: the aux keeps completing the elements
+      // that repeat the weight it was paired with (follow_write; ZeRO's slices alias the weight and follow it at their
+      // owner's next refresh, which every read of them starts with).
+      t.copy_(value);
+      if (!table->shards()) table->follow_write(index);
+      return;
+    }
     table->store(index, value.to(t.device(), at::kFloat));  // the fp32 value in the lean form, not its rounded copy
   } else {
     t.copy_(value);

@@ -13,7 +13,8 @@
 // bits again, and must not lose the masters' low bits (keep_where_rounded_equal). Writes through `.data()` or raw pointers bypass version
 // counters, as they bypass autograd: OptimizerBase::refresh_master_params() is the explicit way.
 // amp::load_weights writes fp32 checkpoint values straight into the masters (no rounding through the
-// low-precision copy) through a process-wide lookup from model parameter to master.
+// low-precision copy) through a process-wide lookup from model parameter to master; a checkpoint in the model's
+// own dtype is a write to the model, whose rounded masters keep their low bits as above.
 
 #include <ATen/core/Tensor.h>
 
@@ -72,8 +73,8 @@ class MasterWeights {
   class Shards {
    public:
     virtual ~Shards() = default;
-    /// Writes `value` (fp32, the parameter's shape; every rank the same) as master i: this rank's slice of it, and its
-    /// rounded copy into the model.
+    /// Writes `value` (the parameter's shape; every rank the same) as master i: this rank's slice of it (fp32: exactly;
+    /// in the model's dtype: keep_where_rounded_equal), and its rounded copy into the model.
     virtual void write_master(size_t i, const at::Tensor& value) = 0;
     /// Collective (every rank calls it): every master whole, in this table's order.
     virtual std::vector<at::Tensor> gather_masters() = 0;

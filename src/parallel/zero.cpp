@@ -1611,7 +1611,10 @@ void Zero::write_master(size_t i, const at::Tensor& value) {
   c10::NoGradGuard no_grad;
   for (auto& p : pieces_) {
     ShardEntry& e = groups_[p.group][p.entry];
-    if (e.mastered && e.master_index == i) p.value.copy_(value.reshape({-1}).narrow(0, p.begin, p.length));
+    if (!e.mastered || e.master_index != i) continue;
+    const at::Tensor slice = value.reshape({-1}).narrow(0, p.begin, p.length);
+    if (value.scalar_type() == at::kFloat) p.value.copy_(slice);
+    else amp::detail::keep_where_rounded_equal(p.value, slice.to(p.value.device()));  // the model's dtype
   }
   for (auto& entries : groups_) {
     for (auto& e : entries) {

@@ -328,22 +328,31 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
            label + ": a shard of other param groups is refused, naming both layouts", message.substr(0, 240));
   }
 
-  // Resume from this rank's shard in a fresh sharded optimizer: bitwise the run that did not stop.
-  {
+  // Resume from this rank's shard in a fresh sharded optimizer: bitwise the run that did not stop, whichever is loaded
+  // first. Loaded after the optimizer (amp::load_weights: after make_distributed the weights are written in place), the
+  // model's bf16 weights are its restored masters rounded, so the masters keep their low bits (NOTE [Masters follow
+  // the model]).
+  train(ddp, optimizer, 3, 6);
+  const std::vector<torch::Tensor> uninterrupted = whole_params(ddp, net);
+  for (const bool model_first : {true, false}) {
+    const std::string order = model_first ? "model first" : "optimizer first";
     auto net2 = make_mlp(99);
     auto [model2, optimizer2] = amp::initialize(net2, make(net2), options);
-    torch::load(net2, shard_path + ".model");  // Apex's order: initialize, then load
+    if (model_first) torch::load(net2, shard_path + ".model");  // Apex's order: initialize, then load
     auto ddp2 = amp::parallel::make_distributed(model2, group);
     amp::parallel::shard_optimizer(ddp2, optimizer2, amp::parallel::ZeroOptions().stage(stage));
     torch::load(optimizer2, shard_path);
+    if (!model_first) {
+      amp::parallel::GatheredParametersGuard whole(ddp2);  // stage 3: written whole, the pieces follow
+      amp::load_weights(*net2, shard_path + ".model");
+    }
     train(ddp2, optimizer2, 3, 6);
-    train(ddp, optimizer, 3, 6);
     // More than 2 ranks: a fresh DistributedDataParallel buckets the gradients as the model orders them, the running
     // one as backward produced them (c10d's rebuilt buckets), and Gloo sums each bucket's elements in an order that
     // depends on its size: stage 1's all-reduce differs in the last bit there. Stage 2's lanes are fixed.
-    const double d = relative_diff(whole_params(ddp2, net2), whole_params(ddp, net));
-    report(n == 2 || stage >= 2 ? d == 0 : d <= 1e-2, label + ": resuming from this rank's shard is the run that did not "
-           "stop (bitwise where the reduction order is fixed)", "relative " + str(d));
+    const double d = relative_diff(whole_params(ddp2, net2), uninterrupted);
+    report(n == 2 || stage >= 2 ? d == 0 : d <= 1e-2, label + ", " + order + ": resuming from this rank's shard is the "
+           "run that did not stop (bitwise where the reduction order is fixed)", "relative " + str(d));
   }
   // The consolidated archive loads into a sharded optimizer (this world, another stage) and into an unsharded one; both
   // continue as the unsharded reference does.
