@@ -329,13 +329,14 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
   }
 
   // Resume from this rank's shard in a fresh sharded optimizer: bitwise the run that did not stop, whichever is loaded
-  // first. Loaded after the optimizer (amp::load_weights: after make_distributed the weights are written in place), the
-  // model's bf16 weights are its restored masters rounded, so the masters keep their low bits (NOTE [Masters follow
-  // the model]).
+  // first. Loaded after the optimizer (after make_distributed the weights are written in place: amp::load_weights, or
+  // copy_), the model's bf16 weights are its restored masters rounded, so the masters keep their low bits (NOTE
+  // [Masters follow the model]).
   train(ddp, optimizer, 3, 6);
   const std::vector<torch::Tensor> uninterrupted = whole_params(ddp, net);
-  for (const bool model_first : {true, false}) {
-    const std::string order = model_first ? "model first" : "optimizer first";
+  for (const int how : {0, 1, 2}) {
+    const bool model_first = how == 0;
+    const std::string order = model_first ? "model first" : how == 1 ? "optimizer first" : "optimizer first, copy_";
     auto net2 = make_mlp(99);
     auto [model2, optimizer2] = amp::initialize(net2, make(net2), options);
     if (model_first) torch::load(net2, shard_path + ".model");  // Apex's order: initialize, then load
@@ -344,7 +345,15 @@ void checkpoints(const ProcessGroup& group, int stage, const std::string& dir) {
     torch::load(optimizer2, shard_path);
     if (!model_first) {
       amp::parallel::GatheredParametersGuard whole(ddp2);  // stage 3: written whole, the pieces follow
-      amp::load_weights(*net2, shard_path + ".model");
+      if (how == 1) {
+        amp::load_weights(*net2, shard_path + ".model");
+      } else {  // in place, as a script's own loader would: the pieces see it at the next step (Zero::refresh)
+        auto loaded = make_mlp(1);
+        amp::initialize(loaded, options);  // bf16, as the file's weights
+        torch::load(loaded, shard_path + ".model");
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < net2->parameters().size(); ++i) net2->parameters()[i].copy_(loaded->parameters()[i]);
+      }
     }
     train(ddp2, optimizer2, 3, 6);
     // More than 2 ranks: a fresh DistributedDataParallel buckets the gradients as the model orders them, the running
