@@ -42,7 +42,10 @@ void write_loaded(const at::Tensor& target, const at::Tensor& value) {
       if (!table->shards()) table->follow_write(index);
       return;
     }
-    table->store(index, value.to(t.device(), at::kFloat));  // the fp32 value in the lean form, not its rounded copy
+    // The fp32 value in the lean form, not its rounded copy. A ZeRO stage-3 weight between uses has no memory to be
+    // written in place, so a checkpoint in its own dtype is stored this way too: the value exactly, without the aux
+    // (under GatheredParametersGuard it takes the branch above).
+    table->store(index, value.to(t.device(), at::kFloat));
   } else {
     t.copy_(value);
   }
